@@ -1,0 +1,35 @@
+# kube-userspace-proxy — see README.md.
+SHELL := /bin/bash
+GO    ?= go
+BIN   ?= bin
+PKGS  := ./...
+
+.PHONY: all build demo test test-unit test-race vet fmt-check fuzz clean
+
+all: build
+
+build:
+	@mkdir -p $(BIN)
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/kube-userspace-proxy ./cmd/kube-userspace-proxy
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/backend ./test/backend
+
+# The main job on the built-in example (needs root: it creates network namespaces).
+demo: build
+	BIN=$(BIN) ./test/demo.sh
+
+# The whole suite: formatting, vet, every test with the race detector, a short
+# fuzz run of the manifests parser, and the demo.
+test: fmt-check vet build
+	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
+	BIN=$(BIN) ./test/demo.sh
+
+vet:
+	$(GO) vet $(PKGS)
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files -co --exclude-standard '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+clean:
+	rm -rf $(BIN)

@@ -1,0 +1,110 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+var errHelp = errors.New("help requested")
+
+// options are the parsed command line. Flag names follow kube-proxy's.
+type options struct {
+	manifests        string
+	kubeconfig       string
+	master           string
+	hostnameOverride string
+	bindAddress      netip.Addr
+	portRange        proxy.PortRange
+	udpTimeout       time.Duration
+	udpMaxFlows      int
+	tcpIdleTimeout   time.Duration
+	minSyncPeriod    time.Duration
+	syncPeriod       time.Duration
+	shutdownGrace    time.Duration
+	logLevel         string
+	logFormat        string
+}
+
+func parseFlags(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := pflag.NewFlagSet("kube-userspace-proxy", pflag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.SortFlags = false
+	var bind, portRange string
+	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this YAML/JSON file or directory (reloaded on change) instead of a cluster.")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file for watching a cluster.")
+	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig).")
+	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "The name of this node, for traffic policies (default: $NODE_NAME, else the hostname).")
+	fs.StringVar(&bind, "bind-address", "0.0.0.0", "The address the proxy listeners bind to (0.0.0.0: all IPv4 and IPv6 addresses).")
+	fs.StringVar(&portRange, "proxy-port-range", "", "Local ports for the listeners, begin-end or begin+offset (default: chosen by the kernel).")
+	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
+	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
+	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
+	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules (bursts are merged).")
+	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
+	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
+	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (connection lines are debug).")
+	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: kube-userspace-proxy --manifests PATH | --kubeconfig PATH [flags]\n\n%s", fs.FlagUsages())
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
+			return nil, errHelp
+		}
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q (flags only)", fs.Arg(0))
+	}
+	var err error
+	if o.bindAddress, err = netip.ParseAddr(bind); err != nil {
+		return nil, fmt.Errorf("--bind-address: %q is not an IP address", bind)
+	}
+	if o.portRange, err = proxy.ParsePortRange(portRange); err != nil {
+		return nil, fmt.Errorf("--proxy-port-range: %w", err)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+		min  time.Duration
+	}{
+		{"--udp-timeout", o.udpTimeout, time.Millisecond},
+		{"--min-sync-period", o.minSyncPeriod, 0},
+		{"--sync-period", o.syncPeriod, time.Second},
+		{"--tcp-idle-timeout", o.tcpIdleTimeout, 0},
+		{"--shutdown-grace", o.shutdownGrace, 0},
+	} {
+		if d.v < d.min {
+			return nil, fmt.Errorf("%s: %s is below the minimum %s", d.name, d.v, d.min)
+		}
+	}
+	if o.udpMaxFlows < 1 {
+		return nil, fmt.Errorf("--udp-max-flows: %d must be at least 1", o.udpMaxFlows)
+	}
+	if (o.manifests == "") == (o.kubeconfig == "" && o.master == "") {
+		return nil, errors.New("give exactly one source: --manifests PATH, or --kubeconfig/--master for a cluster")
+	}
+	return o, nil
+}
+
+// nodeName is --hostname-override, else $NODE_NAME, else the hostname.
+func (o *options) nodeName() string {
+	if o.hostnameOverride != "" {
+		return strings.ToLower(strings.TrimSpace(o.hostnameOverride))
+	}
+	if n := os.Getenv("NODE_NAME"); n != "" {
+		return strings.ToLower(strings.TrimSpace(n))
+	}
+	h, _ := os.Hostname()
+	return strings.ToLower(h)
+}

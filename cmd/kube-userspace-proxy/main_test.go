@@ -1,0 +1,123 @@
+package main
+
+import (
+	"bytes"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestMain lets tests run the real binary: the test executable re-runs
+// itself as the daemon when KUP_RUN_MAIN is set.
+func TestMain(m *testing.M) {
+	if os.Getenv("KUP_RUN_MAIN") == "1" {
+		os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+	}
+	os.Exit(m.Run())
+}
+
+func daemon(args ...string) *exec.Cmd {
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "KUP_RUN_MAIN=1")
+	return cmd
+}
+
+func TestBadFlagsExit2(t *testing.T) {
+	for _, args := range [][]string{
+		{"--bogus"},
+		{},
+		{"--manifests", "x.yaml", "--bind-address", "not-an-ip"},
+		{"--manifests", "x.yaml", "--proxy-port-range", "9-1"},
+		{"--manifests", "x.yaml", "--udp-timeout", "-1s"},
+		{"--manifests", "x.yaml", "--log-format", "xml"},
+		{"--manifests", "x.yaml", "--log-level", "loud"},
+		{"--manifests", "x.yaml", "stray"},
+		{"--kubeconfig", "/nonexistent"}, // the cluster source is not built yet
+	} {
+		var stderr bytes.Buffer
+		if code := run(args, &bytes.Buffer{}, &stderr); code != exitUsage {
+			t.Errorf("%v: exit %d, want %d (stderr %q)", args, code, exitUsage, stderr.String())
+		}
+		if stderr.Len() == 0 {
+			t.Errorf("%v: no message", args)
+		}
+	}
+	if code := run([]string{"--help"}, &bytes.Buffer{}, &bytes.Buffer{}); code != 0 {
+		t.Errorf("--help: exit %d", code)
+	}
+}
+
+func TestInvalidManifestsAtStartExit1(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "bad.yaml")
+	os.WriteFile(f, []byte("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: nope, ports: [{port: 80}]}\n"), 0o644)
+	var stderr bytes.Buffer
+	if code := run([]string{"--manifests", f}, &bytes.Buffer{}, &stderr); code != exitFailure {
+		t.Fatalf("exit %d, want %d", code, exitFailure)
+	}
+	for _, want := range []string{f, "document 2", "Service default/b", `spec.clusterIP: \"nope\" is not an IP address`} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("message %q lacks %q", stderr.String(), want)
+		}
+	}
+}
+
+func TestSIGTERMStopsCleanly(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "m.yaml")
+	os.WriteFile(f, []byte("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n"), 0o644)
+	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1")
+	var stderr lockedBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	var port string
+	deadline := time.Now().Add(10 * time.Second)
+	for port == "" {
+		if time.Now().After(deadline) {
+			t.Fatalf("daemon never listened: %s", stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+		if _, rest, ok := strings.Cut(stderr.String(), "msg=Listening"); ok {
+			if _, p, ok := strings.Cut(rest, "listen="); ok {
+				port = strings.Fields(p)[0]
+			}
+		}
+	}
+	c, err := net.Dial("tcp", "127.0.0.1:"+port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	cmd.Process.Signal(syscall.SIGTERM)
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exit after SIGTERM: %v\n%s", err, stderr.String())
+	}
+	if _, err := net.Dial("tcp", "127.0.0.1:"+port); err == nil {
+		t.Fatal("listener still open after exit")
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe to read while a child process writes it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}

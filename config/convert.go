@@ -1,0 +1,301 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sort"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+)
+
+// Labels kube-proxy uses to decide what it proxies.
+const (
+	LabelServiceProxyName = "service.kubernetes.io/service-proxy-name"
+	LabelHeadless         = "service.kubernetes.io/headless"
+	LabelServiceName      = discovery.LabelServiceName // "kubernetes.io/service-name"
+)
+
+// SkipReason says why a Service is not proxied, or "" when it is.
+func SkipReason(svc *v1.Service) string {
+	if _, ok := svc.Labels[LabelServiceProxyName]; ok {
+		return "labelled " + LabelServiceProxyName + " (another proxy owns it)"
+	}
+	if svc.Spec.Type == v1.ServiceTypeExternalName {
+		return "type ExternalName"
+	}
+	if svc.Spec.ClusterIP == "" || svc.Spec.ClusterIP == v1.ClusterIPNone {
+		return "headless (no clusterIP)"
+	}
+	return ""
+}
+
+// SkipSlice says why an EndpointSlice is ignored, or "" when it is used.
+func SkipSlice(es *discovery.EndpointSlice) string {
+	if _, ok := es.Labels[LabelHeadless]; ok {
+		return "labelled " + LabelHeadless
+	}
+	if es.Labels[LabelServiceName] == "" {
+		return "no " + LabelServiceName + " label"
+	}
+	if es.AddressType == discovery.AddressTypeFQDN {
+		return "addressType FQDN"
+	}
+	return ""
+}
+
+// ServicePorts converts one Service to its service ports (without endpoints).
+// The caller has already checked SkipReason. An invalid address or port is an
+// error naming the field.
+func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
+	clusterIPs, err := parseAddrs("spec.clusterIPs", svc.Spec.ClusterIPs)
+	if err != nil {
+		return nil, err
+	}
+	if len(clusterIPs) == 0 {
+		ip, err := parseAddr("spec.clusterIP", svc.Spec.ClusterIP)
+		if err != nil {
+			return nil, err
+		}
+		clusterIPs = []netip.Addr{ip}
+	}
+	externalIPs, err := parseAddrs("spec.externalIPs", svc.Spec.ExternalIPs)
+	if err != nil {
+		return nil, err
+	}
+	var lbIPs []netip.Addr
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == v1.LoadBalancerIPModeProxy) {
+			continue
+		}
+		ip, err := parseAddr(fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), ing.IP)
+		if err != nil {
+			return nil, err
+		}
+		lbIPs = append(lbIPs, ip)
+	}
+
+	var affinity time.Duration
+	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
+		affinity = DefaultAffinityTimeout
+		if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
+			secs := *c.ClientIP.TimeoutSeconds
+			if secs <= 0 || secs > 86400 {
+				return nil, fmt.Errorf("spec.sessionAffinityConfig.clientIP.timeoutSeconds: %d is outside 1..86400", secs)
+			}
+			affinity = time.Duration(secs) * time.Second
+		}
+	}
+
+	if len(svc.Spec.Ports) == 0 {
+		return nil, errors.New("spec.ports: a Service with a clusterIP needs at least one port")
+	}
+	var out []*ServicePort
+	for i, p := range svc.Spec.Ports {
+		field := fmt.Sprintf("spec.ports[%d]", i)
+		proto := Protocol(p.Protocol)
+		if proto == "" {
+			proto = TCP
+		}
+		switch proto {
+		case TCP, UDP:
+		case Protocol(v1.ProtocolSCTP):
+			continue // not proxied, like the classic userspace mode
+		default:
+			return nil, fmt.Errorf("%s.protocol: %q is not TCP, UDP or SCTP", field, p.Protocol)
+		}
+		if p.Port < 1 || p.Port > 65535 {
+			return nil, fmt.Errorf("%s.port: %d is outside 1..65535", field, p.Port)
+		}
+		if p.NodePort < 0 || p.NodePort > 65535 {
+			return nil, fmt.Errorf("%s.nodePort: %d is outside 1..65535", field, p.NodePort)
+		}
+		if len(svc.Spec.Ports) > 1 && p.Name == "" {
+			return nil, fmt.Errorf("%s.name: required when a Service has more than one port", field)
+		}
+		sp := &ServicePort{
+			Name:            ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: p.Name},
+			Protocol:        proto,
+			Port:            int(p.Port),
+			ClusterIPs:      clusterIPs,
+			ExternalIPs:     externalIPs,
+			LoadBalancerIPs: lbIPs,
+			AffinityTimeout: affinity,
+			InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
+			ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
+		}
+		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {
+			sp.NodePort = int(p.NodePort)
+		}
+		out = append(out, sp)
+	}
+	return out, nil
+}
+
+// SliceEndpoints returns the endpoints an EndpointSlice gives each named port.
+func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) {
+	switch es.AddressType {
+	case discovery.AddressTypeIPv4, discovery.AddressTypeIPv6:
+	default:
+		return nil, fmt.Errorf("addressType: %q is not IPv4 or IPv6", es.AddressType)
+	}
+	out := make(map[string][]Endpoint)
+	for pi, p := range es.Ports {
+		if p.Port == nil {
+			continue
+		}
+		if *p.Port < 1 || *p.Port > 65535 {
+			return nil, fmt.Errorf("ports[%d].port: %d is outside 1..65535", pi, *p.Port)
+		}
+		name := ""
+		if p.Name != nil {
+			name = *p.Name
+		}
+		for ei, ep := range es.Endpoints {
+			ready := ep.Conditions.Ready == nil || *ep.Conditions.Ready
+			serving := ready
+			if ep.Conditions.Serving != nil {
+				serving = *ep.Conditions.Serving
+			}
+			terminating := ep.Conditions.Terminating != nil && *ep.Conditions.Terminating
+			node := ""
+			if ep.NodeName != nil {
+				node = *ep.NodeName
+			}
+			for ai, a := range ep.Addresses {
+				ip, err := parseAddr(fmt.Sprintf("endpoints[%d].addresses[%d]", ei, ai), a)
+				if err != nil {
+					return nil, err
+				}
+				if (Family(ip) == 4) != (es.AddressType == discovery.AddressTypeIPv4) {
+					return nil, fmt.Errorf("endpoints[%d].addresses[%d]: %s does not match addressType %s", ei, ai, a, es.AddressType)
+				}
+				out[name] = append(out[name], Endpoint{
+					Addr:  netip.AddrPortFrom(ip, uint16(*p.Port)),
+					Ready: ready, Serving: serving, Terminating: terminating, NodeName: node,
+				})
+				break // kube-proxy uses only the first address of an endpoint
+			}
+		}
+	}
+	return out, nil
+}
+
+// Builder accumulates Services and EndpointSlices and produces a State. Both
+// sources use it so that they apply exactly the same rules.
+type Builder struct {
+	node     string
+	ports    map[ServicePortName]*ServicePort
+	services map[[2]string][]*ServicePort
+	// endpoints by namespace/service, then by port name
+	endpoints map[[2]string]map[string][]Endpoint
+}
+
+// NewBuilder starts an empty State for the named node.
+func NewBuilder(node string) *Builder {
+	return &Builder{
+		node:      node,
+		ports:     make(map[ServicePortName]*ServicePort),
+		services:  make(map[[2]string][]*ServicePort),
+		endpoints: make(map[[2]string]map[string][]Endpoint),
+	}
+}
+
+// AddService adds a Service. It returns skip != "" when the Service is not
+// proxied, and an error when it is invalid.
+func (b *Builder) AddService(svc *v1.Service) (skip string, err error) {
+	if skip := SkipReason(svc); skip != "" {
+		return skip, nil
+	}
+	if svc.Name == "" {
+		return "", errors.New("metadata.name: required")
+	}
+	sps, err := ServicePorts(svc)
+	if err != nil {
+		return "", err
+	}
+	key := [2]string{svc.Namespace, svc.Name}
+	if _, dup := b.services[key]; dup {
+		return "", fmt.Errorf("Service %s/%s is defined twice", svc.Namespace, svc.Name)
+	}
+	b.services[key] = sps
+	for _, sp := range sps {
+		b.ports[sp.Name] = sp
+	}
+	return "", nil
+}
+
+// AddSlice adds an EndpointSlice, joined to its Service by the service-name label.
+func (b *Builder) AddSlice(es *discovery.EndpointSlice) (skip string, err error) {
+	if skip := SkipSlice(es); skip != "" {
+		return skip, nil
+	}
+	eps, err := SliceEndpoints(es)
+	if err != nil {
+		return "", err
+	}
+	key := [2]string{es.Namespace, es.Labels[LabelServiceName]}
+	m := b.endpoints[key]
+	if m == nil {
+		m = make(map[string][]Endpoint)
+		b.endpoints[key] = m
+	}
+	for port, list := range eps {
+		m[port] = append(m[port], list...)
+	}
+	return "", nil
+}
+
+// State joins endpoints to service ports and returns the finished State.
+func (b *Builder) State() *State {
+	for key, sps := range b.services {
+		byPort := b.endpoints[key]
+		for _, sp := range sps {
+			sp.Endpoints = dedupEndpoints(byPort[sp.Name.Port])
+		}
+	}
+	return &State{Ports: b.ports, Node: b.node}
+}
+
+// dedupEndpoints sorts endpoints by address and keeps one per address,
+// preferring the ready one (an endpoint can sit in two slices during a move).
+func dedupEndpoints(eps []Endpoint) []Endpoint {
+	if len(eps) == 0 {
+		return nil
+	}
+	sorted := append([]Endpoint(nil), eps...)
+	sort.SliceStable(sorted, func(i, j int) bool { return sorted[i].Addr.Compare(sorted[j].Addr) < 0 })
+	out := sorted[:0]
+	for _, ep := range sorted {
+		if n := len(out); n > 0 && out[n-1].Addr == ep.Addr {
+			if ep.Ready && !out[n-1].Ready {
+				out[n-1] = ep
+			}
+			continue
+		}
+		out = append(out, ep)
+	}
+	return out
+}
+
+func parseAddr(field, s string) (netip.Addr, error) {
+	ip, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Addr{}, fmt.Errorf("%s: %q is not an IP address", field, s)
+	}
+	return ip.Unmap(), nil
+}
+
+func parseAddrs(field string, ss []string) ([]netip.Addr, error) {
+	var out []netip.Addr
+	for i, s := range ss {
+		ip, err := parseAddr(fmt.Sprintf("%s[%d]", field, i), s)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, ip)
+	}
+	return out, nil
+}

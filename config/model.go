@@ -1,0 +1,200 @@
+// Package config turns Kubernetes objects into the service model the proxier consumes.
+//
+// Typical use: a source (the manifests file watcher in this package, or the cluster
+// watcher) builds a *State from v1 Services and discovery/v1 EndpointSlices with
+// BuildState and hands it to a Sink; the proxier is the only Sink and never sees a
+// Kubernetes object.
+//
+//	st, err := config.LoadManifests("docs/examples/devpaasy.yaml", "node-a")
+//	proxier.Update(st)
+package config
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Protocol is the L4 protocol of a service port. Only TCP and UDP are proxied;
+// SCTP ports are skipped by the converters.
+type Protocol string
+
+const (
+	TCP Protocol = "TCP"
+	UDP Protocol = "UDP"
+)
+
+// DefaultAffinityTimeout is the Service API default for
+// sessionAffinityConfig.clientIP.timeoutSeconds.
+const DefaultAffinityTimeout = 10800 * time.Second
+
+// ServicePortName identifies one port of one Service: namespace/name:port.
+type ServicePortName struct {
+	Namespace string
+	Name      string
+	Port      string // the Service port's name; empty for single-port Services
+}
+
+func (n ServicePortName) String() string {
+	if n.Port == "" {
+		return n.Namespace + "/" + n.Name
+	}
+	return n.Namespace + "/" + n.Name + ":" + n.Port
+}
+
+// Less orders names for stable output (rules, debug views).
+func (n ServicePortName) Less(o ServicePortName) bool {
+	if n.Namespace != o.Namespace {
+		return n.Namespace < o.Namespace
+	}
+	if n.Name != o.Name {
+		return n.Name < o.Name
+	}
+	return n.Port < o.Port
+}
+
+// ServicePort is everything the proxier needs to serve one Service port: the
+// addresses it answers on, how clients stick to endpoints, and the endpoints.
+type ServicePort struct {
+	Name     ServicePortName
+	Protocol Protocol
+	Port     int // the Service port (what clients dial on ClusterIPs, externalIPs, LB IPs)
+	NodePort int // 0 when the Service has none
+
+	ClusterIPs      []netip.Addr // one per IP family, primary first
+	ExternalIPs     []netip.Addr
+	LoadBalancerIPs []netip.Addr // status.loadBalancer.ingress IPs, ipMode Proxy excluded
+
+	// AffinityTimeout > 0 means ClientIP session affinity with that timeout.
+	AffinityTimeout time.Duration
+
+	// InternalLocal and ExternalLocal are internalTrafficPolicy: Local and
+	// externalTrafficPolicy: Local: such traffic goes only to endpoints on this node.
+	InternalLocal bool
+	ExternalLocal bool
+
+	Endpoints []Endpoint // sorted by address
+}
+
+// HasExternal reports whether the port answers on any address reachable from outside the cluster.
+func (sp *ServicePort) HasExternal() bool {
+	return sp.NodePort != 0 || len(sp.ExternalIPs) > 0 || len(sp.LoadBalancerIPs) > 0
+}
+
+// Families returns the IP families (4 and/or 6) of the port's ClusterIPs, primary first.
+func (sp *ServicePort) Families() []int {
+	var fams []int
+	for _, ip := range sp.ClusterIPs {
+		f := Family(ip)
+		if len(fams) == 0 || fams[0] != f {
+			fams = append(fams, f)
+		}
+	}
+	return fams
+}
+
+// Family returns 4 or 6.
+func Family(ip netip.Addr) int {
+	if ip.Unmap().Is4() {
+		return 4
+	}
+	return 6
+}
+
+// SameFrontend reports whether a and b differ only in their endpoints and
+// affinity, i.e. whether a listener opened for a can keep serving b.
+func (sp *ServicePort) SameFrontend(o *ServicePort) bool {
+	return sp.Name == o.Name && sp.Protocol == o.Protocol && sp.Port == o.Port &&
+		sp.NodePort == o.NodePort && sp.InternalLocal == o.InternalLocal &&
+		sp.ExternalLocal == o.ExternalLocal &&
+		equalAddrs(sp.ClusterIPs, o.ClusterIPs) && equalAddrs(sp.ExternalIPs, o.ExternalIPs) &&
+		equalAddrs(sp.LoadBalancerIPs, o.LoadBalancerIPs)
+}
+
+func equalAddrs(a, b []netip.Addr) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// Endpoint is one backend address of a service port with its EndpointSlice conditions.
+type Endpoint struct {
+	Addr        netip.AddrPort
+	Ready       bool
+	Serving     bool
+	Terminating bool
+	NodeName    string
+}
+
+func (e Endpoint) String() string {
+	var state []string
+	if e.Ready {
+		state = append(state, "ready")
+	}
+	if e.Serving {
+		state = append(state, "serving")
+	}
+	if e.Terminating {
+		state = append(state, "terminating")
+	}
+	return fmt.Sprintf("%s(%s)", e.Addr, strings.Join(state, ","))
+}
+
+// UsableEndpoints applies kube-proxy's endpoint selection: ready endpoints; when
+// none is ready, the serving and terminating ones (KEP-1669). When localOnly is
+// set only endpoints whose NodeName is node count. family (4 or 6) keeps only
+// endpoints of that family; 0 keeps all.
+func UsableEndpoints(eps []Endpoint, family int, localOnly bool, node string) []netip.AddrPort {
+	var ready, fallback []netip.AddrPort
+	for _, ep := range eps {
+		if family != 0 && Family(ep.Addr.Addr()) != family {
+			continue
+		}
+		if localOnly && ep.NodeName != node {
+			continue
+		}
+		switch {
+		case ep.Ready:
+			ready = append(ready, ep.Addr)
+		case ep.Serving && ep.Terminating:
+			fallback = append(fallback, ep.Addr)
+		}
+	}
+	if len(ready) > 0 {
+		return ready
+	}
+	return fallback
+}
+
+// State is one complete, immutable view of every service port to proxy on this
+// node. Sources build a new State for every change; nobody mutates one after
+// it is handed over.
+type State struct {
+	Ports map[ServicePortName]*ServicePort
+	// Node is the name this node is known by (endpoint nodeName), for traffic policies.
+	Node string
+}
+
+// Sorted returns the ports ordered by name.
+func (s *State) Sorted() []*ServicePort {
+	out := make([]*ServicePort, 0, len(s.Ports))
+	for _, sp := range s.Ports {
+		out = append(out, sp)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name.Less(out[j].Name) })
+	return out
+}
+
+// Sink receives every new State. The proxier implements it; Update must not block
+// on kernel work (it records the state and schedules a sync).
+type Sink interface {
+	Update(*State)
+}

@@ -1,0 +1,156 @@
+package config
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"github.com/sirupsen/logrus"
+)
+
+// ManifestSource feeds a Sink from a manifests file or directory and reloads it
+// when it changes. A reload that fails keeps the last good State in place.
+type ManifestSource struct {
+	Path string
+	Node string
+	Sink Sink
+	Log  logrus.FieldLogger
+
+	// Debounce merges the burst of events one save makes; 0 means 100 ms.
+	Debounce time.Duration
+	// Poll re-reads the files this often as a safety net for file systems
+	// without inotify; 0 means 2 s.
+	Poll time.Duration
+}
+
+// Start loads the manifests once, hands the State to the Sink and then watches
+// for changes until ctx ends. The returned error (a *ManifestError for a bad
+// document) is only for the first load; done is closed when the watcher stops.
+func (m *ManifestSource) Start(ctx context.Context) (done <-chan struct{}, err error) {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return nil, fmt.Errorf("watching manifests: %w", err)
+	}
+	// Watch the directory that holds the file so that editors that save by
+	// renaming a temporary file over it, and ConfigMap symlink swaps, are seen.
+	dir := m.Path
+	if fi, err := os.Stat(m.Path); err == nil && !fi.IsDir() {
+		dir = filepath.Dir(m.Path)
+	}
+	if err := w.Add(dir); err != nil {
+		w.Close()
+		return nil, fmt.Errorf("watching manifests %s: %w", dir, err)
+	}
+	sig, err := m.load()
+	if err != nil {
+		w.Close()
+		return nil, err
+	}
+	ch := make(chan struct{})
+	go func() {
+		defer close(ch)
+		defer w.Close()
+		m.watch(ctx, w, sig)
+	}()
+	return ch, nil
+}
+
+// fileSig is what tells the poller a file changed.
+type fileSig struct {
+	size  int64
+	mtime time.Time
+}
+
+func (m *ManifestSource) signature() map[string]fileSig {
+	files, _ := manifestFiles(m.Path)
+	sig := make(map[string]fileSig, len(files))
+	for _, f := range files {
+		if fi, err := os.Stat(f); err == nil {
+			sig[f] = fileSig{fi.Size(), fi.ModTime()}
+		}
+	}
+	return sig
+}
+
+func (m *ManifestSource) load() (map[string]fileSig, error) {
+	sig := m.signature()
+	st, skipped, err := LoadManifests(m.Path, m.Node)
+	if err != nil {
+		return sig, err
+	}
+	for _, s := range skipped {
+		m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason}).Info("Not proxied")
+	}
+	m.Log.WithFields(logrus.Fields{"path": m.Path, "servicePorts": len(st.Ports)}).Info("Manifests loaded")
+	m.Sink.Update(st)
+	return sig, nil
+}
+
+func (m *ManifestSource) watch(ctx context.Context, w *fsnotify.Watcher, sig map[string]fileSig) {
+	debounce, poll := m.Debounce, m.Poll
+	if debounce <= 0 {
+		debounce = 100 * time.Millisecond
+	}
+	if poll <= 0 {
+		poll = 2 * time.Second
+	}
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	ticker := time.NewTicker(poll)
+	defer ticker.Stop()
+	defer timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ev, ok := <-w.Events:
+			if !ok {
+				return
+			}
+			if m.relevant(ev.Name) {
+				timer.Reset(debounce)
+			}
+		case err, ok := <-w.Errors:
+			if !ok {
+				return
+			}
+			m.Log.WithError(err).Warn("Manifests watcher error; polling continues")
+		case <-ticker.C:
+			if !sameSig(sig, m.signature()) {
+				timer.Reset(0)
+			}
+		case <-timer.C:
+			next, err := m.load()
+			sig = next
+			if err != nil {
+				m.Log.WithError(err).Error("Manifests reload failed; still serving the last good state")
+			}
+		}
+	}
+}
+
+func (m *ManifestSource) relevant(name string) bool {
+	fi, err := os.Stat(m.Path)
+	if err == nil && fi.IsDir() {
+		return true
+	}
+	// Kubernetes mounts a ConfigMap as symlinks into a "..data" directory that
+	// it swaps atomically: an event on a ".." name may change our file.
+	return filepath.Clean(name) == filepath.Clean(m.Path) || strings.HasPrefix(filepath.Base(name), "..")
+}
+
+func sameSig(a, b map[string]fileSig) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if w, ok := b[k]; !ok || w != v {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,161 @@
+package proxy
+
+import (
+	"net"
+	"net/netip"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// connRecord is one proxied TCP connection, from accept to close. It is what
+// the per-connection log line and the live connection table show.
+type connRecord struct {
+	ID      uint64
+	Service config.ServicePortName
+	Client  netip.AddrPort
+	OrigDst netip.AddrPort // where the client was going (SO_ORIGINAL_DST)
+	Start   time.Time
+
+	mu          sync.Mutex // guards the fields below, set while the connection lives
+	Endpoint    netip.AddrPort
+	Reason      Reason
+	Attempt     int
+	DialLatency time.Duration
+	Cause       string
+	shutdown    bool
+	client      *net.TCPConn
+	backend     *net.TCPConn
+}
+
+func (c *connRecord) setBackend(ep netip.AddrPort, why Reason, attempt int) {
+	c.mu.Lock()
+	c.Endpoint, c.Reason, c.Attempt = ep, why, attempt
+	c.mu.Unlock()
+}
+
+func (c *connRecord) setConns(client, backend *net.TCPConn) {
+	c.mu.Lock()
+	c.client, c.backend = client, backend
+	shut := c.shutdown
+	c.mu.Unlock()
+	if shut { // shutdown raced with the dial
+		client.Close()
+		backend.Close()
+	}
+}
+
+// closeCause is the cause for a copy that failed because we closed its socket.
+func (c *connRecord) closeCause() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.shutdown {
+		return CauseShutdown
+	}
+	return CauseBackendClosed
+}
+
+// forceClose ends the connection from outside (shutdown).
+func (c *connRecord) forceClose() {
+	c.mu.Lock()
+	c.shutdown = true
+	client, backend := c.client, c.backend
+	c.mu.Unlock()
+	if client != nil {
+		client.Close()
+		backend.Close()
+	}
+}
+
+// finish logs the connection's one line.
+func (c *connRecord) finish(f *frontend, up, down int64, cause string) {
+	c.mu.Lock()
+	fields := logrus.Fields{
+		"service":     c.Service.String(),
+		"client":      c.Client.String(),
+		"origDst":     c.OrigDst.String(),
+		"protocol":    "TCP",
+		"bytesUp":     up,
+		"bytesDown":   down,
+		"duration":    time.Since(c.Start).Round(time.Microsecond).String(),
+		"cause":       cause,
+		"attempts":    c.Attempt + 1,
+		"dialLatency": c.DialLatency.Round(time.Microsecond).String(),
+	}
+	if c.Endpoint.IsValid() {
+		fields["endpoint"] = c.Endpoint.String()
+		fields["reason"] = string(c.Reason)
+	}
+	c.mu.Unlock()
+	f.p.cfg.connLog().WithFields(fields).Debug("Connection closed")
+}
+
+// connTable holds every live TCP connection of a Proxier.
+type connTable struct {
+	nextID atomic.Uint64
+	wg     sync.WaitGroup // one per live connection
+
+	mu    sync.Mutex
+	conns map[uint64]*connRecord
+}
+
+func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
+	c := &connRecord{
+		ID:      t.nextID.Add(1),
+		Service: f.key.Name,
+		Client:  client.RemoteAddr().(*net.TCPAddr).AddrPort(),
+		Start:   time.Now(),
+	}
+	c.Client = netip.AddrPortFrom(c.Client.Addr().Unmap(), c.Client.Port())
+	t.wg.Add(1)
+	t.mu.Lock()
+	if t.conns == nil {
+		t.conns = make(map[uint64]*connRecord)
+	}
+	t.conns[c.ID] = c
+	t.mu.Unlock()
+	return c
+}
+
+func (t *connTable) remove(c *connRecord) {
+	t.mu.Lock()
+	delete(t.conns, c.ID)
+	t.mu.Unlock()
+	t.wg.Done()
+}
+
+func (t *connTable) list() []*connRecord {
+	t.mu.Lock()
+	out := make([]*connRecord, 0, len(t.conns))
+	for _, c := range t.conns {
+		out = append(out, c)
+	}
+	t.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// closeAll force-closes every live connection and waits for their goroutines.
+func (t *connTable) closeAll() {
+	for _, c := range t.list() {
+		c.forceClose()
+	}
+	t.wg.Wait()
+}
+
+// drain waits up to grace for live connections to end on their own.
+func (t *connTable) drain(grace time.Duration) {
+	done := make(chan struct{})
+	go func() { t.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(grace):
+		t.closeAll()
+		<-done
+	}
+}

@@ -1,0 +1,151 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// PortRange is --proxy-port-range: the local ports listeners may use. The zero
+// value means "let the kernel choose".
+type PortRange struct {
+	Base, Size int
+}
+
+// ParsePortRange parses "begin-end", "begin+offset" or a single port; "" and
+// "0-0" mean the kernel chooses.
+func ParsePortRange(s string) (PortRange, error) {
+	s = strings.TrimSpace(s)
+	if s == "" || s == "0-0" || s == "0" {
+		return PortRange{}, nil
+	}
+	var lo, hi int
+	var err error
+	switch {
+	case strings.Contains(s, "-"):
+		a, b, _ := strings.Cut(s, "-")
+		if lo, err = strconv.Atoi(a); err == nil {
+			hi, err = strconv.Atoi(b)
+		}
+	case strings.Contains(s, "+"):
+		a, b, _ := strings.Cut(s, "+")
+		var off int
+		if lo, err = strconv.Atoi(a); err == nil {
+			off, err = strconv.Atoi(b)
+			hi = lo + off
+		}
+	default:
+		lo, err = strconv.Atoi(s)
+		hi = lo
+	}
+	if err != nil {
+		return PortRange{}, fmt.Errorf("port range %q: want begin-end, begin+offset or a port", s)
+	}
+	if lo < 1 || hi > 65535 || lo > hi {
+		return PortRange{}, fmt.Errorf("port range %q: ports must satisfy 1 <= begin <= end <= 65535", s)
+	}
+	return PortRange{Base: lo, Size: hi - lo + 1}, nil
+}
+
+func (r PortRange) String() string {
+	if r.Size == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d-%d", r.Base, r.Base+r.Size-1)
+}
+
+// portAllocator hands out ports from a PortRange: a random start, then a scan
+// that wraps, so that restarts do not reuse the same ports in the same order.
+type portAllocator struct {
+	r    PortRange
+	mu   sync.Mutex
+	used map[int]bool
+}
+
+// ErrPortsExhausted is returned when every port of --proxy-port-range is taken.
+var ErrPortsExhausted = errors.New("no free port left in --proxy-port-range")
+
+// listen opens a listener (TCP) or packet socket (UDP) on ip with a port from
+// the range, or a kernel-chosen port when the range is empty. release gives the
+// port back; it must be called once the socket is closed.
+func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, release func(), err error) {
+	if a.r.Size == 0 {
+		ln, port, err = listenOn(proto, netip.AddrPortFrom(ip, 0))
+		return ln, port, func() {}, err
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.used == nil {
+		a.used = make(map[int]bool)
+	}
+	start := rand.IntN(a.r.Size)
+	for i := 0; i < a.r.Size; i++ {
+		p := a.r.Base + (start+i)%a.r.Size
+		if a.used[p] {
+			continue
+		}
+		ln, port, err = listenOn(proto, netip.AddrPortFrom(ip, uint16(p)))
+		if errors.Is(err, syscall.EADDRINUSE) {
+			continue // another process holds it; the port was never ours
+		}
+		if err != nil {
+			return nil, 0, nil, err
+		}
+		a.used[p] = true
+		return ln, p, func() { a.release(p) }, nil
+	}
+	return nil, 0, nil, ErrPortsExhausted
+}
+
+func (a *portAllocator) release(p int) {
+	a.mu.Lock()
+	delete(a.used, p)
+	a.mu.Unlock()
+}
+
+func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
+	fam := "4"
+	if ap.Addr().Is6() {
+		fam = "6"
+	}
+	switch proto {
+	case "tcp":
+		ln, err := net.ListenTCP("tcp"+fam, net.TCPAddrFromAddrPort(ap))
+		if err != nil {
+			return nil, 0, fmt.Errorf("listen tcp %s: %w", ap, err)
+		}
+		return ln, ln.Addr().(*net.TCPAddr).Port, nil
+	case "udp":
+		c, err := net.ListenUDP("udp"+fam, net.UDPAddrFromAddrPort(ap))
+		if err != nil {
+			return nil, 0, fmt.Errorf("listen udp %s: %w", ap, err)
+		}
+		return c, c.LocalAddr().(*net.UDPAddr).Port, nil
+	}
+	return nil, 0, fmt.Errorf("unknown protocol %q", proto)
+}
+
+// RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit: every proxied
+// TCP connection holds two sockets, and the default soft limit of 1024 would
+// cap the proxy at a few hundred connections.
+func RaiseFileLimit() (uint64, error) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 0, fmt.Errorf("getrlimit: %w", err)
+	}
+	if lim.Cur < lim.Max {
+		lim.Cur = lim.Max
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+			return 0, fmt.Errorf("setrlimit NOFILE %d: %w", lim.Max, err)
+		}
+	}
+	return lim.Cur, nil
+}

@@ -1,0 +1,443 @@
+// Package proxy serves Kubernetes service ports from userspace: one local
+// listener per service port, a balancer choosing endpoints, TCP spliced and
+// UDP relayed to them, and (through a Rules implementation) kernel rules that
+// redirect service addresses into the listeners.
+//
+// Typical use:
+//
+//	p := proxy.New(proxy.Config{Node: "node-a", Rules: rules})
+//	go p.Run(ctx)      // the one goroutine that opens listeners and writes rules
+//	p.Update(state)    // from a config source, any number of times
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// Config holds the Proxier's settings; the zero value of every field is a
+// working default.
+type Config struct {
+	// BindAddress is where listeners bind. Unspecified (the default) binds
+	// 0.0.0.0 for IPv4 frontends and :: for IPv6 ones; a specific address is
+	// used for frontends of its family.
+	BindAddress netip.Addr
+	PortRange   PortRange
+
+	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
+	TCPIdleTimeout time.Duration   // 0: no idle timeout
+	UDPTimeout     time.Duration   // DefaultUDPTimeout when 0
+	UDPMaxFlows    int             // per frontend; DefaultUDPMaxFlows when 0
+
+	MinSyncPeriod time.Duration // bursts of updates are merged; 1 s when 0
+	SyncPeriod    time.Duration // rules are re-checked this often; 30 s when 0
+
+	// Rules programs the kernel redirects; nil means none (listeners only).
+	Rules Rules
+
+	Log     logrus.FieldLogger // logrus.StandardLogger() when nil
+	ConnLog logrus.FieldLogger // per-connection lines; Log when nil
+}
+
+func (c *Config) dialTimeouts() []time.Duration {
+	if len(c.DialTimeouts) == 0 {
+		return DefaultDialTimeouts
+	}
+	return c.DialTimeouts
+}
+
+func (c *Config) udpTimeout() time.Duration {
+	if c.UDPTimeout <= 0 {
+		return DefaultUDPTimeout
+	}
+	return c.UDPTimeout
+}
+
+func (c *Config) udpMaxFlows() int {
+	if c.UDPMaxFlows <= 0 {
+		return DefaultUDPMaxFlows
+	}
+	return c.UDPMaxFlows
+}
+
+func (c *Config) log() logrus.FieldLogger {
+	if c.Log == nil {
+		return logrus.StandardLogger()
+	}
+	return c.Log
+}
+
+func (c *Config) connLog() logrus.FieldLogger {
+	if c.ConnLog == nil {
+		return c.log()
+	}
+	return c.ConnLog
+}
+
+// Rules is the kernel side: make the listed frontends' addresses reach their
+// listeners, and nothing else. Sync is called only from the sync goroutine.
+type Rules interface {
+	Sync(ctx context.Context, frontends []Frontend) error
+}
+
+// Kind says which addresses a frontend answers on.
+type Kind string
+
+const (
+	// KindAll: ClusterIPs and the external addresses share one listener
+	// (internal and external traffic policies select the same endpoints).
+	KindAll Kind = "all"
+	// KindInternal: ClusterIPs only.
+	KindInternal Kind = "internal"
+	// KindExternal: NodePort, externalIPs and LoadBalancer IPs only.
+	KindExternal Kind = "external"
+)
+
+type frontendKey struct {
+	Name   config.ServicePortName
+	Kind   Kind
+	Family int
+}
+
+// Frontend is one listener and what it answers on; Rules receive these.
+type Frontend struct {
+	Service  *config.ServicePort
+	Kind     Kind
+	Family   int
+	Protocol config.Protocol
+	Listen   netip.AddrPort // where the listener is bound (port is the proxy port)
+	// Err is set when the listener could not be opened; Rules skip it.
+	Err error
+
+	fe *frontend // nil when Err is set
+}
+
+// UDPFlows returns the live and the evicted flow counts of a UDP frontend.
+func (f Frontend) UDPFlows() (active int, evicted uint64) {
+	if f.fe == nil {
+		return 0, 0
+	}
+	f.fe.udp.mu.Lock()
+	defer f.fe.udp.mu.Unlock()
+	return len(f.fe.udp.flows), f.fe.udp.evicted.Load()
+}
+
+// Affinities returns the frontend's session affinity table.
+func (f Frontend) Affinities() []Affinity {
+	if f.fe == nil {
+		return nil
+	}
+	return f.fe.bal.Affinities()
+}
+
+// frontend is a live listener with its balancer. It is created and closed by
+// the sync goroutine; its serve goroutine and connections belong to it.
+type frontend struct {
+	p       *Proxier
+	key     frontendKey
+	spec    *config.ServicePort
+	bal     *RoundRobin
+	listen  netip.AddrPort
+	release func()
+	log     logrus.FieldLogger
+
+	ctx    context.Context // cancelled when the proxier shuts down
+	tcp    *net.TCPListener
+	udpSk  *udpSocket
+	udp    udpFlows
+	served sync.WaitGroup
+}
+
+// Proxier turns States into listeners and rules.
+type Proxier struct {
+	cfg   Config
+	alloc portAllocator
+	conns connTable
+
+	mu       sync.Mutex   // guards pending and queuedAt
+	pending  *config.State
+	queuedAt time.Time
+	kick     chan struct{} // capacity 1: merges bursts
+
+	// Owned by the sync goroutine (Run).
+	ctx       context.Context
+	frontends map[frontendKey]*frontend
+	lastRules error
+
+	viewMu sync.RWMutex // guards view, the frontends as last synced, for readers
+	view   []Frontend
+}
+
+// New returns a Proxier; nothing happens until Run.
+func New(cfg Config) *Proxier {
+	return &Proxier{
+		cfg:       cfg,
+		alloc:     portAllocator{r: cfg.PortRange},
+		kick:      make(chan struct{}, 1),
+		frontends: make(map[frontendKey]*frontend),
+	}
+}
+
+var _ config.Sink = (*Proxier)(nil)
+
+// Update implements config.Sink: it records st as the state to serve and
+// wakes the sync goroutine. It never blocks on kernel work.
+func (p *Proxier) Update(st *config.State) {
+	p.mu.Lock()
+	if p.pending == nil {
+		p.queuedAt = time.Now()
+	}
+	p.pending = st
+	p.mu.Unlock()
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Run is the sync goroutine: it applies updates (at most one sync per
+// MinSyncPeriod) and re-syncs rules every SyncPeriod until ctx ends, then
+// closes every listener, waits up to grace for open connections and returns.
+func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
+	p.ctx = ctx
+	minPeriod, period := p.cfg.MinSyncPeriod, p.cfg.SyncPeriod
+	if minPeriod <= 0 {
+		minPeriod = time.Second
+	}
+	if period <= 0 {
+		period = 30 * time.Second
+	}
+	ticker := time.NewTicker(period)
+	defer ticker.Stop()
+	var current *config.State
+	var lastSync time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			p.shutdown(grace)
+			return
+		case <-p.kick:
+		case <-ticker.C:
+		}
+		if wait := minPeriod - time.Since(lastSync); wait > 0 {
+			select {
+			case <-ctx.Done():
+				p.shutdown(grace)
+				return
+			case <-time.After(wait):
+			}
+		}
+		p.mu.Lock()
+		if p.pending != nil {
+			current, p.pending = p.pending, nil
+		}
+		p.mu.Unlock()
+		if current == nil {
+			continue // nothing to serve yet: program nothing
+		}
+		lastSync = time.Now()
+		p.sync(current)
+	}
+}
+
+// sync makes listeners and rules match st: open what is new (before the
+// rules point at it), update balancers, write rules, then close what is gone
+// (after the rules stopped pointing at it).
+func (p *Proxier) sync(st *config.State) {
+	log := p.cfg.log()
+	start := time.Now()
+	desired := desiredFrontends(st)
+	var stale []*frontend
+	for key, fe := range p.frontends {
+		if sp, ok := desired[key]; !ok || !fe.spec.SameFrontend(sp) {
+			stale = append(stale, fe)
+			delete(p.frontends, key)
+		}
+	}
+	var view []Frontend
+	for key, sp := range desired {
+		fe := p.frontends[key]
+		if fe == nil {
+			var err error
+			fe, err = p.open(key, sp)
+			if err != nil {
+				log.WithField("service", key.Name.String()).WithError(err).Error("Cannot open listener; service port not served")
+				view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
+				continue
+			}
+			p.frontends[key] = fe
+		}
+		fe.spec = sp
+		fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
+		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen, fe: fe})
+	}
+	sort.Slice(view, func(i, j int) bool { return lessFrontend(view[i], view[j]) })
+	p.viewMu.Lock()
+	p.view = view
+	p.viewMu.Unlock()
+
+	if p.cfg.Rules != nil {
+		p.lastRules = p.cfg.Rules.Sync(p.ctx, view)
+		if p.lastRules != nil {
+			log.WithError(p.lastRules).Error("Rule sync failed; will retry")
+		}
+	}
+	for _, fe := range stale {
+		fe.close()
+	}
+	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(stale), "took": time.Since(start).String()}).Debug("Synced")
+}
+
+func lessFrontend(a, b Frontend) bool {
+	if a.Service.Name != b.Service.Name {
+		return a.Service.Name.Less(b.Service.Name)
+	}
+	if a.Family != b.Family {
+		return a.Family < b.Family
+	}
+	return a.Kind < b.Kind
+}
+
+// localOnly says whether the frontend's traffic policy is Local.
+func (k frontendKey) localOnly(sp *config.ServicePort) bool {
+	switch k.Kind {
+	case KindInternal:
+		return sp.InternalLocal
+	case KindExternal:
+		return sp.ExternalLocal
+	}
+	return sp.InternalLocal // KindAll: both policies agree
+}
+
+// desiredFrontends lists the listeners st needs: one per service port and
+// family, or two when internal and external traffic policies differ (they
+// select different endpoints, and a UDP datagram cannot tell which address it
+// was sent to once redirected).
+func desiredFrontends(st *config.State) map[frontendKey]*config.ServicePort {
+	out := make(map[frontendKey]*config.ServicePort, len(st.Ports))
+	for name, sp := range st.Ports {
+		kinds := []Kind{KindAll}
+		if sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal {
+			kinds = []Kind{KindInternal, KindExternal}
+		}
+		for _, fam := range sp.Families() {
+			for _, k := range kinds {
+				out[frontendKey{Name: name, Kind: k, Family: fam}] = sp
+			}
+		}
+	}
+	return out
+}
+
+// bindFor returns the address listeners of a family bind to.
+func (p *Proxier) bindFor(family int) netip.Addr {
+	b := p.cfg.BindAddress
+	if b.IsValid() && !b.IsUnspecified() && config.Family(b) == family {
+		return b
+	}
+	if family == 6 {
+		return netip.IPv6Unspecified()
+	}
+	return netip.IPv4Unspecified()
+}
+
+// open starts a listener for key. The port goes back to the allocator on
+// every failure path.
+func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, error) {
+	proto := "tcp"
+	if sp.Protocol == config.UDP {
+		proto = "udp"
+	}
+	bind := p.bindFor(key.Family)
+	sock, port, release, err := p.alloc.listen(proto, bind)
+	if err != nil {
+		return nil, err
+	}
+	fe := &frontend{
+		p: p, key: key, spec: sp, bal: NewRoundRobin(),
+		listen:  netip.AddrPortFrom(bind, uint16(port)),
+		release: release,
+		ctx:     p.ctx,
+		log: p.cfg.log().WithFields(logrus.Fields{
+			"service": key.Name.String(), "protocol": sp.Protocol, "family": key.Family, "kind": key.Kind, "listen": port,
+		}),
+	}
+	switch s := sock.(type) {
+	case *net.TCPListener:
+		fe.tcp = s
+		fe.served.Add(1)
+		go func() { defer fe.served.Done(); fe.serveTCP(s) }()
+	case *net.UDPConn:
+		us, err := newUDPSocket(s, key.Family)
+		if err != nil {
+			s.Close()
+			release()
+			return nil, fmt.Errorf("enable IP_PKTINFO: %w", err)
+		}
+		fe.udpSk = us
+		fe.served.Add(1)
+		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
+	}
+	fe.log.Info("Listening")
+	return fe, nil
+}
+
+// close stops accepting; established TCP connections go on (they belong to
+// the connection table), UDP flows end with the socket.
+func (fe *frontend) close() {
+	if fe.tcp != nil {
+		fe.tcp.Close()
+	}
+	if fe.udpSk != nil {
+		fe.udpSk.conn.Close()
+	}
+	fe.served.Wait()
+	if fe.udpSk != nil {
+		fe.closeFlows()
+	}
+	fe.release()
+	fe.log.Info("Listener closed")
+}
+
+func (p *Proxier) shutdown(grace time.Duration) {
+	for key, fe := range p.frontends {
+		fe.close()
+		delete(p.frontends, key)
+	}
+	p.viewMu.Lock()
+	p.view = nil
+	p.viewMu.Unlock()
+	p.conns.drain(grace)
+}
+
+// Frontends returns the frontends as of the last sync, sorted by service.
+func (p *Proxier) Frontends() []Frontend {
+	p.viewMu.RLock()
+	defer p.viewMu.RUnlock()
+	return append([]Frontend(nil), p.view...)
+}
+
+// Lookup returns the frontend serving name for family and kind as of the last sync.
+func (p *Proxier) Lookup(name config.ServicePortName, family int, kind Kind) (Frontend, bool) {
+	for _, fe := range p.Frontends() {
+		if fe.Service.Name == name && fe.Family == family && fe.Kind == kind && fe.Err == nil {
+			return fe, true
+		}
+	}
+	return Frontend{}, false
+}
+
+// ListenPort returns the proxy port serving name for family and kind, or 0.
+func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind) int {
+	fe, _ := p.Lookup(name, family, kind)
+	return int(fe.Listen.Port())
+}

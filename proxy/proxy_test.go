@@ -1,0 +1,549 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"go.uber.org/goleak"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var loopback = netip.MustParseAddr("127.0.0.1")
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// testLog collects log entries so tests can read connection lines.
+type testLog struct {
+	mu      sync.Mutex
+	entries []*logrus.Entry
+}
+
+func (h *testLog) Levels() []logrus.Level { return logrus.AllLevels }
+func (h *testLog) Fire(e *logrus.Entry) error {
+	h.mu.Lock()
+	h.entries = append(h.entries, e)
+	h.mu.Unlock()
+	return nil
+}
+
+func (h *testLog) find(msg string) []logrus.Fields {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []logrus.Fields
+	for _, e := range h.entries {
+		if e.Message == msg {
+			out = append(out, e.Data)
+		}
+	}
+	return out
+}
+
+type harness struct {
+	t    *testing.T
+	p    *Proxier
+	logs *testLog
+}
+
+// startProxier runs a Proxier on loopback until the test ends.
+func startProxier(t *testing.T, cfg Config) *harness {
+	t.Helper()
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	log.SetLevel(logrus.DebugLevel)
+	h := &harness{t: t, logs: &testLog{}}
+	log.AddHook(h.logs)
+	if !cfg.BindAddress.IsValid() {
+		cfg.BindAddress = loopback
+	}
+	if cfg.MinSyncPeriod == 0 {
+		cfg.MinSyncPeriod = time.Millisecond
+	}
+	cfg.Log = log
+	h.p = New(cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { h.p.Run(ctx, 0); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return h
+}
+
+// apply hands st to the proxier and waits until it is what the listeners serve.
+func (h *harness) apply(ports ...*config.ServicePort) {
+	h.t.Helper()
+	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
+	for _, sp := range ports {
+		st.Ports[sp.Name] = sp
+	}
+	h.p.Update(st)
+	waitFor(h.t, "sync", func() bool {
+		view := h.p.Frontends()
+		n := 0
+		for _, fe := range view {
+			if sp := st.Ports[fe.Service.Name]; sp == fe.Service {
+				n++
+			}
+		}
+		return n == len(view) && len(view) >= len(ports)
+	})
+}
+
+func (h *harness) port(name string) int {
+	return h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: name}, 4, KindAll)
+}
+
+func (h *harness) addr(name string) string {
+	h.t.Helper()
+	p := h.port(name)
+	if p == 0 {
+		h.t.Fatalf("no listener for %s", name)
+	}
+	return fmt.Sprintf("127.0.0.1:%d", p)
+}
+
+func svc(name string, proto config.Protocol, backends ...netip.AddrPort) *config.ServicePort {
+	sp := &config.ServicePort{
+		Name:       config.ServicePortName{Namespace: "ns", Name: name},
+		Protocol:   proto,
+		Port:       80,
+		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
+	}
+	for _, b := range backends {
+		sp.Endpoints = append(sp.Endpoints, config.Endpoint{Addr: b, Ready: true, Serving: true})
+	}
+	return sp
+}
+
+// tcpBackend answers every connection with its name and a newline, then
+// echoes until the client half-closes, then closes.
+func tcpBackend(t *testing.T, name string) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				fmt.Fprintf(c, "%s\n", name)
+				_, _ = io.Copy(c, c)
+			}()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// udpBackend replies to every datagram with "name:" + the datagram.
+func udpBackend(t *testing.T, name string) netip.AddrPort {
+	t.Helper()
+	c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { c.Close(); <-done })
+	go func() {
+		defer close(done)
+		buf := make([]byte, 70000)
+		for {
+			n, from, err := c.ReadFromUDP(buf)
+			if err != nil {
+				return
+			}
+			_, _ = c.WriteToUDP(append([]byte(name+":"), buf[:n]...), from)
+		}
+	}()
+	return c.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+// closedPort returns a loopback port nobody listens on (connection refused).
+func closedPort(t *testing.T) netip.AddrPort {
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	ln.Close()
+	return ap
+}
+
+// blackhole returns a loopback address whose SYNs are dropped, so that a dial
+// times out: a listener with a full accept queue that never accepts.
+func blackhole(t *testing.T) netip.AddrPort {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, _ := syscall.Getsockname(fd)
+	ap := netip.AddrPortFrom(loopback, uint16(sa.(*syscall.SockaddrInet4).Port))
+	var fillers []net.Conn
+	t.Cleanup(func() {
+		for _, c := range fillers {
+			c.Close()
+		}
+		syscall.Close(fd)
+	})
+	// Fill the accept queue until a dial no longer completes.
+	for i := 0; i < 8; i++ {
+		c, err := net.DialTimeout("tcp4", ap.String(), 200*time.Millisecond)
+		if err != nil {
+			return ap
+		}
+		fillers = append(fillers, c)
+	}
+	t.Fatal("could not fill the accept queue of the blackhole listener")
+	return ap
+}
+
+// fetchName connects, reads the backend's name line and closes.
+func fetchName(t *testing.T, addr string) string {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatalf("dial %s: %v", addr, err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		t.Fatalf("read from %s: %v", addr, err)
+	}
+	return strings.TrimSpace(line)
+}
+
+func TestTCPRoundRobin(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("web", config.TCP, tcpBackend(t, "a"), tcpBackend(t, "b"), tcpBackend(t, "c")))
+	addr := h.addr("web")
+	counts := map[string]int{}
+	for i := 0; i < 30; i++ {
+		counts[fetchName(t, addr)]++
+	}
+	if counts["a"] != 10 || counts["b"] != 10 || counts["c"] != 10 {
+		t.Fatalf("spread %v, want 10 each", counts)
+	}
+}
+
+func TestTCPEchoAndHalfClose(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("echo", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("echo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB: the splice path
+	go func() {
+		_, _ = c.Write(payload)
+		_ = c.(*net.TCPConn).CloseWrite() // half-close: the reply must still come
+	}()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	got, err := io.ReadAll(c) // ends only when the backend saw our FIN and closed
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte("a\n"), payload...)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("got %d bytes back, want %d", len(got), len(want))
+	}
+	waitFor(t, "connection log line", func() bool { return len(h.logs.find("Connection closed")) == 1 })
+	f := h.logs.find("Connection closed")[0]
+	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != CauseClientClosed {
+		t.Fatalf("log line %v: want bytesUp=%d bytesDown=%d cause=%q", f, len(payload), len(want), CauseClientClosed)
+	}
+}
+
+func TestTCPMultiPortService(t *testing.T) {
+	h := startProxier(t, Config{})
+	http := svc("multi", config.TCP, tcpBackend(t, "http"))
+	http.Name.Port = "http"
+	admin := svc("multi", config.TCP, tcpBackend(t, "admin"))
+	admin.Name.Port, admin.Port = "admin", 9090
+	h.apply(http, admin)
+	for _, tc := range []struct{ port, want string }{{"http", "http"}, {"admin", "admin"}} {
+		p := h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "multi", Port: tc.port}, 4, KindAll)
+		if got := fetchName(t, fmt.Sprintf("127.0.0.1:%d", p)); got != tc.want {
+			t.Errorf("port %s reached %q", tc.port, got)
+		}
+	}
+}
+
+func TestTCPNoEndpointsResets(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("empty", config.TCP))
+	expectReset(t, h.addr("empty"))
+	waitFor(t, "log", func() bool { return len(h.logs.find("Connection closed")) == 1 })
+	if f := h.logs.find("Connection closed")[0]; f["cause"] != CauseNoEndpoints {
+		t.Fatalf("cause %v", f["cause"])
+	}
+}
+
+func TestTCPAllDialsFailResets(t *testing.T) {
+	h := startProxier(t, Config{DialTimeouts: []time.Duration{100 * time.Millisecond, 100 * time.Millisecond}})
+	h.apply(svc("dead", config.TCP, closedPort(t), closedPort(t)))
+	expectReset(t, h.addr("dead"))
+}
+
+// expectReset connects and expects the proxy to reset the connection (the
+// reset can beat connect's return on loopback) rather than close or hang.
+func expectReset(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err == nil {
+		defer c.Close()
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+	}
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("got %v, want a reset (ECONNRESET)", err)
+	}
+}
+
+func TestTCPRetryPastDeadEndpoint(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		dead func(*testing.T) netip.AddrPort
+	}{
+		{"connection refused", closedPort},
+		{"dial timeout", blackhole},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startProxier(t, Config{DialTimeouts: []time.Duration{100 * time.Millisecond, 5 * time.Second}})
+			good := tcpBackend(t, "good")
+			h.apply(svc("retry", config.TCP, tc.dead(t), good))
+			// Whichever endpoint round-robin starts at, every connection
+			// must reach the good one, those that tried the dead one first
+			// after a retry.
+			for i := 0; i < 4; i++ {
+				if got := fetchName(t, h.addr("retry")); got != "good" {
+					t.Fatalf("connection %d reached %q", i, got)
+				}
+			}
+			waitFor(t, "logs", func() bool { return len(h.logs.find("Connection closed")) == 4 })
+			retries := 0
+			for _, f := range h.logs.find("Connection closed") {
+				if f["reason"] == string(ReasonRetry) {
+					retries++
+					if f["attempts"] != 2 || f["endpoint"] != good.String() {
+						t.Errorf("retry line %v", f)
+					}
+				}
+			}
+			if retries == 0 {
+				t.Fatal("no connection was retried; the dead endpoint was never picked")
+			}
+		})
+	}
+}
+
+func TestTCPAffinity(t *testing.T) {
+	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
+	for _, tc := range []struct {
+		name  string
+		steps []*config.ServicePort
+	}{
+		{"affinity before endpoints", []*config.ServicePort{
+			func() *config.ServicePort { s := svc("sticky", config.TCP); s.AffinityTimeout = time.Hour; return s }(),
+			func() *config.ServicePort { s := svc("sticky", config.TCP, a, b); s.AffinityTimeout = time.Hour; return s }(),
+		}},
+		{"endpoints before affinity", []*config.ServicePort{
+			svc("sticky", config.TCP, a, b),
+			func() *config.ServicePort { s := svc("sticky", config.TCP, a, b); s.AffinityTimeout = time.Hour; return s }(),
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startProxier(t, Config{})
+			for _, st := range tc.steps {
+				h.apply(st)
+			}
+			first := fetchName(t, h.addr("sticky"))
+			for i := 0; i < 10; i++ {
+				if got := fetchName(t, h.addr("sticky")); got != first {
+					t.Fatalf("connection %d went to %s, pinned to %s", i, got, first)
+				}
+			}
+			// Switching affinity off restores round-robin.
+			h.apply(svc("sticky", config.TCP, a, b))
+			seen := map[string]bool{}
+			for i := 0; i < 4; i++ {
+				seen[fetchName(t, h.addr("sticky"))] = true
+			}
+			if len(seen) != 2 {
+				t.Fatalf("affinity off: reached only %v", seen)
+			}
+		})
+	}
+}
+
+func TestUpdateDeleteUpdate(t *testing.T) {
+	h := startProxier(t, Config{})
+	a := tcpBackend(t, "a")
+	h.apply(svc("svc", config.TCP, a))
+	addr1 := h.addr("svc")
+
+	// An established connection survives its service's removal.
+	c, err := net.Dial("tcp", addr1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := bufio.NewReader(c)
+	if line, _ := r.ReadString('\n'); line != "a\n" {
+		t.Fatalf("got %q", line)
+	}
+	h.apply()
+	if h.port("svc") != 0 {
+		t.Fatal("listener still reported after removal")
+	}
+	if _, err := net.DialTimeout("tcp", addr1, time.Second); err == nil {
+		t.Fatal("removed service's listener still accepts")
+	}
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(c, "still here\n")
+	if line, err := r.ReadString('\n'); err != nil || line != "still here\n" {
+		t.Fatalf("established connection broke with its service: %q %v", line, err)
+	}
+
+	h.apply(svc("svc", config.TCP, a))
+	if got := fetchName(t, h.addr("svc")); got != "a" {
+		t.Fatalf("re-added service reached %q", got)
+	}
+}
+
+func TestEndpointChangeKeepsListenerPortChangeReplacesIt(t *testing.T) {
+	h := startProxier(t, Config{})
+	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
+	h.apply(svc("svc", config.TCP, a))
+	port := h.port("svc")
+	h.apply(svc("svc", config.TCP, b))
+	if h.port("svc") != port {
+		t.Fatal("an endpoint change replaced the listener")
+	}
+	if got := fetchName(t, h.addr("svc")); got != "b" {
+		t.Fatalf("after the endpoint change: reached %q", got)
+	}
+	moved := svc("svc", config.TCP, b)
+	moved.Port = 8080
+	h.apply(moved)
+	if p := h.port("svc"); p == port || p == 0 {
+		t.Fatalf("a port change kept listener %d (now %d)", port, p)
+	}
+	if got := fetchName(t, h.addr("svc")); got != "b" {
+		t.Fatalf("after the port change: reached %q", got)
+	}
+	udp := svc("svc", config.UDP, b)
+	h.apply(udp)
+	if fe := h.p.Frontends(); len(fe) != 1 || fe[0].Protocol != config.UDP {
+		t.Fatalf("protocol change: frontends %+v", fe)
+	}
+}
+
+func TestTCPIdleTimeout(t *testing.T) {
+	h := startProxier(t, Config{TCPIdleTimeout: 300 * time.Millisecond})
+	h.apply(svc("idle", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("idle"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	r := bufio.NewReader(c)
+	// Keep talking for longer than the idle timeout: the connection must live.
+	for i := 0; i < 8; i++ {
+		fmt.Fprintf(c, "ping %d\n", i)
+		if line, err := r.ReadString('\n'); err != nil {
+			t.Fatalf("active connection cut at round %d: %q %v", i, line, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	// Then go quiet: the proxy closes it.
+	_, _ = r.ReadString('\n') // the name line
+	if _, err := r.ReadString('\n'); err != io.EOF {
+		t.Fatalf("idle connection: read got %v, want EOF", err)
+	}
+	waitFor(t, "log", func() bool { return len(h.logs.find("Connection closed")) == 1 })
+	if f := h.logs.find("Connection closed")[0]; f["cause"] != CauseIdleTimeout {
+		t.Fatalf("cause %v", f["cause"])
+	}
+}
+
+func TestShutdownClosesConnections(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("svc", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("svc"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := bufio.NewReader(c)
+	if _, err := r.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	// The cleanup of startProxier cancels Run; goleak in TestMain proves
+	// the connection's goroutines ended with it.
+}
+
+func TestPortRangeReleasedAndReused(t *testing.T) {
+	base := closedPort(t).Port()
+	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}})
+	a := tcpBackend(t, "a")
+	h.apply(svc("one", config.TCP, a))
+	if h.port("one") != int(base) {
+		t.Fatalf("listener on %d, want %d from the range", h.port("one"), base)
+	}
+	// The range is full: a second service cannot be served...
+	h.apply(svc("one", config.TCP, a), svc("two", config.TCP, a))
+	for _, fe := range h.p.Frontends() {
+		if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ErrPortsExhausted) {
+			t.Fatalf("service two: err %v, want ErrPortsExhausted", fe.Err)
+		}
+	}
+	// ...until the first one goes and gives its port back.
+	h.apply(svc("two", config.TCP, a))
+	waitFor(t, "port reuse", func() bool {
+		h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "two"}: svc("two", config.TCP, a)}})
+		return h.port("two") == int(base)
+	})
+}

@@ -1,0 +1,252 @@
+package proxy
+
+// One TCP connection's path, top to bottom:
+//
+//	serveTCP (accept loop)  →  handleTCP (one goroutine per connection)
+//	  → dialBackend (balancer pick + dial with retry)
+//	  → spliceConns (two copy goroutines, splice(2) between plain *net.TCPConns)
+//	  → conn record closed and logged
+//
+// The accept loop never dials: a slow backend delays only its own client.
+
+import (
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
+)
+
+// DefaultDialTimeouts are the per-attempt dial timeouts of the classic
+// userspace proxier: up to four endpoints are tried before the client is reset.
+var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
+
+// Close causes recorded per connection.
+const (
+	CauseClientClosed  = "client closed"
+	CauseBackendClosed = "backend closed"
+	CauseClientReset   = "client reset"
+	CauseBackendReset  = "backend reset"
+	CauseIdleTimeout   = "idle timeout"
+	CauseShutdown      = "shutdown"
+	CauseNoEndpoints   = "no endpoints"
+	CauseDialFailed    = "dial failed"
+)
+
+// serveTCP accepts connections until the listener is closed. Accept errors
+// such as EMFILE back off (5 ms doubling to 1 s) instead of spinning or dying.
+func (f *frontend) serveTCP(ln *net.TCPListener) {
+	var backoff time.Duration
+	for {
+		client, err := ln.AcceptTCP()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			f.log.WithError(err).WithField("retryIn", backoff).Warn("Accept failed")
+			select {
+			case <-time.After(backoff):
+			case <-f.ctx.Done():
+				return
+			}
+			continue
+		}
+		backoff = 0
+		c := f.p.conns.add(f, client)
+		go f.handleTCP(c, client)
+	}
+}
+
+// handleTCP owns client: it dials a backend, splices the two and closes both.
+func (f *frontend) handleTCP(c *connRecord, client *net.TCPConn) {
+	defer f.p.conns.remove(c)
+	c.OrigDst = originalDst(client)
+
+	backend, err := f.dialBackend(c)
+	if err != nil {
+		// A reset tells the client at once that nothing is there, instead of
+		// an accepted connection that silently closes or hangs.
+		_ = client.SetLinger(0)
+		client.Close()
+		c.finish(f, 0, 0, err.Error())
+		return
+	}
+	up, down, cause := f.spliceConns(c, client, backend)
+	c.finish(f, up, down, cause)
+}
+
+// dialBackend tries up to len(DialTimeouts) endpoints, each with its own
+// timeout; every retry asks the balancer again, bypassing affinity.
+func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
+	client := c.Client.Addr()
+	timeouts := f.p.cfg.dialTimeouts()
+	for attempt, timeout := range timeouts {
+		ep, why, ok := f.bal.Pick(client, attempt)
+		if !ok {
+			c.Cause = CauseNoEndpoints
+			return nil, errors.New(CauseNoEndpoints)
+		}
+		c.setBackend(ep, why, attempt)
+		start := time.Now()
+		d := net.Dialer{Timeout: timeout, KeepAlive: 15 * time.Second}
+		conn, err := d.DialContext(f.ctx, "tcp", ep.String())
+		if err == nil {
+			c.DialLatency = time.Since(start)
+			return conn.(*net.TCPConn), nil
+		}
+		f.log.WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1}).
+			WithError(err).Debug("Dial failed")
+		if f.ctx.Err() != nil {
+			return nil, errors.New(CauseShutdown)
+		}
+		if isFileLimit(err) {
+			// Out of descriptors: trying more endpoints only makes it worse.
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	return nil, errors.New(CauseDialFailed)
+}
+
+// spliceConns copies both ways until both directions end, propagating
+// half-closes, and closes both sockets. It returns the bytes sent to the
+// backend (up) and to the client (down) and why the exchange ended.
+func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up, down int64, cause string) {
+	type result struct {
+		n     int64
+		cause string
+		fatal bool // the other direction must be stopped too
+	}
+	idle := f.p.cfg.TCPIdleTimeout
+	ups, downs := make(chan result, 1), make(chan result, 1)
+	c.setConns(client, backend)
+	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, out chan<- result) {
+		n, err := copyUntilIdle(dst, src, client, backend, idle)
+		switch {
+		case err == nil:
+			// A FIN from src: pass the half-close on and let the other
+			// direction finish on its own (a request/response protocol
+			// depends on it).
+			_ = dst.CloseWrite()
+			out <- result{n, eofCause, false}
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			out <- result{n, CauseIdleTimeout, true}
+		case errors.Is(err, net.ErrClosed):
+			out <- result{n, c.closeCause(), true}
+		default:
+			out <- result{n, resetCause, true}
+		}
+	}
+	go copyHalf(backend, client, CauseClientClosed, CauseClientReset, ups)
+	go copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, downs)
+
+	var first, second result
+	var firstUp bool
+	select {
+	case first = <-ups:
+		firstUp = true
+	case first = <-downs:
+	}
+	if first.fatal {
+		if first.cause == CauseClientReset {
+			_ = backend.SetLinger(0) // pass the reset on
+		} else if first.cause == CauseBackendReset {
+			_ = client.SetLinger(0)
+		}
+		client.Close()
+		backend.Close()
+	}
+	if firstUp {
+		second = <-downs
+		up, down = first.n, second.n
+	} else {
+		second = <-ups
+		up, down = second.n, first.n
+	}
+	client.Close()
+	backend.Close()
+	return up, down, first.cause
+}
+
+// copyUntilIdle is io.Copy(dst, src) — which splices, because both are plain
+// *net.TCPConn — with an idle timeout: the read deadline on src fires every
+// idle period, and the copy goes on while the kernel's TCP_INFO says either
+// peer sent data within the period. It returns nil at EOF.
+func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration) (int64, error) {
+	var total int64
+	for {
+		if idle > 0 {
+			_ = src.SetReadDeadline(time.Now().Add(idle))
+		}
+		n, err := io.Copy(dst, src)
+		total += n
+		if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+			return total, err
+		}
+		quiet := min(sinceLastRecv(client), sinceLastRecv(backend))
+		if n > 0 || quiet < idle {
+			continue
+		}
+		return total, err
+	}
+}
+
+// sinceLastRecv reads how long ago the kernel last received data on c.
+func sinceLastRecv(c *net.TCPConn) time.Duration {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var info *unix.TCPInfo
+	_ = raw.Control(func(fd uintptr) {
+		info, _ = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+	})
+	if info == nil {
+		return 0 // unknown: treat as active rather than cut a live connection
+	}
+	return time.Duration(info.Last_data_recv) * time.Millisecond
+}
+
+// originalDst returns where the client was going before iptables redirected
+// it (SO_ORIGINAL_DST), or the local address when it was not redirected.
+func originalDst(c *net.TCPConn) netip.AddrPort {
+	local := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return local
+	}
+	var dst netip.AddrPort
+	_ = raw.Control(func(fd uintptr) {
+		if local.Addr().Unmap().Is4() {
+			// sockaddr_in fits the 16 bytes of an IPv6Mreq.
+			m, err := unix.GetsockoptIPv6Mreq(int(fd), unix.SOL_IP, unix.SO_ORIGINAL_DST)
+			if err == nil {
+				port := binary.BigEndian.Uint16(m.Multiaddr[2:4])
+				ip := netip.AddrFrom4([4]byte(m.Multiaddr[4:8]))
+				dst = netip.AddrPortFrom(ip, port)
+			}
+			return
+		}
+		// sockaddr_in6 fits the 32 bytes of an IPv6MTUInfo.
+		m, err := unix.GetsockoptIPv6MTUInfo(int(fd), unix.SOL_IPV6, unix.SO_ORIGINAL_DST)
+		if err == nil {
+			var port [2]byte // Port holds network byte order in host memory
+			binary.NativeEndian.PutUint16(port[:], m.Addr.Port)
+			dst = netip.AddrPortFrom(netip.AddrFrom16(m.Addr.Addr).Unmap(), binary.BigEndian.Uint16(port[:]))
+		}
+	})
+	if !dst.IsValid() {
+		return local
+	}
+	return dst
+}
+
+func isFileLimit(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)
+}

@@ -1,0 +1,145 @@
+package proxy
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// udpExchange sends msg from c and returns the reply.
+func udpExchange(t *testing.T, c *net.UDPConn, msg []byte) []byte {
+	t.Helper()
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	buf := make([]byte, 70000)
+	n, err := c.Read(buf)
+	if err != nil {
+		t.Fatalf("no reply to %d-byte datagram: %v", len(msg), err)
+	}
+	return buf[:n]
+}
+
+func dialUDP(t *testing.T, addr string) *net.UDPConn {
+	t.Helper()
+	ra, err := net.ResolveUDPAddr("udp4", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.DialUDP("udp4", nil, ra)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func (h *harness) udpFrontend(name string) Frontend {
+	h.t.Helper()
+	fe, ok := h.p.Lookup(config.ServicePortName{Namespace: "ns", Name: name}, 4, KindAll)
+	if !ok {
+		h.t.Fatalf("no frontend for %s", name)
+	}
+	return fe
+}
+
+func TestUDPRoundRobinAndLargeDatagrams(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a"), udpBackend(t, "b")))
+	seen := map[string]int{}
+	for i := 0; i < 4; i++ {
+		c := dialUDP(t, h.addr("dns")) // a new client port: a new flow
+		reply := udpExchange(t, c, []byte("q"))
+		name, _, _ := strings.Cut(string(reply), ":")
+		seen[name]++
+		// The same flow keeps its endpoint.
+		if again := udpExchange(t, c, []byte("q2")); !strings.HasPrefix(string(again), name+":") {
+			t.Fatalf("flow moved from %s: %q", name, again)
+		}
+	}
+	if seen["a"] != 2 || seen["b"] != 2 {
+		t.Fatalf("flows spread %v, want 2 each", seen)
+	}
+	big := bytes.Repeat([]byte("x"), 65000) // the classic 4 KiB buffer truncated these
+	c := dialUDP(t, h.addr("dns"))
+	reply := udpExchange(t, c, big)
+	if _, payload, _ := bytes.Cut(reply, []byte(":")); !bytes.Equal(payload, big) {
+		t.Fatalf("large datagram came back as %d bytes, want %d", len(payload), len(big))
+	}
+}
+
+// A reply must leave from the address the datagram arrived on: here the
+// listener is bound to 0.0.0.0 and the client talks to 127.0.0.2, and its
+// connected socket drops anything from another address.
+func TestUDPReplyFromArrivalAddress(t *testing.T) {
+	h := startProxier(t, Config{BindAddress: netip4("0.0.0.0")})
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
+	c := dialUDP(t, fmt.Sprintf("127.0.0.2:%d", h.port("dns")))
+	if reply := udpExchange(t, c, []byte("hi")); string(reply) != "a:hi" {
+		t.Fatalf("reply %q", reply)
+	}
+}
+
+func TestUDPFlowExpires(t *testing.T) {
+	h := startProxier(t, Config{UDPTimeout: 200 * time.Millisecond})
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
+	c := dialUDP(t, h.addr("dns"))
+	udpExchange(t, c, []byte("q"))
+	if n, _ := h.udpFrontend("dns").UDPFlows(); n != 1 {
+		t.Fatalf("%d flows after one exchange, want 1", n)
+	}
+	waitFor(t, "flow expiry", func() bool { n, _ := h.udpFrontend("dns").UDPFlows(); return n == 0 })
+	waitFor(t, "flow log line", func() bool { return len(h.logs.find("UDP flow closed")) == 1 })
+	f := h.logs.find("UDP flow closed")[0]
+	if f["cause"] != CauseIdleTimeout || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
+		t.Fatalf("flow line %v", f)
+	}
+	// A new datagram from the same client opens a new flow.
+	if reply := udpExchange(t, c, []byte("again")); string(reply) != "a:again" {
+		t.Fatalf("reply %q", reply)
+	}
+}
+
+func TestUDPFlowTableBounded(t *testing.T) {
+	h := startProxier(t, Config{UDPMaxFlows: 3})
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
+	var clients []*net.UDPConn
+	for i := 0; i < 5; i++ {
+		c := dialUDP(t, h.addr("dns"))
+		udpExchange(t, c, []byte("q"))
+		clients = append(clients, c)
+	}
+	active, evicted := h.udpFrontend("dns").UDPFlows()
+	if active != 3 || evicted != 2 {
+		t.Fatalf("active=%d evicted=%d, want 3 and 2", active, evicted)
+	}
+	// The newest clients kept their flows; an evicted one gets a new flow.
+	if reply := udpExchange(t, clients[0], []byte("back")); string(reply) != "a:back" {
+		t.Fatalf("reply %q", reply)
+	}
+	if _, evicted := h.udpFrontend("dns").UDPFlows(); evicted != 3 {
+		t.Fatalf("evicted=%d after a returning client, want 3", evicted)
+	}
+}
+
+func TestUDPNoEndpointsDrops(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("dns", config.UDP))
+	c := dialUDP(t, h.addr("dns"))
+	if _, err := c.Write([]byte("q")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if n, err := c.Read(make([]byte, 10)); err == nil {
+		t.Fatalf("got a %d-byte reply with no endpoints", n)
+	}
+}
+
+func netip4(s string) netip.Addr { return netip.MustParseAddr(s) }

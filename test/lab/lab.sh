@@ -1,0 +1,68 @@
+# Shared by make demo and make bench: a throwaway lab of network namespaces.
+#
+#   client pod 10.251.19.20 ─┐
+#   pod1       10.251.19.12 ─┼─ br0 10.251.19.1 [node] 192.168.50.1 ── 192.168.50.2 external client
+#   pod2       10.251.19.8  ─┘
+#
+# Every name carries LAB (a per-run prefix) so that parallel runs and
+# leftovers of a killed run never collide; lab_down removes everything.
+
+LAB=${LAB:-kup$$}
+
+lab_ns() { echo "$LAB-$1"; }
+
+lab_up() {
+  set -e
+  ip netns add "$LAB-node"
+  ip netns exec "$LAB-node" ip link set lo up
+  ip netns exec "$LAB-node" sysctl -qw net.ipv4.ip_forward=1
+  ip netns exec "$LAB-node" ip link add br0 type bridge
+  ip netns exec "$LAB-node" ip addr add 10.251.19.1/24 dev br0
+  ip netns exec "$LAB-node" ip link set br0 up
+  local pod ip i=0
+  for pod in pod1:10.251.19.12 pod2:10.251.19.8 client:10.251.19.20; do
+    ip=${pod#*:}; pod=${pod%%:*}; i=$((i+1))
+    ip netns add "$LAB-$pod"
+    ip link add "$LAB-v$i" type veth peer name eth0 netns "$LAB-$pod"
+    ip link set "$LAB-v$i" netns "$LAB-node"
+    ip netns exec "$LAB-node" ip link set "$LAB-v$i" master br0 up
+    ip netns exec "$LAB-$pod" ip link set lo up
+    ip netns exec "$LAB-$pod" ip addr add "$ip/24" dev eth0
+    ip netns exec "$LAB-$pod" ip link set eth0 up
+    ip netns exec "$LAB-$pod" ip route add default via 10.251.19.1
+  done
+  ip netns add "$LAB-ext"
+  ip link add "$LAB-x" type veth peer name eth0 netns "$LAB-ext"
+  ip link set "$LAB-x" netns "$LAB-node"
+  ip netns exec "$LAB-node" ip addr add 192.168.50.1/24 dev "$LAB-x"
+  ip netns exec "$LAB-node" ip link set "$LAB-x" up
+  ip netns exec "$LAB-ext" ip link set lo up
+  ip netns exec "$LAB-ext" ip addr add 192.168.50.2/24 dev eth0
+  ip netns exec "$LAB-ext" ip link set eth0 up
+  set +e
+}
+
+lab_down() {
+  local ns pid
+  for ns in node pod1 pod2 client ext; do
+    if ip netns list | grep -qw "$LAB-$ns"; then
+      for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill "$pid" 2>/dev/null; done
+    fi
+  done
+  sleep 0.2
+  for ns in node pod1 pod2 client ext; do
+    if ip netns list | grep -qw "$LAB-$ns"; then
+      for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+      ip netns del "$LAB-$ns" 2>/dev/null
+    fi
+  done
+}
+
+# wait_until SECONDS CMD...: run CMD until it succeeds or SECONDS pass.
+wait_until() {
+  local deadline=$((SECONDS + $1)); shift
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -ge $deadline ] && return 1
+    sleep 0.1
+  done
+}
