@@ -163,7 +163,7 @@ type Proxier struct {
 	alloc portAllocator
 	conns connTable
 
-	mu       sync.Mutex   // guards pending and queuedAt
+	mu       sync.Mutex // guards pending and queuedAt
 	pending  *config.State
 	queuedAt time.Time
 	kick     chan struct{} // capacity 1: merges bursts

@@ -386,11 +386,19 @@ func TestTCPAffinity(t *testing.T) {
 	}{
 		{"affinity before endpoints", []*config.ServicePort{
 			func() *config.ServicePort { s := svc("sticky", config.TCP); s.AffinityTimeout = time.Hour; return s }(),
-			func() *config.ServicePort { s := svc("sticky", config.TCP, a, b); s.AffinityTimeout = time.Hour; return s }(),
+			func() *config.ServicePort {
+				s := svc("sticky", config.TCP, a, b)
+				s.AffinityTimeout = time.Hour
+				return s
+			}(),
 		}},
 		{"endpoints before affinity", []*config.ServicePort{
 			svc("sticky", config.TCP, a, b),
-			func() *config.ServicePort { s := svc("sticky", config.TCP, a, b); s.AffinityTimeout = time.Hour; return s }(),
+			func() *config.ServicePort {
+				s := svc("sticky", config.TCP, a, b)
+				s.AffinityTimeout = time.Hour
+				return s
+			}(),
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
