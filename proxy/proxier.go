@@ -84,9 +84,11 @@ func (c *Config) connLog() logrus.FieldLogger {
 }
 
 // Rules is the kernel side: make the listed frontends' addresses reach their
-// listeners, and nothing else. Sync is called only from the sync goroutine.
+// listeners, and nothing else. Sync is called only from the sync goroutine;
+// verify asks it to compare the live rules with the desired ones (once per
+// sync period) instead of trusting what it wrote last.
 type Rules interface {
-	Sync(ctx context.Context, frontends []Frontend) error
+	Sync(ctx context.Context, frontends []Frontend, verify bool) error
 }
 
 // Kind says which addresses a frontend answers on.
@@ -117,6 +119,9 @@ type Frontend struct {
 	Listen   netip.AddrPort // where the listener is bound (port is the proxy port)
 	// Err is set when the listener could not be opened; Rules skip it.
 	Err error
+	// NodePortErr is set when the NodePort could not be held (another
+	// process has it); Rules skip the NodePort but serve the rest.
+	NodePortErr error
 
 	fe *frontend // nil when Err is set
 }
@@ -171,7 +176,7 @@ type Proxier struct {
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
-	lastRules error
+	nodePorts map[nodePortKey]*nodePortHold
 
 	viewMu sync.RWMutex // guards view, the frontends as last synced, for readers
 	view   []Frontend
@@ -184,6 +189,7 @@ func New(cfg Config) *Proxier {
 		alloc:     portAllocator{r: cfg.PortRange},
 		kick:      make(chan struct{}, 1),
 		frontends: make(map[frontendKey]*frontend),
+		nodePorts: make(map[nodePortKey]*nodePortHold),
 	}
 }
 
@@ -218,15 +224,22 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	}
 	ticker := time.NewTicker(period)
 	defer ticker.Stop()
+	retry := time.NewTimer(time.Hour)
+	retry.Stop()
+	defer retry.Stop()
 	var current *config.State
 	var lastSync time.Time
 	for {
+		verify := false
 		select {
 		case <-ctx.Done():
 			p.shutdown(grace)
 			return
 		case <-p.kick:
 		case <-ticker.C:
+			verify = true
+		case <-retry.C:
+			verify = true
 		}
 		if wait := minPeriod - time.Since(lastSync); wait > 0 {
 			select {
@@ -245,14 +258,16 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			continue // nothing to serve yet: program nothing
 		}
 		lastSync = time.Now()
-		p.sync(current)
+		if err := p.sync(current, verify); err != nil {
+			retry.Reset(minPeriod)
+		}
 	}
 }
 
 // sync makes listeners and rules match st: open what is new (before the
 // rules point at it), update balancers, write rules, then close what is gone
 // (after the rules stopped pointing at it).
-func (p *Proxier) sync(st *config.State) {
+func (p *Proxier) sync(st *config.State, verify bool) error {
 	log := p.cfg.log()
 	start := time.Now()
 	desired := desiredFrontends(st)
@@ -263,6 +278,7 @@ func (p *Proxier) sync(st *config.State) {
 			delete(p.frontends, key)
 		}
 	}
+	p.syncNodePorts(desired)
 	var view []Frontend
 	for key, sp := range desired {
 		fe := p.frontends[key]
@@ -278,23 +294,25 @@ func (p *Proxier) sync(st *config.State) {
 		}
 		fe.spec = sp
 		fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
-		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen, fe: fe})
+		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
+			NodePortErr: p.nodePortErr(key, sp), fe: fe})
 	}
 	sort.Slice(view, func(i, j int) bool { return lessFrontend(view[i], view[j]) })
 	p.viewMu.Lock()
 	p.view = view
 	p.viewMu.Unlock()
 
+	var err error
 	if p.cfg.Rules != nil {
-		p.lastRules = p.cfg.Rules.Sync(p.ctx, view)
-		if p.lastRules != nil {
-			log.WithError(p.lastRules).Error("Rule sync failed; will retry")
+		if err = p.cfg.Rules.Sync(p.ctx, view, verify); err != nil {
+			log.WithError(err).Error("Rule sync failed; will retry")
 		}
 	}
 	for _, fe := range stale {
 		fe.close()
 	}
 	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(stale), "took": time.Since(start).String()}).Debug("Synced")
+	return err
 }
 
 func lessFrontend(a, b Frontend) bool {
@@ -408,7 +426,18 @@ func (fe *frontend) close() {
 	fe.log.Info("Listener closed")
 }
 
+// shutdown removes the rules first, so that new traffic fails fast instead of
+// into closed ports, then closes listeners and lets connections drain.
 func (p *Proxier) shutdown(grace time.Duration) {
+	if p.cfg.Rules != nil {
+		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {
+			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
+		}
+	}
+	for k, h := range p.nodePorts {
+		h.close()
+		delete(p.nodePorts, k)
+	}
 	for key, fe := range p.frontends {
 		fe.close()
 		delete(p.frontends, key)
@@ -440,4 +469,17 @@ func (p *Proxier) Lookup(name config.ServicePortName, family int, kind Kind) (Fr
 func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind) int {
 	fe, _ := p.Lookup(name, family, kind)
 	return int(fe.Listen.Port())
+}
+
+// Plan returns the frontends st needs, without opening anything: ports are 0.
+// It is what --show-rules renders.
+func Plan(st *config.State, bind netip.Addr) []Frontend {
+	p := &Proxier{cfg: Config{BindAddress: bind}}
+	var out []Frontend
+	for key, sp := range desiredFrontends(st) {
+		out = append(out, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
+			Listen: netip.AddrPortFrom(p.bindFor(key.Family), 0)})
+	}
+	sort.Slice(out, func(i, j int) bool { return lessFrontend(out[i], out[j]) })
+	return out
 }

@@ -20,14 +20,25 @@ echo "== Serving docs/examples/devpaasy.yaml (dev/devpaasy: ClusterIP 10.0.0.41:
 ip netns exec "$LAB-node" "$BIN/kube-userspace-proxy" --manifests docs/examples/devpaasy.yaml \
   --hostname-override node-1 >"$tmp/proxy.log" 2>&1 &
 wait_until 10 grep -q Listening "$tmp/proxy.log" || { cat "$tmp/proxy.log"; exit 1; }
-port=$(sed -n 's/.*msg=Listening.* listen=\([0-9]*\).*/\1/p' "$tmp/proxy.log" | head -1)
-sed 's/^/   proxy: /' "$tmp/proxy.log"
+wait_until 10 ip netns exec "$LAB-node" sh -c 'iptables-save -t nat | grep -q "10.0.0.41/32"' || { cat "$tmp/proxy.log"; exit 1; }
 
-echo "== Six requests from the client pod to the proxy port (10.251.19.1:$port)"
+echo "== The rules it installed in the node (iptables-save, our chains)"
+ip netns exec "$LAB-node" iptables-save -t nat | grep -E 'KUBE-(PORTALS|NODEPORT)' | sed 's/^/   /'
+
 ok=0
-for i in 1 2 3 4 5 6; do
-  out=$(ip netns exec "$LAB-client" curl -s --max-time 5 "http://10.251.19.1:$port/") && ok=$((ok+1))
-  echo "   request $i -> ${out:-FAILED}"
-done
-[ $ok = 6 ] || { echo "demo failed: $ok of 6 requests answered" >&2; exit 1; }
-echo "== Done: requests alternate between the two pods"
+req() { # namespace url label
+  local out
+  out=$(ip netns exec "$1" curl -s --max-time 5 "$2") && ok=$((ok+1))
+  echo "   $3 -> ${out:-FAILED}"
+}
+echo "== Four requests from the client pod to the ClusterIP 10.0.0.41:8080"
+for i in 1 2 3 4; do req "$LAB-client" http://10.0.0.41:8080/ "pod    -> ClusterIP"; done
+echo "== Two from the node itself to the ClusterIP"
+for i in 1 2; do req "$LAB-node" http://10.0.0.41:8080/ "node   -> ClusterIP"; done
+echo "== Four from the external client to the NodePort 192.168.50.1:31341"
+for i in 1 2 3 4; do req "$LAB-ext" http://192.168.50.1:31341/ "extern -> NodePort "; done
+echo "== Two from the node to 127.0.0.1:31341 (no route_localnet needed)"
+for i in 1 2; do req "$LAB-node" http://127.0.0.1:31341/ "node   -> localhost NodePort"; done
+[ $ok = 12 ] || { echo "demo failed: $ok of 12 requests answered" >&2; sed 's/^/   proxy: /' "$tmp/proxy.log" >&2; exit 1; }
+echo "== Done: every path alternates between the two pods; the proxy's log:"
+grep -v 'level=debug' "$tmp/proxy.log" | sed 's/^/   proxy: /'

@@ -32,6 +32,10 @@ type options struct {
 	shutdownGrace    time.Duration
 	logLevel         string
 	logFormat        string
+	nodePortCIDRs    []netip.Prefix
+	cleanup          bool
+	showRules        bool
+	iptables         bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -40,6 +44,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	fs.SortFlags = false
 	var bind, portRange string
+	var nodePortAddrs []string
 	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this YAML/JSON file or directory (reloaded on change) instead of a cluster.")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file for watching a cluster.")
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig).")
@@ -52,6 +57,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules (bursts are merged).")
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
+	fs.StringSliceVar(&nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated; default: every local address).")
+	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
+	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
+	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
 	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (connection lines are debug).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
 	fs.Usage = func() {
@@ -90,6 +99,19 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.udpMaxFlows < 1 {
 		return nil, fmt.Errorf("--udp-max-flows: %d must be at least 1", o.udpMaxFlows)
+	}
+	for _, a := range nodePortAddrs {
+		pfx, err := netip.ParsePrefix(strings.TrimSpace(a))
+		if err != nil {
+			return nil, fmt.Errorf("--nodeport-addresses: %q is not a CIDR", a)
+		}
+		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
+	}
+	if o.cleanup {
+		return o, nil
+	}
+	if o.showRules && o.manifests == "" {
+		return nil, errors.New("--show-rules needs --manifests")
 	}
 	if (o.manifests == "") == (o.kubeconfig == "" && o.master == "") {
 		return nil, errors.New("give exactly one source: --manifests PATH, or --kubeconfig/--master for a cluster")

@@ -9,12 +9,19 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // serve runs the daemon until ctx ends.
 func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer) error {
 	node := o.nodeName()
+	switch {
+	case o.cleanup:
+		return iptables.Cleanup(log)
+	case o.showRules:
+		return showRules(o, node, stdout)
+	}
 	if o.manifests == "" {
 		return usageError{errors.New("--kubeconfig/--master: watching a cluster is not built yet; use --manifests")}
 	}
@@ -24,7 +31,18 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		log.WithField("limit", limit).Debug("Open-file limit")
 	}
 
+	var rules proxy.Rules
+	if o.iptables {
+		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, Log: log.WithField("component", "iptables")})
+		if err != nil {
+			return err
+		}
+		rules = r
+	} else {
+		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
+	}
 	p := proxy.New(proxy.Config{
+		Rules:          rules,
 		BindAddress:    o.bindAddress,
 		PortRange:      o.portRange,
 		TCPIdleTimeout: o.tcpIdleTimeout,
@@ -48,5 +66,33 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	stopSource()
 	<-watching
 	log.Info("Stopped")
+	return nil
+}
+
+// showRules prints the rules for --manifests as iptables-restore input,
+// touching nothing: optional matches are assumed present.
+func showRules(o *options, node string, w io.Writer) error {
+	st, _, err := config.LoadManifests(o.manifests, node)
+	if err != nil {
+		return err
+	}
+	frontends := proxy.Plan(st, o.bindAddress)
+	for _, fam := range []int{4, 6} {
+		ro := iptables.RenderOptions{
+			Family:       fam,
+			Features:     iptables.Features{Comment: true, Addrtype: true, Conntrack: true},
+			AllLocal:     len(o.nodePortCIDRs) == 0,
+			Placeholders: true,
+		}
+		if !ro.AllLocal {
+			ro.NodePortAddresses = iptables.LocalAddrs(fam, o.nodePortCIDRs)
+		}
+		bin := map[int]string{4: "iptables-restore", 6: "ip6tables-restore"}[fam]
+		fmt.Fprintf(w, "# IPv%d: %s --noflush input for %s (node %s)\n", fam, bin, o.manifests, node)
+		fmt.Fprint(w, iptables.Render(frontends, ro).RestoreInput())
+		for _, j := range iptables.JumpRules(ro.Features) {
+			fmt.Fprintf(w, "# and, once: %s\n", j)
+		}
+	}
 	return nil
 }

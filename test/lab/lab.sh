@@ -4,6 +4,10 @@
 #   pod1       10.251.19.12 ─┼─ br0 10.251.19.1 [node] 192.168.50.1 ── 192.168.50.2 external client
 #   pod2       10.251.19.8  ─┘
 #
+# IPv6: pods fd00:251::<last octet>/64 behind br0 fd00:251::1; node fd00:50::1
+# and external client fd00:50::2. The external client routes 203.0.113.0/24
+# (externalIPs and LoadBalancer IPs in tests) and fd00:96::/64 via the node.
+#
 # Every name carries LAB (a per-run prefix) so that parallel runs and
 # leftovers of a killed run never collide; lab_down removes everything.
 
@@ -16,8 +20,10 @@ lab_up() {
   ip netns add "$LAB-node"
   ip netns exec "$LAB-node" ip link set lo up
   ip netns exec "$LAB-node" sysctl -qw net.ipv4.ip_forward=1
+  ip netns exec "$LAB-node" sysctl -qw net.ipv6.conf.all.forwarding=1
   ip netns exec "$LAB-node" ip link add br0 type bridge
   ip netns exec "$LAB-node" ip addr add 10.251.19.1/24 dev br0
+  ip netns exec "$LAB-node" ip addr add fd00:251::1/64 dev br0 nodad
   ip netns exec "$LAB-node" ip link set br0 up
   local pod ip i=0
   for pod in pod1:10.251.19.12 pod2:10.251.19.8 client:10.251.19.20; do
@@ -30,6 +36,8 @@ lab_up() {
     ip netns exec "$LAB-$pod" ip addr add "$ip/24" dev eth0
     ip netns exec "$LAB-$pod" ip link set eth0 up
     ip netns exec "$LAB-$pod" ip route add default via 10.251.19.1
+    ip netns exec "$LAB-$pod" ip addr add "fd00:251::${ip##*.}/64" dev eth0 nodad
+    ip netns exec "$LAB-$pod" ip -6 route add default via fd00:251::1
   done
   ip netns add "$LAB-ext"
   ip link add "$LAB-x" type veth peer name eth0 netns "$LAB-ext"
@@ -38,7 +46,15 @@ lab_up() {
   ip netns exec "$LAB-node" ip link set "$LAB-x" up
   ip netns exec "$LAB-ext" ip link set lo up
   ip netns exec "$LAB-ext" ip addr add 192.168.50.2/24 dev eth0
+  ip netns exec "$LAB-node" ip addr add fd00:50::1/64 dev "$LAB-x" nodad
   ip netns exec "$LAB-ext" ip link set eth0 up
+  ip netns exec "$LAB-ext" ip addr add fd00:50::2/64 dev eth0 nodad
+  # Like a real node, ours has a default route (towards the external client),
+  # so that it can route packets to service addresses before OUTPUT rewrites them.
+  ip netns exec "$LAB-node" ip route add default via 192.168.50.2
+  ip netns exec "$LAB-node" ip -6 route add default via fd00:50::2
+  ip netns exec "$LAB-ext" ip route add 203.0.113.0/24 via 192.168.50.1
+  ip netns exec "$LAB-ext" ip -6 route add fd00:96::/64 via fd00:50::1
   set +e
 }
 

@@ -1,0 +1,127 @@
+package iptables
+
+import (
+	"fmt"
+	"os/exec"
+	"strings"
+
+	goipt "github.com/coreos/go-iptables/iptables"
+	"github.com/hashicorp/go-multierror"
+	"github.com/sirupsen/logrus"
+)
+
+// ourChains lists every chain the daemon ever creates, per table.
+var ourChains = map[string][]string{
+	"nat":    append(append([]string(nil), natChains...), chainProbe),
+	"filter": {ChainGuard},
+}
+
+// Cleanup removes every jump, rule and chain the daemon installs, for IPv4
+// and IPv6. A family whose tools are missing is skipped; running it twice is
+// harmless.
+func Cleanup(log logrus.FieldLogger) error {
+	var errs *multierror.Error
+	for _, proto := range []goipt.Protocol{goipt.ProtocolIPv4, goipt.ProtocolIPv6} {
+		bin := "iptables"
+		if proto == goipt.ProtocolIPv6 {
+			bin = "ip6tables"
+		}
+		if _, err := exec.LookPath(bin); err != nil {
+			log.WithField("binary", bin).Info("Not installed; nothing to clean")
+			continue
+		}
+		ipt, err := goipt.New(goipt.IPFamily(proto), goipt.Timeout(30))
+		if err != nil {
+			errs = multierror.Append(errs, fmt.Errorf("%s: %w", bin, err))
+			continue
+		}
+		n, err := cleanupFamily(ipt)
+		if err != nil {
+			errs = multierror.Append(errs, fmt.Errorf("%s: %w", bin, err))
+		}
+		log.WithFields(logrus.Fields{"binary": bin, "removed": n}).Info("Cleaned up")
+	}
+	return errs.ErrorOrNil()
+}
+
+func cleanupFamily(ipt *goipt.IPTables) (int, error) {
+	removed := 0
+	for table, chains := range ourChains {
+		ours := map[string]bool{}
+		for _, c := range chains {
+			ours[c] = true
+		}
+		// Jumps first: a chain that is still referenced cannot be deleted.
+		for _, builtin := range []string{"PREROUTING", "INPUT", "OUTPUT", "FORWARD", "POSTROUTING"} {
+			rules, err := ipt.List(table, builtin)
+			if err != nil {
+				continue // the table has no such chain
+			}
+			for _, line := range rules {
+				args := splitRule(line)
+				if len(args) < 2 || args[0] != "-A" {
+					continue
+				}
+				if !ours[target(args)] {
+					continue
+				}
+				if err := ipt.Delete(table, builtin, args[2:]...); err != nil {
+					return removed, fmt.Errorf("deleting %s %s: %w", table, line, err)
+				}
+				removed++
+			}
+		}
+		for _, c := range chains {
+			ok, err := ipt.ChainExists(table, c)
+			if err != nil || !ok {
+				continue
+			}
+			if err := ipt.ClearAndDeleteChain(table, c); err != nil {
+				return removed, fmt.Errorf("deleting chain %s %s: %w", table, c, err)
+			}
+			removed++
+		}
+	}
+	return removed, nil
+}
+
+// target returns the chain a rule jumps to.
+func target(args []string) string {
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == "-j" || args[i] == "--jump" {
+			return args[i+1]
+		}
+	}
+	return ""
+}
+
+// splitRule splits an iptables -S line into arguments, honouring the double
+// quotes iptables puts around comments.
+func splitRule(line string) []string {
+	var out []string
+	var cur strings.Builder
+	inQuote, have := false, false
+	for i := 0; i < len(line); i++ {
+		ch := line[i]
+		switch {
+		case ch == '\\' && inQuote && i+1 < len(line):
+			i++
+			cur.WriteByte(line[i])
+		case ch == '"':
+			inQuote, have = !inQuote, true
+		case ch == ' ' && !inQuote:
+			if have {
+				out = append(out, cur.String())
+				cur.Reset()
+				have = false
+			}
+		default:
+			cur.WriteByte(ch)
+			have = true
+		}
+	}
+	if have {
+		out = append(out, cur.String())
+	}
+	return out
+}

@@ -1,0 +1,266 @@
+// Package iptables redirects Service addresses into the proxy's listeners with
+// nat-table rules written in bulk by iptables-restore, checks them against
+// iptables-save every sync period, and removes them on --cleanup.
+//
+// Typical use:
+//
+//	r, err := iptables.New(iptables.Config{Log: log})   // probes the kernel
+//	p := proxy.New(proxy.Config{Rules: r, ...})          // the proxier calls r.Sync
+//	iptables.Cleanup(log)                                // --cleanup
+//
+// The rule text comes from Render, a pure function, so the rules for a
+// manifests file can be shown without root (--show-rules).
+package iptables
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"strings"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// The chains. Portals (ClusterIPs, externalIPs, LoadBalancer IPs) are jumped
+// to first; NodePorts last, so that a Service address that happens to be a
+// node address is handled as a portal.
+const (
+	ChainPortalsContainer  = "KUBE-PORTALS-CONTAINER"  // nat PREROUTING: from pods and other hosts
+	ChainPortalsHost       = "KUBE-PORTALS-HOST"       // nat OUTPUT: from the node itself
+	ChainNodePortContainer = "KUBE-NODEPORT-CONTAINER" // nat PREROUTING, last
+	ChainNodePortHost      = "KUBE-NODEPORT-HOST"      // nat OUTPUT, last
+	ChainGuard             = "KUBE-PORTALS-GUARD"      // filter INPUT: proxy ports only via a redirect
+	chainProbe             = "KUBE-PORTALS-PROBE"      // created and deleted while probing
+)
+
+var natChains = []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost}
+
+// Features are the optional netfilter matches found on this kernel.
+type Features struct {
+	Comment   bool // -m comment: rules carry namespace/name:port
+	Addrtype  bool // -m addrtype: NodePorts on every local address without listing them
+	Conntrack bool // -m conntrack: the guard that keeps proxy ports off-node
+}
+
+// jump is a rule in a built-in chain that leads into one of ours.
+type jump struct {
+	table, chain string
+	rule         []string // without "-A chain"
+	insert       bool     // first in the chain (else last)
+}
+
+func jumps(f Features) []jump {
+	comment := func(text string) []string {
+		if !f.Comment {
+			return nil
+		}
+		return []string{"-m", "comment", "--comment", text}
+	}
+	local := []string(nil)
+	if f.Addrtype {
+		local = []string{"-m", "addrtype", "--dst-type", "LOCAL"}
+	}
+	portals := comment("handle ClusterIPs; NOTE: this must be before the NodePort rules")
+	nodeports := append(local, comment("handle service NodePorts; NOTE: this must be the last rule in the chain")...)
+	js := []jump{
+		{"nat", "PREROUTING", append(portals, "-j", ChainPortalsContainer), true},
+		{"nat", "OUTPUT", append(append([]string(nil), portals...), "-j", ChainPortalsHost), true},
+		{"nat", "PREROUTING", append(nodeports, "-j", ChainNodePortContainer), false},
+		{"nat", "OUTPUT", append(append([]string(nil), nodeports...), "-j", ChainNodePortHost), false},
+	}
+	if f.Conntrack {
+		js = append(js, jump{"filter", "INPUT", append(comment("keep proxy ports reachable only through service addresses"), "-j", ChainGuard), true})
+	}
+	return js
+}
+
+// Ruleset is the content of our chains for one IP family: table → chain →
+// rules, each rule as iptables-save prints it without the "-A CHAIN " prefix.
+type Ruleset struct {
+	Nat    map[string][]string
+	Filter map[string][]string
+}
+
+// Count returns the number of rules per table.
+func (rs *Ruleset) Count() (nat, filter int) {
+	for _, r := range rs.Nat {
+		nat += len(r)
+	}
+	for _, r := range rs.Filter {
+		filter += len(r)
+	}
+	return nat, filter
+}
+
+// RenderOptions shape the rules.
+type RenderOptions struct {
+	Family   int
+	Features Features
+	// NodePortAddresses limits NodePorts to these node addresses. Empty
+	// means every local address (addrtype LOCAL, or LocalAddrs when the
+	// kernel lacks addrtype).
+	NodePortAddresses []netip.Addr
+	// AllLocal is true when NodePortAddresses is empty and addrtype is used.
+	AllLocal bool
+	// Placeholders prints proxy ports as PROXY_PORT(name) (for showing rules
+	// before any listener exists).
+	Placeholders bool
+}
+
+// Render returns our chains' rules for the frontends of one family.
+func Render(frontends []proxy.Frontend, o RenderOptions) *Ruleset {
+	rs := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
+	for _, c := range natChains {
+		rs.Nat[c] = nil
+	}
+	if o.Features.Conntrack {
+		rs.Filter[ChainGuard] = nil
+	}
+	for _, fe := range frontends {
+		if fe.Family != o.Family || fe.Err != nil {
+			continue
+		}
+		sp := fe.Service
+		proto := strings.ToLower(string(fe.Protocol))
+		target := redirectTarget(fe, o.Placeholders)
+		rule := func(dst netip.Addr, port int) string {
+			var b strings.Builder
+			if dst.IsValid() {
+				fmt.Fprintf(&b, "-d %s/%d ", dst, dst.BitLen())
+			}
+			fmt.Fprintf(&b, "-p %s ", proto)
+			if o.Features.Comment {
+				fmt.Fprintf(&b, "-m comment --comment %q ", sp.Name.String())
+			}
+			fmt.Fprintf(&b, "-m %s --dport %d %s", proto, port, target)
+			return b.String()
+		}
+		add := func(chain string, r string) { rs.Nat[chain] = append(rs.Nat[chain], r) }
+
+		if fe.Kind != proxy.KindExternal {
+			for _, ip := range sp.ClusterIPs {
+				if config.Family(ip) == o.Family {
+					add(ChainPortalsContainer, rule(ip, sp.Port))
+					add(ChainPortalsHost, rule(ip, sp.Port))
+				}
+			}
+		}
+		if fe.Kind != proxy.KindInternal {
+			for _, ip := range append(append([]netip.Addr(nil), sp.ExternalIPs...), sp.LoadBalancerIPs...) {
+				if config.Family(ip) == o.Family {
+					add(ChainPortalsContainer, rule(ip, sp.Port))
+					add(ChainPortalsHost, rule(ip, sp.Port))
+				}
+			}
+			if sp.NodePort != 0 && fe.NodePortErr == nil {
+				if o.AllLocal {
+					add(ChainNodePortContainer, rule(netip.Addr{}, sp.NodePort))
+					add(ChainNodePortHost, rule(netip.Addr{}, sp.NodePort))
+				} else {
+					for _, ip := range o.NodePortAddresses {
+						add(ChainNodePortContainer, rule(ip, sp.NodePort))
+						add(ChainNodePortHost, rule(ip, sp.NodePort))
+					}
+				}
+			}
+		}
+		if o.Features.Conntrack {
+			port := fmt.Sprint(fe.Listen.Port())
+			if o.Placeholders {
+				port = placeholder(fe)
+			}
+			rs.Filter[ChainGuard] = append(rs.Filter[ChainGuard],
+				fmt.Sprintf("! -i lo -p %s -m %s --dport %s -m conntrack ! --ctstate DNAT -j DROP", proto, proto, port))
+		}
+	}
+	for _, m := range []map[string][]string{rs.Nat, rs.Filter} {
+		for c := range m {
+			m[c] = dedupSorted(m[c])
+		}
+	}
+	return rs
+}
+
+func placeholder(fe proxy.Frontend) string {
+	return fmt.Sprintf("PROXY_PORT(%s/%s/IPv%d)", fe.Service.Name, fe.Kind, fe.Family)
+}
+
+// redirectTarget sends matching packets to the frontend's listener. With
+// listeners on the unspecified address it is REDIRECT in every chain: in
+// PREROUTING the packet goes to the address it arrived on, in OUTPUT to
+// 127.0.0.1 (::1), which always exists — and the UDP listener answers from
+// the address each datagram arrived on (IP_PKTINFO), so conntrack maps the
+// reply back to the Service address. A specific --bind-address needs DNAT.
+func redirectTarget(fe proxy.Frontend, placeholders bool) string {
+	port := fmt.Sprint(fe.Listen.Port())
+	if placeholders {
+		port = placeholder(fe)
+	}
+	if fe.Listen.Addr().IsUnspecified() || !fe.Listen.Addr().IsValid() {
+		return "-j REDIRECT --to-ports " + port
+	}
+	if fe.Family == 6 {
+		return fmt.Sprintf("-j DNAT --to-destination [%s]:%s", fe.Listen.Addr(), port)
+	}
+	return fmt.Sprintf("-j DNAT --to-destination %s:%s", fe.Listen.Addr(), port)
+}
+
+func dedupSorted(rules []string) []string {
+	sort.Strings(rules)
+	out := rules[:0]
+	for i, r := range rules {
+		if i == 0 || r != rules[i-1] {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// RestoreInput renders a full iptables-restore --noflush input: declaring
+// each chain flushes it, so the whole table's share is replaced atomically.
+func (rs *Ruleset) RestoreInput() string {
+	var b strings.Builder
+	for _, t := range []struct {
+		name   string
+		chains map[string][]string
+	}{{"nat", rs.Nat}, {"filter", rs.Filter}} {
+		if len(t.chains) == 0 {
+			continue
+		}
+		names := sortedKeys(t.chains)
+		fmt.Fprintf(&b, "*%s\n", t.name)
+		for _, c := range names {
+			fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+		}
+		for _, c := range names {
+			for _, r := range t.chains[c] {
+				fmt.Fprintf(&b, "-A %s %s\n", c, r)
+			}
+		}
+		b.WriteString("COMMIT\n")
+	}
+	return b.String()
+}
+
+func sortedKeys(m map[string][]string) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// JumpRules returns the jump rules into our chains as iptables commands.
+func JumpRules(f Features) []string {
+	var out []string
+	for _, j := range jumps(f) {
+		op := "-A"
+		if j.insert {
+			op = "-I"
+		}
+		out = append(out, fmt.Sprintf("iptables -t %s %s %s %s", j.table, op, j.chain, strings.Join(quoteComment(j.rule), " ")))
+	}
+	return out
+}

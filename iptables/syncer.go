@@ -1,0 +1,474 @@
+package iptables
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os/exec"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	goipt "github.com/coreos/go-iptables/iptables"
+	"github.com/hashicorp/go-multierror"
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// Config holds the rule syncer's settings.
+type Config struct {
+	// NodePortAddresses (--nodeport-addresses) limits NodePorts to node
+	// addresses inside these prefixes; empty means every local address.
+	NodePortAddresses []netip.Prefix
+	// RestoreCommand and SaveCommand override the iptables-restore and
+	// iptables-save binaries of IPv4 (tests inject failures with them);
+	// IPv6 always uses ip6tables-restore and ip6tables-save.
+	RestoreCommand, SaveCommand string
+	// DisableIPv6 skips ip6tables entirely.
+	DisableIPv6 bool
+	Log         logrus.FieldLogger
+}
+
+// Rules implements proxy.Rules with one table writer per IP family.
+type Rules struct {
+	cfg      Config
+	log      logrus.FieldLogger
+	families []*family
+
+	mu     sync.Mutex // guards last, for readers of Installed
+	last   map[int]string
+	counts map[string]int
+}
+
+var _ proxy.Rules = (*Rules)(nil)
+
+// family writes the rules of one IP family. Owned by the sync goroutine.
+type family struct {
+	fam      int
+	restore  string
+	save     string
+	ipt      *goipt.IPTables
+	features Features
+	// installed is what we believe is in the kernel: table/chain → rules.
+	installed map[string]map[string]bool
+	jumpsOK   bool
+}
+
+// ErrNotSupported wraps every "this machine cannot run the proxy" error.
+var ErrNotSupported = errors.New("iptables support missing")
+
+// New probes IPv4 (required) and IPv6 (optional: missing support is a
+// warning and IPv6 services get no rules) and returns the syncer.
+func New(cfg Config) (*Rules, error) {
+	log := cfg.Log
+	if log == nil {
+		log = logrus.StandardLogger()
+	}
+	r := &Rules{cfg: cfg, log: log, last: map[int]string{}, counts: map[string]int{}}
+	v4, err := newFamily(4, cfg.RestoreCommand, cfg.SaveCommand)
+	if err != nil {
+		return nil, err
+	}
+	r.families = append(r.families, v4)
+	log.WithFields(logrus.Fields{"family": 4, "comment": v4.features.Comment, "addrtype": v4.features.Addrtype, "conntrack": v4.features.Conntrack}).Info("iptables probed")
+	if !v4.features.Conntrack {
+		log.Warn("WARNING: the conntrack match is missing: proxy listener ports of ClusterIP-only services can be reached from other hosts by connecting to this node's address and the listener port directly. Firewall the node or load xt_conntrack/nf_conntrack.")
+	}
+	if !cfg.DisableIPv6 {
+		v6, err := newFamily(6, "", "")
+		if err != nil {
+			log.WithError(err).Warn("IPv6 disabled: IPv6 service addresses will not be redirected")
+		} else {
+			r.families = append(r.families, v6)
+		}
+	}
+	return r, nil
+}
+
+func newFamily(fam int, restore, save string) (*family, error) {
+	proto, prefix := goipt.ProtocolIPv4, "iptables"
+	if fam == 6 {
+		proto, prefix = goipt.ProtocolIPv6, "ip6tables"
+	}
+	if restore == "" {
+		restore = prefix + "-restore"
+	}
+	if save == "" {
+		save = prefix + "-save"
+	}
+	for _, bin := range []string{prefix, restore, save} {
+		if _, err := exec.LookPath(bin); err != nil {
+			return nil, fmt.Errorf("%w: %s not found in PATH (install the iptables package)", ErrNotSupported, bin)
+		}
+	}
+	ipt, err := goipt.New(goipt.IPFamily(proto), goipt.Timeout(30))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrNotSupported, prefix, err)
+	}
+	f := &family{fam: fam, restore: restore, save: save, ipt: ipt}
+	if err := f.probe(); err != nil {
+		return nil, err
+	}
+	return f, nil
+}
+
+// probe checks that the nat table and REDIRECT work (required) and which
+// optional matches exist, using a scratch chain it deletes again.
+func (f *family) probe() error {
+	if _, err := f.ipt.ListChains("nat"); err != nil {
+		return fmt.Errorf("%w: IPv%d nat table unusable (kernel needs iptable_nat or nft nat): %v", ErrNotSupported, f.fam, err)
+	}
+	defer func() { _ = f.ipt.ClearAndDeleteChain("nat", chainProbe) }()
+	try := func(rule string) error {
+		in := fmt.Sprintf("*nat\n:%s - [0:0]\n-A %s %s\nCOMMIT\n", chainProbe, chainProbe, rule)
+		return f.run(f.restore, []string{"-w", "--noflush"}, in)
+	}
+	if err := try("-p tcp -m tcp --dport 1 -j REDIRECT --to-ports 1"); err != nil {
+		return fmt.Errorf("%w: IPv%d REDIRECT target unusable (kernel needs nf_nat / REDIRECT support): %v", ErrNotSupported, f.fam, err)
+	}
+	if err := try("-p tcp -m tcp --dport 1 -j DNAT --to-destination " + map[int]string{4: "127.0.0.1:1", 6: "[::1]:1"}[f.fam]); err != nil {
+		return fmt.Errorf("%w: IPv%d DNAT target unusable: %v", ErrNotSupported, f.fam, err)
+	}
+	f.features.Comment = try(`-m comment --comment "probe" -j RETURN`) == nil
+	f.features.Addrtype = try("-m addrtype --dst-type LOCAL -j RETURN") == nil
+	f.features.Conntrack = try("-m conntrack --ctstate DNAT -j RETURN") == nil
+	return nil
+}
+
+func (f *family) run(bin string, args []string, stdin string) error {
+	cmd := exec.Command(bin, args...)
+	cmd.Stdin = strings.NewReader(stdin)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("%s %s: %w: %s", bin, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return nil
+}
+
+// Sync implements proxy.Rules.
+func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify bool) error {
+	var errs *multierror.Error
+	for _, f := range r.families {
+		rs := Render(frontends, f.renderOptions(r.cfg.NodePortAddresses))
+		if err := f.sync(rs, verify, r.log); err != nil {
+			errs = multierror.Append(errs, fmt.Errorf("IPv%d: %w", f.fam, err))
+			continue
+		}
+		nat, filter := rs.Count()
+		r.mu.Lock()
+		r.last[f.fam] = rs.RestoreInput()
+		r.counts[fmt.Sprintf("nat/%d", f.fam)] = nat
+		r.counts[fmt.Sprintf("filter/%d", f.fam)] = filter
+		r.mu.Unlock()
+	}
+	if errs != nil {
+		return errs
+	}
+	for _, fe := range frontends {
+		if fe.Family == 6 && len(r.families) < 2 && fe.Err == nil {
+			return fmt.Errorf("%s has IPv6 addresses but IPv6 rules are unavailable", fe.Service.Name)
+		}
+	}
+	return nil
+}
+
+// Installed returns the rules last written per family as iptables-restore
+// input, and the rule counts per table/family.
+func (r *Rules) Installed() (map[int]string, map[string]int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	last, counts := map[int]string{}, map[string]int{}
+	for k, v := range r.last {
+		last[k] = v
+	}
+	for k, v := range r.counts {
+		counts[k] = v
+	}
+	return last, counts
+}
+
+func (f *family) renderOptions(cidrs []netip.Prefix) RenderOptions {
+	o := RenderOptions{Family: f.fam, Features: f.features}
+	if len(cidrs) == 0 && f.features.Addrtype {
+		o.AllLocal = true
+		return o
+	}
+	o.NodePortAddresses = LocalAddrs(f.fam, cidrs)
+	return o
+}
+
+// LocalAddrs lists this node's addresses of a family inside cidrs (all of
+// them when cidrs is empty), loopback included so that 127.0.0.1:NodePort
+// works from the node.
+func LocalAddrs(fam int, cidrs []netip.Prefix) []netip.Addr {
+	addrs, _ := net.InterfaceAddrs()
+	var out []netip.Addr
+	for _, a := range addrs {
+		ipn, ok := a.(*net.IPNet)
+		if !ok {
+			continue
+		}
+		ip, ok := netip.AddrFromSlice(ipn.IP)
+		if !ok {
+			continue
+		}
+		ip = ip.Unmap()
+		if (fam == 4) != ip.Is4() || ip.IsLinkLocalUnicast() {
+			continue
+		}
+		in := len(cidrs) == 0
+		for _, c := range cidrs {
+			in = in || c.Contains(ip)
+		}
+		if in {
+			out = append(out, ip)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Less(out[j]) })
+	return out
+}
+
+// sync writes rs: a partial update (-D/-A lines) when it knows the kernel's
+// state, a full rewrite of our chains otherwise or when verify finds drift.
+func (f *family) sync(rs *Ruleset, verify bool, log logrus.FieldLogger) error {
+	want := flatten(rs)
+	if verify && f.installed != nil {
+		live, jumps, err := f.live()
+		if err != nil {
+			return err
+		}
+		if !equalSets(live, f.installed) || !jumps {
+			log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
+			f.installed, f.jumpsOK = nil, jumps
+		}
+	}
+	if f.installed != nil {
+		in := partialInput(f.installed, want)
+		if in == "" {
+			return nil
+		}
+		start := time.Now()
+		if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err == nil {
+			f.installed = want
+			log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
+			return nil
+		} else {
+			log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
+		}
+	}
+	start := time.Now()
+	if err := f.run(f.restore, []string{"-w", "--noflush"}, rs.RestoreInput()); err != nil {
+		f.installed = nil
+		return err
+	}
+	f.installed = want
+	if !f.jumpsOK {
+		if err := f.ensureJumps(); err != nil {
+			return err
+		}
+		f.jumpsOK = true
+	}
+	nat, filter := rs.Count()
+	log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": nat, "filter": filter}).Debug("Rules written")
+	return nil
+}
+
+// flatten turns a Ruleset into table → chain → rule set, the unit of diffs.
+func flatten(rs *Ruleset) map[string]map[string]bool {
+	out := map[string]map[string]bool{}
+	for table, chains := range map[string]map[string][]string{"nat": rs.Nat, "filter": rs.Filter} {
+		for c, rules := range chains {
+			m := map[string]bool{}
+			for _, r := range rules {
+				m[r] = true
+			}
+			out[table+"/"+c] = m
+		}
+	}
+	return out
+}
+
+func equalSets(a, b map[string]map[string]bool) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, as := range a {
+		bs, ok := b[k]
+		if !ok || len(as) != len(bs) {
+			return false
+		}
+		for r := range as {
+			if !bs[r] {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// partialInput renders the -D and -A lines that turn have into want, or ""
+// when they are equal. Rules of different service ports never overlap, so
+// their order inside a chain does not matter.
+func partialInput(have, want map[string]map[string]bool) string {
+	byTable := map[string]*strings.Builder{}
+	emit := func(tc, line string) {
+		table, _, _ := strings.Cut(tc, "/")
+		b := byTable[table]
+		if b == nil {
+			b = &strings.Builder{}
+			byTable[table] = b
+		}
+		b.WriteString(line + "\n")
+	}
+	keys := map[string]bool{}
+	for k := range have {
+		keys[k] = true
+	}
+	for k := range want {
+		keys[k] = true
+	}
+	sorted := make([]string, 0, len(keys))
+	for k := range keys {
+		sorted = append(sorted, k)
+	}
+	sort.Strings(sorted)
+	for _, tc := range sorted {
+		_, chain, _ := strings.Cut(tc, "/")
+		if _, ok := have[tc]; !ok {
+			emit(tc, ":"+chain+" - [0:0]")
+		}
+		for _, r := range sortedSet(have[tc]) {
+			if !want[tc][r] {
+				emit(tc, "-D "+chain+" "+r)
+			}
+		}
+		for _, r := range sortedSet(want[tc]) {
+			if !have[tc][r] {
+				emit(tc, "-A "+chain+" "+r)
+			}
+		}
+	}
+	var out strings.Builder
+	for _, table := range []string{"nat", "filter"} {
+		if b := byTable[table]; b != nil {
+			out.WriteString("*" + table + "\n" + b.String() + "COMMIT\n")
+		}
+	}
+	return out.String()
+}
+
+func sortedSet(m map[string]bool) []string {
+	out := make([]string, 0, len(m))
+	for r := range m {
+		out = append(out, r)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// live reads our chains with one iptables-save per table and reports
+// whether every jump rule is present.
+func (f *family) live() (map[string]map[string]bool, bool, error) {
+	out := map[string]map[string]bool{}
+	jumpsFound := true
+	for _, table := range []string{"nat", "filter"} {
+		cmd := exec.Command(f.save, "-t", table)
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		data, err := cmd.Output()
+		if err != nil {
+			return nil, false, fmt.Errorf("%s -t %s: %w: %s", f.save, table, err, strings.TrimSpace(stderr.String()))
+		}
+		ours := map[string]bool{}
+		for c := range flattenChains(table, f.features) {
+			ours[c] = true
+		}
+		var builtin []string
+		for _, line := range strings.Split(string(data), "\n") {
+			if strings.HasPrefix(line, ":") {
+				name, _, _ := strings.Cut(line[1:], " ")
+				if ours[name] {
+					out[table+"/"+name] = map[string]bool{}
+				}
+				continue
+			}
+			rest, ok := strings.CutPrefix(line, "-A ")
+			if !ok {
+				continue
+			}
+			chain, rule, _ := strings.Cut(rest, " ")
+			if ours[chain] {
+				if out[table+"/"+chain] == nil {
+					out[table+"/"+chain] = map[string]bool{}
+				}
+				out[table+"/"+chain][rule] = true
+			} else {
+				builtin = append(builtin, chain+" "+rule)
+			}
+		}
+		for _, j := range jumps(f.features) {
+			if j.table != table {
+				continue
+			}
+			want := j.chain + " " + strings.Join(quoteComment(j.rule), " ")
+			found := false
+			for _, b := range builtin {
+				found = found || b == want
+			}
+			jumpsFound = jumpsFound && found
+		}
+	}
+	return out, jumpsFound, nil
+}
+
+// quoteComment renders a rule's argv the way iptables-save prints it.
+func quoteComment(rule []string) []string {
+	out := append([]string(nil), rule...)
+	for i := 1; i < len(out); i++ {
+		if out[i-1] == "--comment" {
+			out[i] = fmt.Sprintf("%q", out[i])
+		}
+	}
+	return out
+}
+
+func flattenChains(table string, f Features) map[string]bool {
+	m := map[string]bool{}
+	if table == "nat" {
+		for _, c := range natChains {
+			m[c] = true
+		}
+	} else if f.Conntrack {
+		m[ChainGuard] = true
+	}
+	return m
+}
+
+// ensureJumps puts each jump rule in place exactly once: portals first,
+// NodePorts last.
+func (f *family) ensureJumps() error {
+	for _, j := range jumps(f.features) {
+		ok, err := f.ipt.Exists(j.table, j.chain, j.rule...)
+		if err != nil {
+			return fmt.Errorf("checking %s %s jump: %w", j.table, j.chain, err)
+		}
+		if ok {
+			continue
+		}
+		if j.insert {
+			err = f.ipt.Insert(j.table, j.chain, 1, j.rule...)
+		} else {
+			err = f.ipt.Append(j.table, j.chain, j.rule...)
+		}
+		if err != nil {
+			return fmt.Errorf("adding %s %s jump: %w", j.table, j.chain, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,301 @@
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// service renders a Service and its EndpointSlices for the lab's two pods.
+// extra is spliced into the spec (indented two spaces).
+func service(name, typ, clusterIPs, extra, ports string) string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: Service
+metadata: {name: %[1]s, namespace: lab}
+spec:
+  type: %[2]s
+  clusterIP: %[3]s
+  clusterIPs: [%[3]s]
+%[4]s  ports: [%[5]s]
+`, name, typ, strings.Split(clusterIPs, ",")[0], extra, ports)
+}
+
+func slices(name, portSpec string, v6 bool) string {
+	s := fmt.Sprintf(`---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %[1]s-v4, namespace: lab, labels: {kubernetes.io/service-name: %[1]s}}
+addressType: IPv4
+ports: [%[2]s]
+endpoints:
+- {addresses: [10.251.19.12], nodeName: node}
+- {addresses: [10.251.19.8], nodeName: node}
+`, name, portSpec)
+	if v6 {
+		s += fmt.Sprintf(`---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %[1]s-v6, namespace: lab, labels: {kubernetes.io/service-name: %[1]s}}
+addressType: IPv6
+ports: [%[2]s]
+endpoints:
+- {addresses: ["fd00:251::12"], nodeName: node}
+- {addresses: ["fd00:251::8"], nodeName: node}
+`, name, portSpec)
+	}
+	return s
+}
+
+const webPorts = `{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 31341}, {name: dns, port: 53, targetPort: 8080, protocol: UDP, nodePort: 31341}`
+const webSlicePorts = `{name: http, port: 8080, protocol: TCP}, {name: dns, port: 8080, protocol: UDP}`
+
+// webManifest: lab/web, NodePort, ClusterIP 10.96.0.10 (+ fd00:96::10),
+// externalIP 203.0.113.10, LoadBalancer IP 203.0.113.11, TCP and UDP.
+func webManifest() string {
+	return service("web", "LoadBalancer", "10.96.0.10,fd00:96::10",
+		"  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ipFamilies: [IPv4, IPv6]\n  externalIPs: [203.0.113.10]\n", webPorts) +
+		"status: {loadBalancer: {ingress: [{ip: 203.0.113.11}]}}\n" + slices("web", webSlicePorts, true)
+}
+
+func writeManifest(t *testing.T, path, content string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// startWeb brings up a lab with backends and the daemon serving content.
+func startWeb(t *testing.T, content string, args ...string) (*Lab, *Proc, string) {
+	l := NewLab(t)
+	l.Backends()
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, strings.ReplaceAll(content, "clusterIPs: [10.96.0.10]\n  clusterIPs:", "clusterIPs:"))
+	d := l.Daemon(append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node"}, args...)...)
+	return l, d, m
+}
+
+// reachesBoth fetches url until both pods answered.
+func reachesBoth(t *testing.T, l *Lab, ns, url string) {
+	t.Helper()
+	seen := map[string]bool{}
+	waitFor(t, ns+" → "+url+" reaching both pods", func() bool {
+		body := l.Curl(ns, url)
+		if f := strings.Fields(body); len(f) > 0 {
+			seen[f[0]] = true
+		}
+		return seen["pod1"] && seen["pod2"]
+	})
+}
+
+func udpReaches(t *testing.T, l *Lab, ns, host, port string) {
+	t.Helper()
+	waitFor(t, fmt.Sprintf("UDP %s → %s:%s", ns, host, port), func() bool {
+		r := l.UDP(ns, host, port, "ping")
+		return r == "pod1:ping" || r == "pod2:ping"
+	})
+}
+
+func TestAllServiceAddressesByTraffic(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest())
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", d.Output())
+		}
+	}()
+	// ClusterIP from a pod and from the node itself.
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
+	udpReaches(t, l, "client", "10.96.0.10", "53")
+	udpReaches(t, l, "node", "10.96.0.10", "53")
+	// NodePort from the external client and from the node (its own address and loopback).
+	reachesBoth(t, l, "ext", "http://192.168.50.1:31341/")
+	reachesBoth(t, l, "node", "http://192.168.50.1:31341/")
+	reachesBoth(t, l, "node", "http://127.0.0.1:31341/")
+	reachesBoth(t, l, "client", "http://10.251.19.1:31341/")
+	udpReaches(t, l, "ext", "192.168.50.1", "31341")
+	udpReaches(t, l, "node", "127.0.0.1", "31341")
+	// externalIP and LoadBalancer IP.
+	reachesBoth(t, l, "ext", "http://203.0.113.10:80/")
+	reachesBoth(t, l, "ext", "http://203.0.113.11:80/")
+	reachesBoth(t, l, "node", "http://203.0.113.10:80/")
+	udpReaches(t, l, "ext", "203.0.113.11", "53")
+	// IPv6 ClusterIP and NodePort.
+	reachesBoth(t, l, "client", "http://[fd00:96::10]:80/")
+	reachesBoth(t, l, "node", "http://[fd00:96::10]:80/")
+	udpReaches(t, l, "client", "fd00:96::10", "53")
+	reachesBoth(t, l, "ext", "http://[fd00:50::1]:31341/")
+
+	// Every rule carries its service port as a comment.
+	save := l.MustExec("node", "iptables-save", "-t", "nat")
+	if !strings.Contains(save, `-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "lab/web:http" -m tcp --dport 80 -j REDIRECT`) {
+		t.Fatalf("ClusterIP rule not in the expected form:\n%s", save)
+	}
+}
+
+func TestNodePortAddressesLimit(t *testing.T) {
+	l, _, _ := startWeb(t, webManifest(), "--nodeport-addresses", "192.168.50.0/24")
+	reachesBoth(t, l, "ext", "http://192.168.50.1:31341/")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	if body := l.Curl("client", "http://10.251.19.1:31341/"); body != "" {
+		t.Fatalf("NodePort answered on 10.251.19.1, outside --nodeport-addresses: %q", body)
+	}
+	if body := l.Curl("node", "http://127.0.0.1:31341/"); body != "" {
+		t.Fatalf("NodePort answered on 127.0.0.1, outside --nodeport-addresses: %q", body)
+	}
+}
+
+// countRules returns how many lines of iptables-save and ip6tables-save match re.
+func countRules(t *testing.T, l *Lab, re string) int {
+	t.Helper()
+	n := 0
+	rx := regexp.MustCompile(re)
+	for _, bin := range []string{"iptables-save", "ip6tables-save"} {
+		for _, line := range strings.Split(l.MustExec("node", bin), "\n") {
+			if rx.MatchString(line) {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+func TestServiceRemovalRemovesRules(t *testing.T) {
+	other := service("other", "ClusterIP", "10.96.0.20", "", `{name: http, port: 80, protocol: TCP}`) +
+		slices("other", `{name: http, port: 8080, protocol: TCP}`, false)
+	l, _, m := startWeb(t, webManifest()+"---\n"+other)
+	reachesBoth(t, l, "client", "http://10.96.0.20:80/")
+	if n := countRules(t, l, `lab/other:http`); n != 2 {
+		t.Fatalf("%d rules for lab/other, want 2 (container + host)", n)
+	}
+	writeManifest(t, m, webManifest())
+	waitFor(t, "lab/other's rules to go", func() bool { return countRules(t, l, `lab/other`) == 0 })
+	if body := l.Curl("client", "http://10.96.0.20:80/"); body != "" {
+		t.Fatalf("removed service still answers: %q", body)
+	}
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+}
+
+func TestRulesRepairedAfterFlush(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest(), "--sync-period", "2s")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	before := countRules(t, l, `KUBE-`)
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-F", "KUBE-PORTALS-CONTAINER")
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-D", "OUTPUT", "-m", "comment", "--comment",
+		"handle ClusterIPs; NOTE: this must be before the NodePort rules", "-j", "KUBE-PORTALS-HOST")
+	l.MustExec("node", "ip6tables", "-w", "-t", "nat", "-F", "KUBE-NODEPORT-CONTAINER")
+	if body := l.Curl("client", "http://10.96.0.10:80/"); body != "" {
+		t.Fatalf("still served right after the flush: %q", body)
+	}
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
+	waitFor(t, "every rule back", func() bool { return countRules(t, l, `KUBE-`) == before })
+	if !strings.Contains(d.Output(), "Rules changed behind our back") {
+		t.Fatal("the repair was not logged")
+	}
+}
+
+// TestNoDriftWithoutChanges proves the periodic check finds the rules it
+// wrote equal to the live ones (else it would rewrite them every period).
+func TestNoDriftWithoutChanges(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest(), "--sync-period", "1s")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	time.Sleep(3500 * time.Millisecond) // three periodic checks; nothing to wait for
+	if strings.Contains(d.Output(), "Rules changed behind our back") {
+		t.Fatalf("periodic check saw drift on untouched rules:\n%s", d.Output())
+	}
+}
+
+func TestKill9RestartLeavesOneCopy(t *testing.T) {
+	l, d, m := startWeb(t, webManifest())
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	before := l.MustExec("node", "iptables-save")
+	_ = d.Cmd.Process.Signal(syscall.SIGKILL)
+	_ = d.Cmd.Wait()
+	d2 := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	waitFor(t, "restarted daemon serving", func() bool { return strings.Contains(d2.Output(), "Listening") })
+	after := l.MustExec("node", "iptables-save")
+	norm := func(s string) []string {
+		var out []string
+		for _, line := range strings.Split(s, "\n") {
+			if strings.HasPrefix(line, "-A ") {
+				out = append(out, regexp.MustCompile(`--to-ports \d+|--dport \d{5} -m conntrack`).ReplaceAllString(line, "PORT"))
+			}
+		}
+		return out
+	}
+	if b, a := norm(before), norm(after); len(a) != len(b) {
+		t.Fatalf("%d rules before kill -9, %d after restart:\n%s", len(b), len(a), after)
+	}
+	for _, jump := range []string{"-j KUBE-PORTALS-CONTAINER", "-j KUBE-PORTALS-HOST", "-j KUBE-NODEPORT-CONTAINER", "-j KUBE-NODEPORT-HOST", "-j KUBE-PORTALS-GUARD"} {
+		if n := strings.Count(after, jump+"\n"); n != 1 {
+			t.Errorf("%q appears %d times", jump, n)
+		}
+	}
+}
+
+func TestCleanupLeavesNoTrace(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest())
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	_ = d.Cmd.Process.Signal(syscall.SIGKILL) // as after a crash: everything still installed
+	_ = d.Cmd.Wait()
+	if countRules(t, l, `KUBE-`) == 0 {
+		t.Fatal("no rules to clean up; the test proves nothing")
+	}
+	for i := 0; i < 2; i++ { // twice: the second run must be a harmless no-op
+		l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup")
+	}
+	if n := countRules(t, l, `KUBE-`); n != 0 {
+		t.Fatalf("%d lines mention KUBE- after --cleanup:\n%s", n, l.MustExec("node", "iptables-save"))
+	}
+}
+
+func TestClusterIPOnlyNotReachableViaProxyPort(t *testing.T) {
+	internal := service("internal", "ClusterIP", "10.96.0.30", "", `{name: http, port: 80, protocol: TCP}`) +
+		slices("internal", `{name: http, port: 8080, protocol: TCP}`, false)
+	l, d, _ := startWeb(t, internal)
+	reachesBoth(t, l, "client", "http://10.96.0.30:80/")
+	m := regexp.MustCompile(`msg=Listening .*listen=(\d+).*service="?lab/internal`).FindStringSubmatch(d.Output())
+	if m == nil {
+		t.Fatalf("no listener port in the log:\n%s", d.Output())
+	}
+	if body := l.Curl("ext", "http://192.168.50.1:"+m[1]+"/"); body != "" {
+		t.Fatalf("ClusterIP-only service reached from outside via proxy port %s: %q", m[1], body)
+	}
+	// The node itself may still use it directly (loopback is not guarded).
+	if body := l.Curl("node", "http://127.0.0.1:"+m[1]+"/"); body == "" {
+		t.Fatal("the proxy port is not reachable from the node itself")
+	}
+}
+
+func TestNodePortConflictIsReported(t *testing.T) {
+	taken := service("taken", "NodePort", "10.96.0.40", "", `{name: http, port: 80, protocol: TCP, nodePort: 31999}`) +
+		slices("taken", `{name: http, port: 8080, protocol: TCP}`, false)
+	l := NewLab(t)
+	l.Backends()
+	l.Start("node", "nc", "-l", "-k", "31999") // another process holds the NodePort
+	waitFor(t, "nc listening", func() bool {
+		out, _ := l.Exec("node", "ss", "-ltn", "sport = :31999")
+		return strings.Contains(out, "LISTEN")
+	})
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, webManifest()+"---\n"+taken)
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms")
+	waitFor(t, "the conflict reported", func() bool {
+		return strings.Contains(d.Output(), "NodePort 31999/TCP is already in use by another process")
+	})
+	reachesBoth(t, l, "ext", "http://192.168.50.1:31341/") // other services unaffected
+	reachesBoth(t, l, "client", "http://10.96.0.40:80/")   // the conflicting service's ClusterIP still works
+	if n := countRules(t, l, `--dport 31999`); n != 0 {
+		t.Fatalf("%d rules redirect the NodePort another process owns", n)
+	}
+}

@@ -1,0 +1,228 @@
+// Package e2e runs the real daemon binary with real iptables inside network
+// namespaces that each test creates and deletes (see test/lab/lab.sh for the
+// topology). It never touches the root namespace's rules.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var (
+	binDir   string // built daemon and backend
+	repoRoot string
+	labSeq   atomic.Int64
+)
+
+func TestMain(m *testing.M) {
+	_, file, _, _ := runtime.Caller(0)
+	repoRoot = filepath.Join(filepath.Dir(file), "..", "..")
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	if os.Geteuid() != 0 {
+		return m.Run() // every test skips (or fails under KUP_REQUIRE_ROOT_TESTS)
+	}
+	dir, err := os.MkdirTemp("", "kup-e2e-bin")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	binDir = dir
+	for _, pkg := range []string{"./cmd/kube-userspace-proxy", "./test/backend"} {
+		cmd := exec.Command("go", "build", "-o", dir, pkg)
+		cmd.Dir = repoRoot
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "building %s: %v\n%s", pkg, err, out)
+			return 1
+		}
+	}
+	return m.Run()
+}
+
+// requireRoot skips a test that needs root, or fails it when CI demands
+// that root tests run.
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("KUP_REQUIRE_ROOT_TESTS") != "" {
+		t.Fatal("this test needs root (network namespaces, iptables) and KUP_REQUIRE_ROOT_TESTS is set")
+	}
+	t.Skip("needs root: it creates network namespaces and iptables rules inside them")
+}
+
+// Lab is one set of namespaces: node, pod1, pod2, client, ext.
+type Lab struct {
+	t      *testing.T
+	prefix string
+
+	mu    sync.Mutex
+	procs []*exec.Cmd
+}
+
+// NewLab builds the topology of test/lab/lab.sh and removes it when the test
+// ends, whatever happened.
+func NewLab(t *testing.T) *Lab {
+	t.Helper()
+	requireRoot(t)
+	l := &Lab{t: t, prefix: fmt.Sprintf("kt%d-%d", os.Getpid()%100000, labSeq.Add(1))}
+	t.Cleanup(l.down)
+	if out, err := l.script("lab_up"); err != nil {
+		t.Fatalf("lab_up: %v\n%s", err, out)
+	}
+	return l
+}
+
+func (l *Lab) script(fn string) ([]byte, error) {
+	cmd := exec.Command("bash", "-c", ". test/lab/lab.sh && "+fn)
+	cmd.Dir = repoRoot
+	cmd.Env = append(os.Environ(), "LAB="+l.prefix)
+	return cmd.CombinedOutput()
+}
+
+func (l *Lab) down() {
+	l.mu.Lock()
+	procs := l.procs
+	l.procs = nil
+	l.mu.Unlock()
+	for _, p := range procs {
+		if p.ProcessState == nil {
+			_ = p.Process.Kill()
+			_ = p.Wait()
+		}
+	}
+	if out, err := l.script("lab_down"); err != nil {
+		l.t.Logf("lab_down: %v\n%s", err, out)
+	}
+}
+
+// NS returns the full name of a lab namespace.
+func (l *Lab) NS(name string) string { return l.prefix + "-" + name }
+
+// Exec runs a command in a namespace and returns its combined output.
+func (l *Lab) Exec(ns string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", append([]string{"netns", "exec", l.NS(ns)}, args...)...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// MustExec is Exec that fails the test on error.
+func (l *Lab) MustExec(ns string, args ...string) string {
+	l.t.Helper()
+	out, err := l.Exec(ns, args...)
+	if err != nil {
+		l.t.Fatalf("%s: %v: %v\n%s", ns, args, err, out)
+	}
+	return out
+}
+
+// Proc is a background process in a namespace.
+type Proc struct {
+	Cmd *exec.Cmd
+	out *syncBuffer
+}
+
+func (p *Proc) Output() string { return p.out.String() }
+
+// Start runs a command in the background in a namespace until the test ends.
+func (l *Lab) Start(ns string, args ...string) *Proc {
+	l.t.Helper()
+	cmd := exec.Command("ip", append([]string{"netns", "exec", l.NS(ns)}, args...)...)
+	buf := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = buf, buf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		l.t.Fatalf("start %v: %v", args, err)
+	}
+	l.mu.Lock()
+	l.procs = append(l.procs, cmd)
+	l.mu.Unlock()
+	return &Proc{Cmd: cmd, out: buf}
+}
+
+// Backends starts the lab's two pods: HTTP and UDP on 8080, named pod1 and pod2.
+func (l *Lab) Backends() {
+	for _, pod := range []string{"pod1", "pod2"} {
+		l.Start(pod, filepath.Join(binDir, "backend"), "--name", pod, "--tcp", ":8080", "--udp", ":8080")
+	}
+	for _, ip := range []string{"10.251.19.12", "10.251.19.8"} {
+		waitFor(l.t, "backend "+ip, func() bool {
+			_, err := l.Exec("node", "curl", "-s", "--max-time", "2", "http://"+ip+":8080/")
+			return err == nil
+		})
+	}
+}
+
+// Daemon runs kube-userspace-proxy in the node namespace.
+func (l *Lab) Daemon(args ...string) *Proc {
+	l.t.Helper()
+	return l.Start("node", append([]string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug"}, args...)...)
+}
+
+// Curl fetches url from a namespace and returns the body, or "" on failure.
+func (l *Lab) Curl(ns, url string) string {
+	out, err := l.Exec(ns, "curl", "-s", "-g", "--max-time", "3", url)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(out)
+}
+
+// UDP sends one datagram with nc from a namespace and returns the reply. nc
+// connects its socket, so a reply from any other address than the one it
+// sent to is dropped: a reply proves the source address was right.
+func (l *Lab) UDP(ns, host, port, msg string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", "netns", "exec", l.NS(ns), "nc", "-u", "-w", "2", host, port)
+	cmd.Stdin = strings.NewReader(msg)
+	out, _ := cmd.Output()
+	return strings.TrimSpace(string(out))
+}
+
+// waitFor polls cond until it holds or 20 s pass.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
