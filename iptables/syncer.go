@@ -31,6 +31,9 @@ type Config struct {
 	RestoreCommand, SaveCommand string
 	// DisableIPv6 skips ip6tables entirely.
 	DisableIPv6 bool
+	// BasicOnly ignores the optional matches even where the kernel has them,
+	// to run (and test) the rules a kernel without netfilter extras gets.
+	BasicOnly bool
 	Log         logrus.FieldLogger
 }
 
@@ -70,7 +73,7 @@ func New(cfg Config) (*Rules, error) {
 		log = logrus.StandardLogger()
 	}
 	r := &Rules{cfg: cfg, log: log, last: map[int]string{}, counts: map[string]int{}}
-	v4, err := newFamily(4, cfg.RestoreCommand, cfg.SaveCommand)
+	v4, err := newFamily(4, cfg.RestoreCommand, cfg.SaveCommand, cfg.BasicOnly)
 	if err != nil {
 		return nil, err
 	}
@@ -80,7 +83,7 @@ func New(cfg Config) (*Rules, error) {
 		log.Warn("WARNING: the conntrack match is missing: proxy listener ports of ClusterIP-only services can be reached from other hosts by connecting to this node's address and the listener port directly. Firewall the node or load xt_conntrack/nf_conntrack.")
 	}
 	if !cfg.DisableIPv6 {
-		v6, err := newFamily(6, "", "")
+		v6, err := newFamily(6, "", "", cfg.BasicOnly)
 		if err != nil {
 			log.WithError(err).Warn("IPv6 disabled: IPv6 service addresses will not be redirected")
 		} else {
@@ -90,7 +93,7 @@ func New(cfg Config) (*Rules, error) {
 	return r, nil
 }
 
-func newFamily(fam int, restore, save string) (*family, error) {
+func newFamily(fam int, restore, save string, basicOnly bool) (*family, error) {
 	proto, prefix := goipt.ProtocolIPv4, "iptables"
 	if fam == 6 {
 		proto, prefix = goipt.ProtocolIPv6, "ip6tables"
@@ -113,6 +116,9 @@ func newFamily(fam int, restore, save string) (*family, error) {
 	f := &family{fam: fam, restore: restore, save: save, ipt: ipt}
 	if err := f.probe(); err != nil {
 		return nil, err
+	}
+	if basicOnly {
+		f.features = Features{}
 	}
 	return f, nil
 }

@@ -36,6 +36,7 @@ type options struct {
 	cleanup          bool
 	showRules        bool
 	iptables         bool
+	iptablesBasic    bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -61,6 +62,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
 	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
 	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
+	fs.BoolVar(&o.iptablesBasic, "iptables-basic-only", false, "Use only basic netfilter (no comment, addrtype or conntrack matches) even where the kernel has more.")
+	_ = fs.MarkHidden("iptables-basic-only") // for tests of kernels without netfilter extras
 	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (connection lines are debug).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
 	fs.Usage = func() {

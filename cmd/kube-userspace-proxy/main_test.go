@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -68,9 +69,16 @@ func TestInvalidManifestsAtStartExit1(t *testing.T) {
 }
 
 func TestSIGTERMStopsCleanly(t *testing.T) {
+	backend, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer backend.Close()
 	f := filepath.Join(t.TempDir(), "m.yaml")
-	os.WriteFile(f, []byte("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n"), 0o644)
-	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1")
+	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
+		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
+	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
+	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false")
 	var stderr lockedBuffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {

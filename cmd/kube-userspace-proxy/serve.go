@@ -33,7 +33,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 
 	var rules proxy.Rules
 	if o.iptables {
-		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, Log: log.WithField("component", "iptables")})
+		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic, Log: log.WithField("component", "iptables")})
 		if err != nil {
 			return err
 		}

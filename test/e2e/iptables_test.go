@@ -299,3 +299,36 @@ func TestNodePortConflictIsReported(t *testing.T) {
 		t.Fatalf("%d rules redirect the NodePort another process owns", n)
 	}
 }
+
+func TestBasicNetfilterOnly(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest(), "--iptables-basic-only")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
+	udpReaches(t, l, "client", "10.96.0.10", "53")
+	reachesBoth(t, l, "ext", "http://192.168.50.1:31341/")
+	reachesBoth(t, l, "node", "http://127.0.0.1:31341/")
+	for _, bin := range []string{"iptables-save", "ip6tables-save"} {
+		save := l.MustExec("node", bin)
+		for _, extra := range []string{"comment", "addrtype", "conntrack", "KUBE-PORTALS-GUARD"} {
+			if strings.Contains(save, extra) {
+				t.Errorf("%s uses %s in basic mode:\n%s", bin, extra, save)
+			}
+		}
+	}
+	if !strings.Contains(d.Output(), "WARNING: the conntrack match is missing") {
+		t.Error("no loud warning about the unguarded proxy ports")
+	}
+}
+
+func TestMissingIptablesIsReported(t *testing.T) {
+	l := NewLab(t)
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, webManifest())
+	out, err := l.Exec("node", "env", "PATH=/nonexistent", filepath.Join(binDir, "kube-userspace-proxy"), "--manifests", m)
+	if err == nil {
+		t.Fatalf("started without iptables:\n%s", out)
+	}
+	if !strings.Contains(out, "iptables not found in PATH (install the iptables package)") {
+		t.Fatalf("message does not say what is missing:\n%s", out)
+	}
+}

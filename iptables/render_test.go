@@ -1,0 +1,158 @@
+package iptables
+
+import (
+	"fmt"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+func devpaasy(t *testing.T) *config.State {
+	t.Helper()
+	st, _, err := config.LoadManifests("../docs/examples/devpaasy.yaml", "node-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+func withPorts(fes []proxy.Frontend, port uint16) []proxy.Frontend {
+	for i := range fes {
+		fes[i].Listen = netip.AddrPortFrom(fes[i].Listen.Addr(), port)
+	}
+	return fes
+}
+
+var allFeatures = Features{Comment: true, Addrtype: true, Conntrack: true}
+
+func TestRenderDevpaasy(t *testing.T) {
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified()), 40000)
+	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
+	want := map[string][]string{
+		ChainPortalsContainer:  {`-d 10.0.0.41/32 -p tcp -m comment --comment "dev/devpaasy:http" -m tcp --dport 8080 -j REDIRECT --to-ports 40000`},
+		ChainPortalsHost:       {`-d 10.0.0.41/32 -p tcp -m comment --comment "dev/devpaasy:http" -m tcp --dport 8080 -j REDIRECT --to-ports 40000`},
+		ChainNodePortContainer: {`-p tcp -m comment --comment "dev/devpaasy:http" -m tcp --dport 31341 -j REDIRECT --to-ports 40000`},
+		ChainNodePortHost:      {`-p tcp -m comment --comment "dev/devpaasy:http" -m tcp --dport 31341 -j REDIRECT --to-ports 40000`},
+	}
+	if !reflect.DeepEqual(rs.Nat, want) {
+		t.Fatalf("nat rules:\n%v\nwant\n%v", rs.Nat, want)
+	}
+	if g := rs.Filter[ChainGuard]; len(g) != 1 || g[0] != "! -i lo -p tcp -m tcp --dport 40000 -m conntrack ! --ctstate DNAT -j DROP" {
+		t.Fatalf("guard %v", g)
+	}
+	if rs6 := Render(fes, RenderOptions{Family: 6, Features: allFeatures, AllLocal: true}); len(rs6.Nat[ChainPortalsContainer]) != 0 {
+		t.Fatalf("IPv4 service produced IPv6 rules: %v", rs6.Nat)
+	}
+}
+
+// Without optional matches the rules use only -p/--dport/-d and REDIRECT.
+func TestRenderBasicNetfilterOnly(t *testing.T) {
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified()), 40000)
+	addrs := []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("127.0.0.1")}
+	rs := Render(fes, RenderOptions{Family: 4, NodePortAddresses: addrs})
+	in := rs.RestoreInput()
+	for _, forbidden := range []string{"comment", "addrtype", "conntrack", "*filter"} {
+		if strings.Contains(in, forbidden) {
+			t.Errorf("basic ruleset uses %q:\n%s", forbidden, in)
+		}
+	}
+	if got := rs.Nat[ChainNodePortContainer]; len(got) != 2 || !strings.HasPrefix(got[0], "-d 127.0.0.1/32 -p tcp -m tcp --dport 31341") {
+		t.Fatalf("NodePort rules per address: %v", got)
+	}
+}
+
+func TestRenderSpecificBindAddressUsesDNAT(t *testing.T) {
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.MustParseAddr("10.251.19.1")), 40000)
+	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
+	if r := rs.Nat[ChainPortalsHost][0]; !strings.HasSuffix(r, "-j DNAT --to-destination 10.251.19.1:40000") {
+		t.Fatalf("rule %q", r)
+	}
+}
+
+func TestRenderTrafficPolicySplit(t *testing.T) {
+	st := devpaasy(t)
+	for _, sp := range st.Ports {
+		sp.ExternalLocal = true
+		sp.ExternalIPs = []netip.Addr{netip.MustParseAddr("203.0.113.10")}
+		sp.ClusterIPs = append(sp.ClusterIPs, netip.MustParseAddr("fd00::41"))
+	}
+	fes := proxy.Plan(st, netip.IPv4Unspecified())
+	for i := range fes {
+		fes[i].Listen = netip.AddrPortFrom(fes[i].Listen.Addr(), uint16(40000+i))
+	}
+	if len(fes) != 4 { // internal+external × IPv4+IPv6
+		t.Fatalf("frontends %d, want 4", len(fes))
+	}
+	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
+	var internalPort string
+	for _, fe := range fes {
+		if fe.Family == 4 && fe.Kind == proxy.KindInternal {
+			internalPort = fmt.Sprint(fe.Listen.Port())
+		}
+	}
+	for _, r := range rs.Nat[ChainPortalsContainer] {
+		isCluster := strings.HasPrefix(r, "-d 10.0.0.41/32")
+		toInternal := strings.HasSuffix(r, "--to-ports "+internalPort)
+		if isCluster != toInternal {
+			t.Errorf("rule %q goes to the wrong frontend", r)
+		}
+	}
+	rs6 := Render(fes, RenderOptions{Family: 6, Features: allFeatures, AllLocal: true})
+	if r := rs6.Nat[ChainPortalsContainer]; len(r) != 1 || !strings.HasPrefix(r[0], "-d fd00::41/128 -p tcp") {
+		t.Fatalf("IPv6 rules %v", r)
+	}
+}
+
+func TestRenderSkipsFailedFrontendsAndHeldNodePorts(t *testing.T) {
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified()), 40000)
+	fes[0].NodePortErr = errTest
+	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
+	if len(rs.Nat[ChainNodePortContainer]) != 0 || len(rs.Nat[ChainPortalsContainer]) != 1 {
+		t.Fatalf("NodePort held by another process still redirected: %v", rs.Nat)
+	}
+	fes[0].Err = errTest
+	rs = Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
+	if n, f := rs.Count(); n+f != 0 {
+		t.Fatalf("a frontend without listener got rules: %v", rs.Nat)
+	}
+}
+
+type testErr struct{}
+
+func (testErr) Error() string { return "test" }
+
+var errTest = testErr{}
+
+func TestPartialInput(t *testing.T) {
+	have := map[string]map[string]bool{
+		"nat/" + ChainPortalsContainer: {"rule-a": true, "rule-b": true},
+	}
+	want := map[string]map[string]bool{
+		"nat/" + ChainPortalsContainer: {"rule-b": true, "rule-c": true},
+		"filter/" + ChainGuard:         {"guard": true},
+	}
+	got := partialInput(have, want)
+	wantText := "*nat\n-D KUBE-PORTALS-CONTAINER rule-a\n-A KUBE-PORTALS-CONTAINER rule-c\nCOMMIT\n" +
+		"*filter\n:KUBE-PORTALS-GUARD - [0:0]\n-A KUBE-PORTALS-GUARD guard\nCOMMIT\n"
+	if got != wantText {
+		t.Fatalf("got\n%s\nwant\n%s", got, wantText)
+	}
+	if partialInput(want, want) != "" {
+		t.Fatal("equal sets produced input")
+	}
+}
+
+func TestSplitRule(t *testing.T) {
+	got := splitRule(`-A PREROUTING -m comment --comment "handle ClusterIPs; NOTE: x" -j KUBE-PORTALS-CONTAINER`)
+	want := []string{"-A", "PREROUTING", "-m", "comment", "--comment", "handle ClusterIPs; NOTE: x", "-j", "KUBE-PORTALS-CONTAINER"}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("%q", got)
+	}
+	if target(got) != "KUBE-PORTALS-CONTAINER" {
+		t.Fatal(target(got))
+	}
+}
