@@ -34,7 +34,7 @@ type Config struct {
 	// BasicOnly ignores the optional matches even where the kernel has them,
 	// to run (and test) the rules a kernel without netfilter extras gets.
 	BasicOnly bool
-	Log         logrus.FieldLogger
+	Log       logrus.FieldLogger
 }
 
 // Rules implements proxy.Rules with one table writer per IP family.
