@@ -165,7 +165,10 @@ func Render(frontends []proxy.Frontend, o RenderOptions) *Ruleset {
 				}
 			}
 		}
-		if o.Features.Conntrack {
+		onNodePort := sp.NodePort != 0 && int(fe.Listen.Port()) == sp.NodePort
+		if o.Features.Conntrack && !onNodePort && !(o.Placeholders && sp.NodePort != 0 && fe.Kind != proxy.KindInternal) {
+			// A listener on its NodePort is meant to be reachable from
+			// anywhere; every other proxy port only through a redirect.
 			port := fmt.Sprint(fe.Listen.Port())
 			if o.Placeholders {
 				port = placeholder(fe)

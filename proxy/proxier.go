@@ -38,6 +38,12 @@ type Config struct {
 	UDPTimeout     time.Duration   // DefaultUDPTimeout when 0
 	UDPMaxFlows    int             // per frontend; DefaultUDPMaxFlows when 0
 
+	// NodePortsRestricted is set when NodePorts are served on some node
+	// addresses only (--nodeport-addresses). A listener then cannot sit on
+	// 0.0.0.0:NodePort (it would answer on every address); a bound,
+	// non-listening socket holds the port instead.
+	NodePortsRestricted bool
+
 	MinSyncPeriod time.Duration // bursts of updates are merged; 1 s when 0
 	SyncPeriod    time.Duration // rules are re-checked this often; 30 s when 0
 
@@ -147,13 +153,15 @@ func (f Frontend) Affinities() []Affinity {
 // frontend is a live listener with its balancer. It is created and closed by
 // the sync goroutine; its serve goroutine and connections belong to it.
 type frontend struct {
-	p       *Proxier
-	key     frontendKey
-	spec    *config.ServicePort
-	bal     *RoundRobin
-	listen  netip.AddrPort
-	release func()
-	log     logrus.FieldLogger
+	p           *Proxier
+	key         frontendKey
+	spec        *config.ServicePort
+	bal         *RoundRobin
+	listen      netip.AddrPort
+	nodePortErr error // the NodePort could not be taken
+	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
+	release     func()
+	log         logrus.FieldLogger
 
 	ctx    context.Context // cancelled when the proxier shuts down
 	tcp    *net.TCPListener
@@ -176,7 +184,6 @@ type Proxier struct {
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
-	nodePorts map[nodePortKey]*nodePortHold
 
 	viewMu sync.RWMutex // guards view, the frontends as last synced, for readers
 	view   []Frontend
@@ -189,7 +196,6 @@ func New(cfg Config) *Proxier {
 		alloc:     portAllocator{r: cfg.PortRange},
 		kick:      make(chan struct{}, 1),
 		frontends: make(map[frontendKey]*frontend),
-		nodePorts: make(map[nodePortKey]*nodePortHold),
 	}
 }
 
@@ -274,11 +280,16 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	var stale []*frontend
 	for key, fe := range p.frontends {
 		if sp, ok := desired[key]; !ok || !fe.spec.SameFrontend(sp) {
-			stale = append(stale, fe)
 			delete(p.frontends, key)
+			if fe.onNodePort() {
+				// Its successor may need the same NodePort: close it now
+				// (the one case that is break-before-make).
+				fe.close()
+				continue
+			}
+			stale = append(stale, fe)
 		}
 	}
-	p.syncNodePorts(desired)
 	var view []Frontend
 	for key, sp := range desired {
 		fe := p.frontends[key]
@@ -295,7 +306,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		fe.spec = sp
 		fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
-			NodePortErr: p.nodePortErr(key, sp), fe: fe})
+			NodePortErr: fe.nodePortErr, fe: fe})
 	}
 	sort.Slice(view, func(i, j int) bool { return lessFrontend(view[i], view[j]) })
 	p.viewMu.Lock()
@@ -376,15 +387,40 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		proto = "udp"
 	}
 	bind := p.bindFor(key.Family)
-	sock, port, release, err := p.alloc.listen(proto, bind)
-	if err != nil {
-		return nil, err
+	var sock any
+	var port int
+	var nodePortErr error
+	release := func() {}
+	holdFD := -1
+	if sp.NodePort != 0 && key.Kind != KindInternal {
+		var err error
+		if p.cfg.NodePortsRestricted {
+			holdFD, err = holdPort(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		} else {
+			// The listener itself sits on the NodePort: it holds the port
+			// against other processes, costs no extra descriptor, and
+			// serves even a connection that reaches it without a redirect.
+			sock, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		}
+		if err != nil {
+			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only", sp.NodePort, sp.Protocol, err)
+			p.cfg.log().WithField("service", key.Name.String()).Error(nodePortErr)
+		}
+	}
+	if sock == nil {
+		var err error
+		if sock, port, release, err = p.alloc.listen(proto, bind); err != nil {
+			closeHold(holdFD)
+			return nil, err
+		}
 	}
 	fe := &frontend{
 		p: p, key: key, spec: sp, bal: NewRoundRobin(),
-		listen:  netip.AddrPortFrom(bind, uint16(port)),
-		release: release,
-		ctx:     p.ctx,
+		listen:      netip.AddrPortFrom(bind, uint16(port)),
+		nodePortErr: nodePortErr,
+		holdFD:      holdFD,
+		release:     release,
+		ctx:         p.ctx,
 		log: p.cfg.log().WithFields(logrus.Fields{
 			"service": key.Name.String(), "protocol": sp.Protocol, "family": key.Family, "kind": key.Kind, "listen": port,
 		}),
@@ -399,6 +435,7 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		if err != nil {
 			s.Close()
 			release()
+			closeHold(holdFD)
 			return nil, fmt.Errorf("enable IP_PKTINFO: %w", err)
 		}
 		fe.udpSk = us
@@ -407,6 +444,11 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 	}
 	fe.log.Info("Listening")
 	return fe, nil
+}
+
+// onNodePort reports whether the frontend holds the service's NodePort.
+func (fe *frontend) onNodePort() bool {
+	return fe.holdFD >= 0 || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
 }
 
 // close stops accepting; established TCP connections go on (they belong to
@@ -422,6 +464,7 @@ func (fe *frontend) close() {
 	if fe.udpSk != nil {
 		fe.closeFlows()
 	}
+	closeHold(fe.holdFD)
 	fe.release()
 	fe.log.Info("Listener closed")
 }
@@ -433,10 +476,6 @@ func (p *Proxier) shutdown(grace time.Duration) {
 		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {
 			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
 		}
-	}
-	for k, h := range p.nodePorts {
-		h.close()
-		delete(p.nodePorts, k)
 	}
 	for key, fe := range p.frontends {
 		fe.close()

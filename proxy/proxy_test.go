@@ -555,3 +555,80 @@ func TestPortRangeReleasedAndReused(t *testing.T) {
 		return h.port("two") == int(base)
 	})
 }
+
+func TestNodePortListenerHoldsThePort(t *testing.T) {
+	h := startProxier(t, Config{})
+	a := tcpBackend(t, "a")
+	free := closedPort(t).Port()
+	sp := svc("np", config.TCP, a)
+	sp.NodePort = int(free)
+	h.apply(sp)
+	if h.port("np") != int(free) {
+		t.Fatalf("listener on %d, want the NodePort %d", h.port("np"), free)
+	}
+	if _, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", free)); err == nil {
+		t.Fatal("another process could take the NodePort")
+	}
+	if got := fetchName(t, h.addr("np")); got != "a" {
+		t.Fatalf("reached %q", got)
+	}
+
+	// A NodePort someone else holds: the service is served on another port
+	// and the NodePort error is reported for it alone.
+	other, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	taken := svc("taken", config.TCP, a)
+	taken.NodePort = other.Addr().(*net.TCPAddr).Port
+	h.apply(sp, taken)
+	fe, ok := h.p.Lookup(taken.Name, 4, KindAll)
+	if !ok || fe.NodePortErr == nil || int(fe.Listen.Port()) == taken.NodePort {
+		t.Fatalf("frontend %+v: want a NodePort error and another port", fe)
+	}
+	if got := fetchName(t, h.addr("taken")); got != "a" {
+		t.Fatalf("reached %q", got)
+	}
+	if fe, _ := h.p.Lookup(sp.Name, 4, KindAll); fe.NodePortErr != nil {
+		t.Fatalf("the other service got an error: %v", fe.NodePortErr)
+	}
+
+	// Changing the Service port keeps the NodePort: the listener is
+	// replaced on the same port.
+	moved := svc("np", config.TCP, a)
+	moved.NodePort, moved.Port = int(free), 8080
+	h.apply(moved, taken)
+	if h.port("np") != int(free) {
+		t.Fatalf("after a port change the listener is on %d, want %d", h.port("np"), free)
+	}
+	if got := fetchName(t, h.addr("np")); got != "a" {
+		t.Fatalf("reached %q", got)
+	}
+}
+
+func TestRestrictedNodePortIsHeldNotServed(t *testing.T) {
+	h := startProxier(t, Config{NodePortsRestricted: true})
+	free := closedPort(t).Port()
+	sp := svc("np", config.TCP, tcpBackend(t, "a"))
+	sp.NodePort = int(free)
+	h.apply(sp)
+	if p := h.port("np"); p == int(free) || p == 0 {
+		t.Fatalf("listener on %d; with restricted NodePorts it must not sit on the NodePort", p)
+	}
+	if _, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", free)); err == nil {
+		t.Fatal("another process could take the held NodePort")
+	}
+	if c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", free), time.Second); err == nil {
+		c.Close()
+		t.Fatal("the held NodePort accepted a connection directly")
+	}
+	h.apply()
+	waitFor(t, "NodePort released", func() bool {
+		ln, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", free))
+		if err == nil {
+			ln.Close()
+		}
+		return err == nil
+	})
+}

@@ -42,16 +42,17 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
 	}
 	p := proxy.New(proxy.Config{
-		Rules:          rules,
-		BindAddress:    o.bindAddress,
-		PortRange:      o.portRange,
-		TCPIdleTimeout: o.tcpIdleTimeout,
-		UDPTimeout:     o.udpTimeout,
-		UDPMaxFlows:    o.udpMaxFlows,
-		MinSyncPeriod:  o.minSyncPeriod,
-		SyncPeriod:     o.syncPeriod,
-		Log:            log.WithField("component", "proxier"),
-		ConnLog:        log.WithField("component", "conn"),
+		Rules:               rules,
+		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
+		BindAddress:         o.bindAddress,
+		PortRange:           o.portRange,
+		TCPIdleTimeout:      o.tcpIdleTimeout,
+		UDPTimeout:          o.udpTimeout,
+		UDPMaxFlows:         o.udpMaxFlows,
+		MinSyncPeriod:       o.minSyncPeriod,
+		SyncPeriod:          o.syncPeriod,
+		Log:                 log.WithField("component", "proxier"),
+		ConnLog:             log.WithField("component", "conn"),
 	})
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()

@@ -142,7 +142,12 @@ func TestAllServiceAddressesByTraffic(t *testing.T) {
 }
 
 func TestNodePortAddressesLimit(t *testing.T) {
-	l, _, _ := startWeb(t, webManifest(), "--nodeport-addresses", "192.168.50.0/24")
+	l, d, _ := startWeb(t, webManifest(), "--nodeport-addresses", "192.168.50.0/24")
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", d.Output())
+		}
+	}()
 	reachesBoth(t, l, "ext", "http://192.168.50.1:31341/")
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	if body := l.Curl("client", "http://10.251.19.1:31341/"); body != "" {
