@@ -216,15 +216,18 @@ func (b *Builder) AddService(svc *v1.Service) (skip string, err error) {
 	if err != nil {
 		return "", err
 	}
-	key := [2]string{svc.Namespace, svc.Name}
+	return "", b.addPorts([2]string{svc.Namespace, svc.Name}, sps)
+}
+
+func (b *Builder) addPorts(key [2]string, sps []*ServicePort) error {
 	if _, dup := b.services[key]; dup {
-		return "", fmt.Errorf("Service %s/%s is defined twice", svc.Namespace, svc.Name)
+		return fmt.Errorf("Service %s/%s is defined twice", key[0], key[1])
 	}
 	b.services[key] = sps
 	for _, sp := range sps {
 		b.ports[sp.Name] = sp
 	}
-	return "", nil
+	return nil
 }
 
 // AddSlice adds an EndpointSlice, joined to its Service by the service-name label.
@@ -236,7 +239,11 @@ func (b *Builder) AddSlice(es *discovery.EndpointSlice) (skip string, err error)
 	if err != nil {
 		return "", err
 	}
-	key := [2]string{es.Namespace, es.Labels[LabelServiceName]}
+	b.addEndpoints([2]string{es.Namespace, es.Labels[LabelServiceName]}, eps)
+	return "", nil
+}
+
+func (b *Builder) addEndpoints(key [2]string, eps map[string][]Endpoint) {
 	m := b.endpoints[key]
 	if m == nil {
 		m = make(map[string][]Endpoint)
@@ -245,18 +252,21 @@ func (b *Builder) AddSlice(es *discovery.EndpointSlice) (skip string, err error)
 	for port, list := range eps {
 		m[port] = append(m[port], list...)
 	}
-	return "", nil
 }
 
-// State joins endpoints to service ports and returns the finished State.
+// State joins endpoints to service ports and returns the finished State. The
+// ports are copies: what was added stays untouched (sources cache it).
 func (b *Builder) State() *State {
+	ports := make(map[ServicePortName]*ServicePort, len(b.ports))
 	for key, sps := range b.services {
 		byPort := b.endpoints[key]
 		for _, sp := range sps {
-			sp.Endpoints = dedupEndpoints(byPort[sp.Name.Port])
+			c := *sp
+			c.Endpoints = dedupEndpoints(byPort[sp.Name.Port])
+			ports[c.Name] = &c
 		}
 	}
-	return &State{Ports: b.ports, Node: b.node}
+	return &State{Ports: ports, Node: b.node}
 }
 
 // dedupEndpoints sorts endpoints by address and keeps one per address,

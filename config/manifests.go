@@ -3,6 +3,7 @@ package config
 import (
 	"bufio"
 	"bytes"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	discovery "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 )
 
@@ -81,68 +83,138 @@ type Skipped struct {
 // LoadManifests reads a manifests file or directory and builds the State for node.
 // The first invalid document is returned as a *ManifestError.
 func LoadManifests(path, node string) (*State, []Skipped, error) {
+	return newManifestCache().load(path, node)
+}
+
+// ParseManifests parses one file's content (used by tests and the fuzz target).
+func ParseManifests(name string, data []byte, node string) (*State, error) {
+	fr, err := parseFile(name, data)
+	if err != nil {
+		return nil, err
+	}
+	st, _, err := combine([]*fileResult{fr}, node)
+	return st, err
+}
+
+// manifestCache keeps each file's parsed objects while the file is unchanged,
+// so that a reload re-parses only the files that changed: with 10k Services
+// in one file and one in another, editing the small one costs milliseconds.
+type manifestCache struct {
+	files map[string]*fileResult
+}
+
+func newManifestCache() *manifestCache { return &manifestCache{files: map[string]*fileResult{}} }
+
+func (c *manifestCache) load(path, node string) (*State, []Skipped, error) {
 	files, err := manifestFiles(path)
 	if err != nil {
 		return nil, nil, err
 	}
-	p := newManifestParser(node)
+	results := make([]*fileResult, 0, len(files))
+	seen := make(map[string]*fileResult, len(files))
 	for _, f := range files {
 		data, err := os.ReadFile(f)
 		if err != nil {
 			return nil, nil, fmt.Errorf("manifests: %w", err)
 		}
-		if err := p.parseFile(f, data); err != nil {
-			return nil, nil, err
+		// Keyed by content, not mtime: two saves within one clock tick
+		// can leave the same size and mtime behind.
+		sum := sha256.Sum256(data)
+		fr := c.files[f]
+		if fr == nil || fr.sum != sum {
+			if fr, err = parseFile(f, data); err != nil {
+				return nil, nil, err
+			}
+			fr.sum = sum
+		}
+		seen[f] = fr
+		results = append(results, fr)
+	}
+	st, skipped, err := combine(results, node)
+	if err != nil {
+		return nil, nil, err
+	}
+	c.files = seen // only a fully good load replaces the cache
+	return st, skipped, nil
+}
+
+// where locates an object for error messages.
+type where struct {
+	file   string
+	doc    int
+	item   string
+	object string
+}
+
+func (w where) err(e error) *ManifestError {
+	return &ManifestError{File: w.file, Document: w.doc, Item: w.item, Object: w.object, Err: e}
+}
+
+// fileResult is one file's objects, already converted to the model.
+type fileResult struct {
+	sum      [sha256.Size]byte
+	services []parsedService
+	slices   []parsedSlice
+	skipped  []Skipped
+}
+
+type parsedService struct {
+	at    where
+	key   [2]string
+	ports []*ServicePort
+}
+
+type parsedSlice struct {
+	at  where
+	key [2]string
+	eps map[string][]Endpoint
+	// legacy marks endpoints converted from v1 Endpoints. They are used only
+	// for Services without EndpointSlices, so that `kubectl get
+	// svc,ep,endpointslices -o yaml` does not count every endpoint twice.
+	legacy bool
+}
+
+// combine joins the files' objects into a State.
+func combine(results []*fileResult, node string) (*State, []Skipped, error) {
+	b := NewBuilder(node)
+	var skipped []Skipped
+	hasSlices := map[[2]string]bool{}
+	for _, fr := range results {
+		skipped = append(skipped, fr.skipped...)
+		for _, ps := range fr.services {
+			if err := b.addPorts(ps.key, ps.ports); err != nil {
+				return nil, nil, ps.at.err(err)
+			}
+		}
+		for _, sl := range fr.slices {
+			if !sl.legacy {
+				hasSlices[sl.key] = true
+			}
 		}
 	}
-	return p.finish(), p.skipped, nil
-}
-
-// ParseManifests parses one file's content (used by tests and the fuzz target).
-func ParseManifests(name string, data []byte, node string) (*State, error) {
-	p := newManifestParser(node)
-	if err := p.parseFile(name, data); err != nil {
-		return nil, err
-	}
-	return p.finish(), nil
-}
-
-type manifestParser struct {
-	b       *Builder
-	skipped []Skipped
-	// v1 Endpoints are converted only for Services that have no EndpointSlice,
-	// so that `kubectl get svc,ep,endpointslices -o yaml` does not count every
-	// endpoint twice.
-	legacy []*discovery.EndpointSlice
-	slices map[[2]string]bool
-}
-
-func newManifestParser(node string) *manifestParser {
-	return &manifestParser{b: NewBuilder(node), slices: map[[2]string]bool{}}
-}
-
-func (p *manifestParser) finish() *State {
-	for _, es := range p.legacy {
-		key := [2]string{es.Namespace, es.Labels[LabelServiceName]}
-		if p.slices[key] {
-			p.skipped = append(p.skipped, Skipped{Object: "Endpoints " + key[0] + "/" + key[1], Reason: "the Service has EndpointSlices, which take precedence"})
-			continue
+	for _, fr := range results {
+		for _, sl := range fr.slices {
+			if sl.legacy && hasSlices[sl.key] {
+				skipped = append(skipped, Skipped{Object: sl.at.object, Reason: "the Service has EndpointSlices, which take precedence"})
+				continue
+			}
+			b.addEndpoints(sl.key, sl.eps)
 		}
-		// Converted slices were validated when the Endpoints object was read.
-		_, _ = p.b.AddSlice(es)
 	}
-	return p.b.State()
+	return b.State(), skipped, nil
 }
 
-func (p *manifestParser) parseFile(file string, data []byte) error {
+func parseFile(file string, data []byte) (*fileResult, error) {
+	fr := &fileResult{}
 	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
 	for doc := 1; ; doc++ {
 		raw, err := r.Read()
 		if errors.Is(err, io.EOF) {
-			return nil
+			return fr, nil
 		}
+		at := where{file: file, doc: doc}
 		if err != nil {
-			return &ManifestError{File: file, Document: doc, Err: err}
+			return nil, at.err(err)
 		}
 		if len(bytes.TrimSpace(stripComments(raw))) == 0 {
 			doc-- // comment-only or empty documents are not counted
@@ -150,15 +222,10 @@ func (p *manifestParser) parseFile(file string, data []byte) error {
 		}
 		js, err := yaml.YAMLToJSON(raw)
 		if err != nil {
-			return &ManifestError{File: file, Document: doc, Err: err}
+			return nil, at.err(err)
 		}
-		if err := p.parseObject(js); err != nil {
-			var me *ManifestError
-			if errors.As(err, &me) {
-				me.File, me.Document = file, doc
-				return me
-			}
-			return &ManifestError{File: file, Document: doc, Err: err}
+		if err := fr.parseObject(js, at); err != nil {
+			return nil, err
 		}
 	}
 }
@@ -182,23 +249,32 @@ type typeMeta struct {
 	} `json:"metadata"`
 }
 
-func (p *manifestParser) parseObject(js []byte) error {
+func (fr *fileResult) parseObject(js []byte, at where) error {
 	if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
 		return nil
 	}
 	var tm typeMeta
 	if err := json.Unmarshal(js, &tm); err != nil {
-		return fmt.Errorf("not a Kubernetes object: %w", err)
+		return at.err(fmt.Errorf("not a Kubernetes object: %w", err))
 	}
 	if tm.Kind == "" || tm.APIVersion == "" {
-		return errors.New("apiVersion and kind are required")
+		return at.err(errors.New("apiVersion and kind are required"))
 	}
 	ns := tm.Metadata.Namespace
 	if ns == "" {
 		ns = "default"
 	}
-	obj := fmt.Sprintf("%s %s/%s", tm.Kind, ns, tm.Metadata.Name)
-	wrap := func(err error) error { return &ManifestError{Object: obj, Err: cleanJSONError(err)} }
+	at.object = fmt.Sprintf("%s %s/%s", tm.Kind, ns, tm.Metadata.Name)
+	strict := func(into any) error {
+		strictErrs, err := kjson.UnmarshalStrict(js, into)
+		if err != nil {
+			return at.err(cleanJSONError(err))
+		}
+		if len(strictErrs) > 0 {
+			return at.err(cleanJSONError(strictErrs[0]))
+		}
+		return nil
+	}
 
 	switch {
 	case tm.APIVersion == "v1" && strings.HasSuffix(tm.Kind, "List"):
@@ -206,71 +282,73 @@ func (p *manifestParser) parseObject(js []byte) error {
 			Items []runtime.RawExtension `json:"items"`
 		}
 		if err := json.Unmarshal(js, &list); err != nil {
-			return fmt.Errorf("%s: %w", tm.Kind, err)
+			return at.err(fmt.Errorf("%s: %w", tm.Kind, err))
 		}
 		for i, item := range list.Items {
-			if err := p.parseObject(item.Raw); err != nil {
-				me := &ManifestError{}
-				if !errors.As(err, &me) {
-					me = &ManifestError{Err: err}
-				}
-				me.Item = fmt.Sprintf("items[%d]", i)
-				return me
+			if err := fr.parseObject(item.Raw, where{file: at.file, doc: at.doc, item: fmt.Sprintf("items[%d]", i)}); err != nil {
+				return err
 			}
 		}
 		return nil
 
 	case tm.APIVersion == "v1" && tm.Kind == "Service":
 		var svc v1.Service
-		if err := yaml.UnmarshalStrict(js, &svc); err != nil {
-			return wrap(err)
+		if err := strict(&svc); err != nil {
+			return err
 		}
-		defaultNamespace(&svc.ObjectMeta.Namespace)
-		skip, err := p.b.AddService(&svc)
+		defaultNamespace(&svc.Namespace)
+		if skip := SkipReason(&svc); skip != "" {
+			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
+			return nil
+		}
+		if svc.Name == "" {
+			return at.err(errors.New("metadata.name: required"))
+		}
+		sps, err := ServicePorts(&svc)
 		if err != nil {
-			return wrap(err)
+			return at.err(err)
 		}
-		if skip != "" {
-			p.skipped = append(p.skipped, Skipped{Object: obj, Reason: skip})
-		}
+		fr.services = append(fr.services, parsedService{at: at, key: [2]string{svc.Namespace, svc.Name}, ports: sps})
 		return nil
 
 	case tm.APIVersion == "discovery.k8s.io/v1" && tm.Kind == "EndpointSlice":
 		var es discovery.EndpointSlice
-		if err := yaml.UnmarshalStrict(js, &es); err != nil {
-			return wrap(err)
+		if err := strict(&es); err != nil {
+			return err
 		}
 		defaultNamespace(&es.Namespace)
-		p.slices[[2]string{es.Namespace, es.Labels[LabelServiceName]}] = true
-		skip, err := p.b.AddSlice(&es)
+		if skip := SkipSlice(&es); skip != "" {
+			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
+			return nil
+		}
+		eps, err := SliceEndpoints(&es)
 		if err != nil {
-			return wrap(err)
+			return at.err(err)
 		}
-		if skip != "" {
-			p.skipped = append(p.skipped, Skipped{Object: obj, Reason: skip})
-		}
+		fr.slices = append(fr.slices, parsedSlice{at: at, key: [2]string{es.Namespace, es.Labels[LabelServiceName]}, eps: eps})
 		return nil
 
 	case tm.APIVersion == "v1" && tm.Kind == "Endpoints":
 		var eps v1.Endpoints
-		if err := yaml.UnmarshalStrict(js, &eps); err != nil {
-			return wrap(err)
+		if err := strict(&eps); err != nil {
+			return err
 		}
 		defaultNamespace(&eps.Namespace)
 		slices, err := EndpointsToSlices(&eps)
 		if err != nil {
-			return wrap(err)
+			return at.err(err)
 		}
 		for _, es := range slices {
-			if _, err := SliceEndpoints(es); err != nil {
-				return wrap(err)
+			m, err := SliceEndpoints(es)
+			if err != nil {
+				return at.err(err)
 			}
+			fr.slices = append(fr.slices, parsedSlice{at: at, key: [2]string{eps.Namespace, eps.Name}, eps: m, legacy: true})
 		}
-		p.legacy = append(p.legacy, slices...)
 		return nil
 
 	default:
-		p.skipped = append(p.skipped, Skipped{Object: obj, Reason: "kind " + tm.APIVersion + " " + tm.Kind + " is not used by the proxy"})
+		fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: "kind " + tm.APIVersion + " " + tm.Kind + " is not used by the proxy"})
 		return nil
 	}
 }

@@ -258,7 +258,7 @@ func TestInvalidManifestsNameFileDocumentAndReason(t *testing.T) {
 		{"yaml syntax", "apiVersion: v1\nkind: Service\nmetadata: [", "document 2"},
 		{"bad clusterIP", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}", `spec.clusterIP: "10.96.0.300" is not an IP address`},
 		{"bad port", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIP: 10.96.0.3, ports: [{port: 70000}]}", "spec.ports[0].port: 70000"},
-		{"unknown field", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIP: 10.96.0.3, prots: []}", `unknown field "prots"`},
+		{"unknown field", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIP: 10.96.0.3, prots: []}", `unknown field "spec.prots"`},
 		{"missing kind", "apiVersion: v1\nmetadata: {name: x}", "apiVersion and kind are required"},
 		{"unnamed multi-port", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIP: 10.96.0.3, ports: [{port: 80}, {port: 81}]}", "spec.ports[0].name: required"},
 		{"slice address family", "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: e, labels: {kubernetes.io/service-name: ok}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints: [{addresses: ['fd00::1']}]", "does not match addressType IPv4"},

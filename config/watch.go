@@ -20,11 +20,13 @@ type ManifestSource struct {
 	Sink Sink
 	Log  logrus.FieldLogger
 
-	// Debounce merges the burst of events one save makes; 0 means 100 ms.
+	// Debounce merges the burst of events one save makes; 0 means 20 ms.
 	Debounce time.Duration
 	// Poll re-reads the files this often as a safety net for file systems
 	// without inotify; 0 means 2 s.
 	Poll time.Duration
+
+	cache *manifestCache // owned by the watch goroutine after Start
 }
 
 // Start loads the manifests once, hands the State to the Sink and then watches
@@ -78,14 +80,18 @@ func (m *ManifestSource) signature() map[string]fileSig {
 
 func (m *ManifestSource) load() (map[string]fileSig, error) {
 	sig := m.signature()
-	st, skipped, err := LoadManifests(m.Path, m.Node)
+	if m.cache == nil {
+		m.cache = newManifestCache()
+	}
+	start := time.Now()
+	st, skipped, err := m.cache.load(m.Path, m.Node)
 	if err != nil {
 		return sig, err
 	}
 	for _, s := range skipped {
 		m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason}).Info("Not proxied")
 	}
-	m.Log.WithFields(logrus.Fields{"path": m.Path, "servicePorts": len(st.Ports)}).Info("Manifests loaded")
+	m.Log.WithFields(logrus.Fields{"path": m.Path, "servicePorts": len(st.Ports), "took": time.Since(start).String()}).Info("Manifests loaded")
 	m.Sink.Update(st)
 	return sig, nil
 }
@@ -93,7 +99,7 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 func (m *ManifestSource) watch(ctx context.Context, w *fsnotify.Watcher, sig map[string]fileSig) {
 	debounce, poll := m.Debounce, m.Poll
 	if debounce <= 0 {
-		debounce = 100 * time.Millisecond
+		debounce = 20 * time.Millisecond
 	}
 	if poll <= 0 {
 		poll = 2 * time.Second

@@ -118,63 +118,12 @@ func Render(frontends []proxy.Frontend, o RenderOptions) *Ruleset {
 		rs.Filter[ChainGuard] = nil
 	}
 	for _, fe := range frontends {
-		if fe.Family != o.Family || fe.Err != nil {
-			continue
-		}
-		sp := fe.Service
-		proto := strings.ToLower(string(fe.Protocol))
-		target := redirectTarget(fe, o.Placeholders)
-		rule := func(dst netip.Addr, port int) string {
-			var b strings.Builder
-			if dst.IsValid() {
-				fmt.Fprintf(&b, "-d %s/%d ", dst, dst.BitLen())
+		for _, r := range renderFrontend(fe, o) {
+			if r.table == "nat" {
+				rs.Nat[r.chain] = append(rs.Nat[r.chain], r.rule)
+			} else {
+				rs.Filter[r.chain] = append(rs.Filter[r.chain], r.rule)
 			}
-			fmt.Fprintf(&b, "-p %s ", proto)
-			if o.Features.Comment {
-				fmt.Fprintf(&b, "-m comment --comment %q ", sp.Name.String())
-			}
-			fmt.Fprintf(&b, "-m %s --dport %d %s", proto, port, target)
-			return b.String()
-		}
-		add := func(chain string, r string) { rs.Nat[chain] = append(rs.Nat[chain], r) }
-
-		if fe.Kind != proxy.KindExternal {
-			for _, ip := range sp.ClusterIPs {
-				if config.Family(ip) == o.Family {
-					add(ChainPortalsContainer, rule(ip, sp.Port))
-					add(ChainPortalsHost, rule(ip, sp.Port))
-				}
-			}
-		}
-		if fe.Kind != proxy.KindInternal {
-			for _, ip := range append(append([]netip.Addr(nil), sp.ExternalIPs...), sp.LoadBalancerIPs...) {
-				if config.Family(ip) == o.Family {
-					add(ChainPortalsContainer, rule(ip, sp.Port))
-					add(ChainPortalsHost, rule(ip, sp.Port))
-				}
-			}
-			if sp.NodePort != 0 && fe.NodePortErr == nil {
-				if o.AllLocal {
-					add(ChainNodePortContainer, rule(netip.Addr{}, sp.NodePort))
-					add(ChainNodePortHost, rule(netip.Addr{}, sp.NodePort))
-				} else {
-					for _, ip := range o.NodePortAddresses {
-						add(ChainNodePortContainer, rule(ip, sp.NodePort))
-						add(ChainNodePortHost, rule(ip, sp.NodePort))
-					}
-				}
-			}
-		}
-		onNodePort := sp.NodePort != 0 && int(fe.Listen.Port()) == sp.NodePort
-		if o.Features.Conntrack && !onNodePort && !(o.Placeholders && sp.NodePort != 0 && fe.Kind != proxy.KindInternal) {
-			// A listener on its NodePort is meant to be reachable from
-			// anywhere; every other proxy port only through a redirect.
-			port := fmt.Sprint(fe.Listen.Port())
-			if o.Placeholders {
-				port = placeholder(fe)
-			}
-			rs.Filter[ChainGuard] = append(rs.Filter[ChainGuard],
-				fmt.Sprintf("! -i lo -p %s -m %s --dport %s -m conntrack ! --ctstate DNAT -j DROP", proto, proto, port))
 		}
 	}
 	for _, m := range []map[string][]string{rs.Nat, rs.Filter} {
@@ -185,7 +134,84 @@ func Render(frontends []proxy.Frontend, o RenderOptions) *Ruleset {
 	return rs
 }
 
+// chainRule is one rule of one of our chains.
+type chainRule struct {
+	table, chain, rule string
+}
+
+// onNodePort reports whether the frontend's listener sits on the service's
+// NodePort: traffic to the NodePort then reaches it without any rule.
+func onNodePort(fe proxy.Frontend) bool {
+	return fe.Service.NodePort != 0 && int(fe.Listen.Port()) == fe.Service.NodePort
+}
+
+// renderFrontend returns the rules that lead one frontend's addresses to its
+// listener (none for a frontend of another family or without listener).
+func renderFrontend(fe proxy.Frontend, o RenderOptions) []chainRule {
+	if fe.Family != o.Family || fe.Err != nil {
+		return nil
+	}
+	sp := fe.Service
+	proto := strings.ToLower(string(fe.Protocol))
+	target := redirectTarget(fe, o.Placeholders)
+	var out []chainRule
+	rule := func(dst netip.Addr, port int) string {
+		var b strings.Builder
+		if dst.IsValid() {
+			fmt.Fprintf(&b, "-d %s/%d ", dst, dst.BitLen())
+		}
+		fmt.Fprintf(&b, "-p %s ", proto)
+		if o.Features.Comment {
+			fmt.Fprintf(&b, "-m comment --comment %q ", sp.Name.String())
+		}
+		fmt.Fprintf(&b, "-m %s --dport %d %s", proto, port, target)
+		return b.String()
+	}
+	both := func(container, host, r string) {
+		out = append(out, chainRule{"nat", container, r}, chainRule{"nat", host, r})
+	}
+	if fe.Kind != proxy.KindExternal {
+		for _, ip := range sp.ClusterIPs {
+			if config.Family(ip) == o.Family {
+				both(ChainPortalsContainer, ChainPortalsHost, rule(ip, sp.Port))
+			}
+		}
+	}
+	if fe.Kind != proxy.KindInternal {
+		for _, ips := range [][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs} {
+			for _, ip := range ips {
+				if config.Family(ip) == o.Family {
+					both(ChainPortalsContainer, ChainPortalsHost, rule(ip, sp.Port))
+				}
+			}
+		}
+		if sp.NodePort != 0 && fe.NodePortErr == nil && !onNodePort(fe) {
+			if o.AllLocal {
+				both(ChainNodePortContainer, ChainNodePortHost, rule(netip.Addr{}, sp.NodePort))
+			} else {
+				for _, ip := range o.NodePortAddresses {
+					both(ChainNodePortContainer, ChainNodePortHost, rule(ip, sp.NodePort))
+				}
+			}
+		}
+	}
+	// A listener on its NodePort is meant to be reachable from anywhere;
+	// every other proxy port only through a redirect.
+	if o.Features.Conntrack && !onNodePort(fe) {
+		port := fmt.Sprint(fe.Listen.Port())
+		if o.Placeholders {
+			port = placeholder(fe)
+		}
+		out = append(out, chainRule{"filter", ChainGuard,
+			fmt.Sprintf("! -i lo -p %s -m %s --dport %s -m conntrack ! --ctstate DNAT -j DROP", proto, proto, port)})
+	}
+	return out
+}
+
 func placeholder(fe proxy.Frontend) string {
+	if onNodePort(fe) {
+		return fmt.Sprint(fe.Listen.Port())
+	}
 	return fmt.Sprintf("PROXY_PORT(%s/%s/IPv%d)", fe.Service.Name, fe.Kind, fe.Family)
 }
 

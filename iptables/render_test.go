@@ -30,7 +30,7 @@ func withPorts(fes []proxy.Frontend, port uint16) []proxy.Frontend {
 var allFeatures = Features{Comment: true, Addrtype: true, Conntrack: true}
 
 func TestRenderDevpaasy(t *testing.T) {
-	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified()), 40000)
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), true), 40000)
 	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
 	want := map[string][]string{
 		ChainPortalsContainer:  {`-d 10.0.0.41/32 -p tcp -m comment --comment "dev/devpaasy:http" -m tcp --dport 8080 -j REDIRECT --to-ports 40000`},
@@ -51,7 +51,7 @@ func TestRenderDevpaasy(t *testing.T) {
 
 // Without optional matches the rules use only -p/--dport/-d and REDIRECT.
 func TestRenderBasicNetfilterOnly(t *testing.T) {
-	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified()), 40000)
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), true), 40000)
 	addrs := []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("127.0.0.1")}
 	rs := Render(fes, RenderOptions{Family: 4, NodePortAddresses: addrs})
 	in := rs.RestoreInput()
@@ -66,7 +66,7 @@ func TestRenderBasicNetfilterOnly(t *testing.T) {
 }
 
 func TestRenderSpecificBindAddressUsesDNAT(t *testing.T) {
-	fes := withPorts(proxy.Plan(devpaasy(t), netip.MustParseAddr("10.251.19.1")), 40000)
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.MustParseAddr("10.251.19.1"), true), 40000)
 	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
 	if r := rs.Nat[ChainPortalsHost][0]; !strings.HasSuffix(r, "-j DNAT --to-destination 10.251.19.1:40000") {
 		t.Fatalf("rule %q", r)
@@ -80,7 +80,7 @@ func TestRenderTrafficPolicySplit(t *testing.T) {
 		sp.ExternalIPs = []netip.Addr{netip.MustParseAddr("203.0.113.10")}
 		sp.ClusterIPs = append(sp.ClusterIPs, netip.MustParseAddr("fd00::41"))
 	}
-	fes := proxy.Plan(st, netip.IPv4Unspecified())
+	fes := proxy.Plan(st, netip.IPv4Unspecified(), true)
 	for i := range fes {
 		fes[i].Listen = netip.AddrPortFrom(fes[i].Listen.Addr(), uint16(40000+i))
 	}
@@ -108,7 +108,7 @@ func TestRenderTrafficPolicySplit(t *testing.T) {
 }
 
 func TestRenderSkipsFailedFrontendsAndHeldNodePorts(t *testing.T) {
-	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified()), 40000)
+	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), true), 40000)
 	fes[0].NodePortErr = errTest
 	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
 	if len(rs.Nat[ChainNodePortContainer]) != 0 || len(rs.Nat[ChainPortalsContainer]) != 1 {
@@ -128,21 +128,54 @@ func (testErr) Error() string { return "test" }
 var errTest = testErr{}
 
 func TestPartialInput(t *testing.T) {
-	have := map[string]map[string]bool{
-		"nat/" + ChainPortalsContainer: {"rule-a": true, "rule-b": true},
+	a := chainRule{"nat", ChainPortalsContainer, "rule-a"}
+	b := chainRule{"nat", ChainPortalsContainer, "rule-b"}
+	c := chainRule{"nat", ChainPortalsContainer, "rule-c"}
+	g := chainRule{"filter", ChainGuard, "guard"}
+	got := partialInput([]chainRule{a, b}, []chainRule{b, c, g})
+	want := "*nat\n-D KUBE-PORTALS-CONTAINER rule-a\n-A KUBE-PORTALS-CONTAINER rule-c\nCOMMIT\n" +
+		"*filter\n-A KUBE-PORTALS-GUARD guard\nCOMMIT\n"
+	if got != want {
+		t.Fatalf("got\n%s\nwant\n%s", got, want)
 	}
-	want := map[string]map[string]bool{
-		"nat/" + ChainPortalsContainer: {"rule-b": true, "rule-c": true},
-		"filter/" + ChainGuard:         {"guard": true},
+	if partialInput(nil, nil) != "" {
+		t.Fatal("no change produced input")
 	}
-	got := partialInput(have, want)
-	wantText := "*nat\n-D KUBE-PORTALS-CONTAINER rule-a\n-A KUBE-PORTALS-CONTAINER rule-c\nCOMMIT\n" +
-		"*filter\n:KUBE-PORTALS-GUARD - [0:0]\n-A KUBE-PORTALS-GUARD guard\nCOMMIT\n"
-	if got != wantText {
-		t.Fatalf("got\n%s\nwant\n%s", got, wantText)
+}
+
+// Only the frontends that changed are rendered into a partial update.
+func TestPartialTouchesOnlyChangedFrontends(t *testing.T) {
+	st := devpaasy(t)
+	sp := st.Ports[config.ServicePortName{Namespace: "dev", Name: "devpaasy", Port: "http"}]
+	other := *sp
+	other.Name.Name, other.ClusterIPs = "other", []netip.Addr{netip.MustParseAddr("10.0.0.42")}
+	st.Ports[other.Name] = &other
+	fes := withPorts(proxy.Plan(st, netip.IPv4Unspecified(), true), 40000)
+	opts := RenderOptions{Family: 4, Features: allFeatures, AllLocal: true}
+	f := &family{fam: 4, features: allFeatures, installed: map[feKey]*feRules{}}
+	next, in, _ := f.partial(fes, opts)
+	if strings.Count(in, "-A ") != 10 { // 2 services × (2 portal + 2 NodePort + 1 guard)
+		t.Fatalf("first partial:\n%s", in)
 	}
-	if partialInput(want, want) != "" {
-		t.Fatal("equal sets produced input")
+	f.installed = next
+	if _, in, _ := f.partial(fes, opts); in != "" {
+		t.Fatalf("unchanged frontends produced:\n%s", in)
+	}
+	moved := append([]proxy.Frontend(nil), fes...)
+	for i := range moved {
+		if moved[i].Service.Name.Name == "other" {
+			c := *moved[i].Service
+			c.Port = 9090
+			moved[i].Service = &c
+		}
+	}
+	_, in, _ = f.partial(moved, opts)
+	if strings.Contains(in, "dev/devpaasy") || strings.Count(in, "-D ") != 2 || strings.Count(in, "-A ") != 2 {
+		t.Fatalf("a port change of one service touched:\n%s", in)
+	}
+	_, in, _ = f.partial(moved[:1], opts)
+	if strings.Count(in, "-D ") != 5 || strings.Count(in, "-A ") != 0 {
+		t.Fatalf("removing a service:\n%s", in)
 	}
 }
 
@@ -154,5 +187,20 @@ func TestSplitRule(t *testing.T) {
 	}
 	if target(got) != "KUBE-PORTALS-CONTAINER" {
 		t.Fatal(target(got))
+	}
+}
+
+// A listener on its NodePort needs no NodePort rule and no guard.
+func TestRenderListenerOnNodePort(t *testing.T) {
+	fes := proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), false)
+	if fes[0].Listen.Port() != 31341 {
+		t.Fatalf("planned listener on %s, want the NodePort", fes[0].Listen)
+	}
+	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true})
+	if len(rs.Nat[ChainNodePortContainer])+len(rs.Nat[ChainNodePortHost])+len(rs.Filter[ChainGuard]) != 0 {
+		t.Fatalf("rules for a listener on its NodePort: %v %v", rs.Nat, rs.Filter)
+	}
+	if r := rs.Nat[ChainPortalsContainer]; len(r) != 1 || !strings.HasSuffix(r[0], "-j REDIRECT --to-ports 31341") {
+		t.Fatalf("ClusterIP rule %v", r)
 	}
 }

@@ -44,7 +44,7 @@ type Config struct {
 	// non-listening socket holds the port instead.
 	NodePortsRestricted bool
 
-	MinSyncPeriod time.Duration // bursts of updates are merged; 1 s when 0
+	MinSyncPeriod time.Duration // at most one sync per period (bursts are merged); 0: no limit
 	SyncPeriod    time.Duration // rules are re-checked this often; 30 s when 0
 
 	// Rules programs the kernel redirects; nil means none (listeners only).
@@ -222,9 +222,6 @@ func (p *Proxier) Update(st *config.State) {
 func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	p.ctx = ctx
 	minPeriod, period := p.cfg.MinSyncPeriod, p.cfg.SyncPeriod
-	if minPeriod <= 0 {
-		minPeriod = time.Second
-	}
 	if period <= 0 {
 		period = 30 * time.Second
 	}
@@ -265,7 +262,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		}
 		lastSync = time.Now()
 		if err := p.sync(current, verify); err != nil {
-			retry.Reset(minPeriod)
+			retry.Reset(max(minPeriod, time.Second))
 		}
 	}
 }
@@ -510,14 +507,19 @@ func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind)
 	return int(fe.Listen.Port())
 }
 
-// Plan returns the frontends st needs, without opening anything: ports are 0.
-// It is what --show-rules renders.
-func Plan(st *config.State, bind netip.Addr) []Frontend {
+// Plan returns the frontends st needs, without opening anything: ports are 0
+// except where the listener would sit on the NodePort. It is what
+// --show-rules renders.
+func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []Frontend {
 	p := &Proxier{cfg: Config{BindAddress: bind}}
 	var out []Frontend
 	for key, sp := range desiredFrontends(st) {
+		port := 0
+		if sp.NodePort != 0 && key.Kind != KindInternal && !nodePortsRestricted {
+			port = sp.NodePort
+		}
 		out = append(out, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
-			Listen: netip.AddrPortFrom(p.bindFor(key.Family), 0)})
+			Listen: netip.AddrPortFrom(p.bindFor(key.Family), uint16(port))})
 	}
 	sort.Slice(out, func(i, j int) bool { return lessFrontend(out[i], out[j]) })
 	return out

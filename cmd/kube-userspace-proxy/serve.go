@@ -77,7 +77,7 @@ func showRules(o *options, node string, w io.Writer) error {
 	if err != nil {
 		return err
 	}
-	frontends := proxy.Plan(st, o.bindAddress)
+	frontends := proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
 	for _, fam := range []int{4, 6} {
 		ro := iptables.RenderOptions{
 			Family:       fam,
