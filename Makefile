@@ -4,7 +4,7 @@ GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
 
-.PHONY: all build demo test test-unit test-race vet fmt-check fuzz clean
+.PHONY: all build demo test vet fmt-check clean bench-programming
 
 all: build
 
@@ -33,3 +33,8 @@ fmt-check:
 
 clean:
 	rm -rf $(BIN)
+
+# Rule and listener programming at 1k and 10k service ports (root; its own netns).
+bench-programming: build
+	$(GO) build -o $(BIN)/progbench ./test/bench/progbench
+	$(BIN)/progbench -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -runs 5
