@@ -13,7 +13,10 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"go.uber.org/goleak"
 )
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func mustState(t *testing.T, yaml string) *State {
 	t.Helper()

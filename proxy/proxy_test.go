@@ -39,23 +39,38 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 // testLog collects log entries so tests can read connection lines.
 type testLog struct {
-	mu      sync.Mutex
-	entries []*logrus.Entry
+	mu       sync.Mutex
+	all []*logrus.Entry
 }
 
 func (h *testLog) Levels() []logrus.Level { return logrus.AllLevels }
 func (h *testLog) Fire(e *logrus.Entry) error {
 	h.mu.Lock()
-	h.entries = append(h.entries, e)
+	h.all = append(h.all, e)
 	h.mu.Unlock()
 	return nil
+}
+
+// entries returns every entry as "message error", for substring checks.
+func (h *testLog) entries() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []string
+	for _, e := range h.all {
+		s := e.Message
+		if err, ok := e.Data[logrus.ErrorKey].(error); ok {
+			s += " " + err.Error()
+		}
+		out = append(out, s)
+	}
+	return out
 }
 
 func (h *testLog) find(msg string) []logrus.Fields {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var out []logrus.Fields
-	for _, e := range h.entries {
+	for _, e := range h.all {
 		if e.Message == msg {
 			out = append(out, e.Data)
 		}
@@ -153,8 +168,12 @@ func tcpBackend(t *testing.T, name string) netip.AddrPort {
 		defer wg.Done()
 		for {
 			c, err := ln.Accept()
-			if err != nil {
+			if errors.Is(err, net.ErrClosed) {
 				return
+			}
+			if err != nil { // EMFILE in TestRecoversFromFileLimit
+				time.Sleep(5 * time.Millisecond)
+				continue
 			}
 			wg.Add(1)
 			go func() {
