@@ -39,7 +39,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 // testLog collects log entries so tests can read connection lines.
 type testLog struct {
-	mu       sync.Mutex
+	mu  sync.Mutex
 	all []*logrus.Entry
 }
 
@@ -154,7 +154,8 @@ func svc(name string, proto config.Protocol, backends ...netip.AddrPort) *config
 }
 
 // tcpBackend answers every connection with its name and a newline, then
-// echoes until the client half-closes, then closes.
+// echoes until the client half-closes, then closes. When the test ends it
+// closes its open connections too, so a failed test cannot hang in cleanup.
 func tcpBackend(t *testing.T, name string) netip.AddrPort {
 	t.Helper()
 	ln, err := net.Listen("tcp4", "127.0.0.1:0")
@@ -162,23 +163,32 @@ func tcpBackend(t *testing.T, name string) netip.AddrPort {
 		t.Fatal(err)
 	}
 	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	var mu sync.Mutex
+	open := map[net.Conn]bool{}
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		for {
 			c, err := ln.Accept()
-			if errors.Is(err, net.ErrClosed) {
+			if err != nil {
 				return
 			}
-			if err != nil { // EMFILE in TestRecoversFromFileLimit
-				time.Sleep(5 * time.Millisecond)
-				continue
-			}
+			mu.Lock()
+			open[c] = true
+			mu.Unlock()
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				defer c.Close()
+				defer func() { mu.Lock(); delete(open, c); mu.Unlock(); c.Close() }()
 				fmt.Fprintf(c, "%s\n", name)
 				_, _ = io.Copy(c, c)
 			}()

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -18,6 +19,13 @@ import (
 // itself as the daemon when KUP_RUN_MAIN is set.
 func TestMain(m *testing.M) {
 	if os.Getenv("KUP_RUN_MAIN") == "1" {
+		if n, err := strconv.ParseUint(os.Getenv("KUP_NOFILE"), 10, 64); err == nil {
+			// Lower the hard limit too, so that the daemon cannot raise it.
+			lim := syscall.Rlimit{Cur: n, Max: n}
+			if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+				panic(err)
+			}
+		}
 		os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
@@ -128,4 +136,106 @@ func (l *lockedBuffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
+}
+
+// Running out of descriptors must make the daemon back off and recover, not
+// panic (the classic proxier's choice) or spin. The daemon runs with 48
+// descriptors; the test holds enough connections to exhaust them.
+func TestRecoversFromFileLimit(t *testing.T) {
+	backend, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer backend.Close()
+	var mu sync.Mutex
+	var held []net.Conn
+	go func() {
+		for {
+			c, err := backend.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte("ok"))
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		mu.Lock()
+		for _, c := range held {
+			c.Close()
+		}
+		mu.Unlock()
+	}()
+	f := filepath.Join(t.TempDir(), "m.yaml")
+	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
+		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
+	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug")
+	cmd.Env = append(cmd.Env, "KUP_NOFILE=48")
+	var stderr lockedBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() }()
+	port := waitListening(t, &stderr)
+	addr := "127.0.0.1:" + port
+
+	var clients []net.Conn
+	defer func() {
+		for _, c := range clients {
+			c.Close()
+		}
+	}()
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(stderr.String(), "too many open files") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the daemon never ran out of descriptors:\n%s", stderr.String())
+		}
+		if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
+			clients = append(clients, c)
+		}
+	}
+	for _, c := range clients {
+		c.Close()
+	}
+	clients = nil
+	// Recovered: new connections are proxied again.
+	deadline = time.Now().Add(20 * time.Second)
+	for {
+		if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
+			c.SetDeadline(time.Now().Add(2 * time.Second))
+			buf := make([]byte, 2)
+			n, _ := c.Read(buf)
+			c.Close()
+			if string(buf[:n]) == "ok" {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no recovery:\n%s", stderr.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if cmd.ProcessState != nil {
+		t.Fatalf("the daemon exited:\n%s", stderr.String())
+	}
+}
+
+// waitListening waits for the daemon's first listener and returns its port.
+func waitListening(t *testing.T, stderr *lockedBuffer) string {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, rest, ok := strings.Cut(stderr.String(), "msg=Listening"); ok {
+			if _, p, ok := strings.Cut(rest, "listen="); ok {
+				return strings.Fields(p)[0]
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("daemon never listened: %s", stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
