@@ -116,8 +116,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if o.showRules && o.manifests == "" {
 		return nil, errors.New("--show-rules needs --manifests")
 	}
-	if (o.manifests == "") == (o.kubeconfig == "" && o.master == "") {
-		return nil, errors.New("give exactly one source: --manifests PATH, or --kubeconfig/--master for a cluster")
+	cluster := o.kubeconfig != "" || o.master != ""
+	switch {
+	case o.manifests != "" && cluster:
+		return nil, errors.New("give one source: --manifests PATH, or --kubeconfig/--master for a cluster, not both")
+	case o.manifests == "" && !cluster && os.Getenv("KUBERNETES_SERVICE_HOST") == "":
+		return nil, errors.New("no source: give --manifests PATH, or --kubeconfig/--master for a cluster (in a pod the service account is used)")
 	}
 	return o, nil
 }

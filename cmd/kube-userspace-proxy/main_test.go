@@ -47,7 +47,8 @@ func TestBadFlagsExit2(t *testing.T) {
 		{"--manifests", "x.yaml", "--log-format", "xml"},
 		{"--manifests", "x.yaml", "--log-level", "loud"},
 		{"--manifests", "x.yaml", "stray"},
-		{"--kubeconfig", "/nonexistent"}, // the cluster source is not built yet
+		{"--kubeconfig", "/nonexistent"}, // cannot be loaded
+		{"--manifests", "x.yaml", "--master", "https://127.0.0.1:1"},
 	} {
 		var stderr bytes.Buffer
 		if code := run(args, &bytes.Buffer{}, &stderr); code != exitUsage {

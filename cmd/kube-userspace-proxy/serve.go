@@ -2,11 +2,11 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 
 	"github.com/sirupsen/logrus"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
@@ -22,8 +22,21 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	case o.showRules:
 		return showRules(o, node, stdout)
 	}
-	if o.manifests == "" {
-		return usageError{errors.New("--kubeconfig/--master: watching a cluster is not built yet; use --manifests")}
+	// Everything that can fail on bad input fails before the kernel is touched.
+	var client kubernetes.Interface
+	if o.manifests != "" {
+		if _, _, err := config.LoadManifests(o.manifests, node); err != nil {
+			return fmt.Errorf("loading --manifests: %w", err)
+		}
+	} else {
+		rc, err := config.ClientConfig(o.master, o.kubeconfig)
+		if err != nil {
+			return usageError{err}
+		}
+		rc.UserAgent = "kube-userspace-proxy"
+		if client, err = kubernetes.NewForConfig(rc); err != nil {
+			return usageError{fmt.Errorf("API client: %w", err)}
+		}
 	}
 	if limit, err := proxy.RaiseFileLimit(); err != nil {
 		log.WithError(err).Warn("Cannot raise the open-file limit")
@@ -56,18 +69,39 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	})
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
-	src := &config.ManifestSource{Path: o.manifests, Node: node, Sink: p, Log: log.WithField("component", "manifests")}
-	watching, err := src.Start(srcCtx)
+	// The proxier's sync goroutine starts first: a source hands it the first
+	// State only once it has the whole picture.
+	proxierCtx, stopProxier := context.WithCancel(ctx)
+	defer stopProxier()
+	proxierDone := make(chan struct{})
+	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
+	watching, err := startSource(srcCtx, o, node, client, p, log)
 	if err != nil {
-		return fmt.Errorf("loading --manifests: %w", err)
+		stopProxier()
+		<-proxierDone
+		return err
 	}
-	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests}).Info("Started")
+	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}).Info("Started")
 
-	p.Run(ctx, o.shutdownGrace) // returns after ctx ends and connections drained
+	<-proxierDone // after ctx ends and connections drained
 	stopSource()
 	<-watching
 	log.Info("Stopped")
 	return nil
+}
+
+// startSource starts the manifests or the cluster source feeding p.
+func startSource(ctx context.Context, o *options, node string, client kubernetes.Interface, p config.Sink, log *logrus.Logger) (<-chan struct{}, error) {
+	if o.manifests != "" {
+		src := &config.ManifestSource{Path: o.manifests, Node: node, Sink: p, Log: log.WithField("component", "manifests")}
+		done, err := src.Start(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("loading --manifests: %w", err)
+		}
+		return done, nil
+	}
+	src := &config.ClusterSource{Client: client, Node: node, Sink: p, Log: log.WithField("component", "cluster")}
+	return src.Start(ctx)
 }
 
 // showRules prints the rules for --manifests as iptables-restore input,

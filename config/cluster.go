@@ -1,0 +1,255 @@
+package config
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/selection"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+)
+
+// ClientConfig returns the API server connection: --master and --kubeconfig
+// when given, else the in-cluster service account.
+func ClientConfig(master, kubeconfig string) (*rest.Config, error) {
+	if master == "" && kubeconfig == "" {
+		cfg, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("no --kubeconfig or --master and not running in a pod: %w", err)
+		}
+		return cfg, nil
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags(master, kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("loading --kubeconfig %q: %w", kubeconfig, err)
+	}
+	return cfg, nil
+}
+
+// ClusterSource feeds a Sink from a cluster's Services and EndpointSlices,
+// through shared informers filtered the way kube-proxy filters them.
+type ClusterSource struct {
+	Client kubernetes.Interface
+	Node   string
+	Sink   Sink
+	Log    logrus.FieldLogger
+	// Resync is the informers' resync period; 0 means none (events only).
+	Resync time.Duration
+	// Probe checks the API server during an outage, to log its return; nil
+	// uses the client's /version.
+	Probe func(context.Context) error
+
+	kick chan struct{} // capacity 1: merges bursts of events into one build
+
+	mu      sync.Mutex // guards outage
+	outage  bool
+	outSent time.Time
+}
+
+// Start runs the informers until ctx ends. It returns once both caches have
+// synced and the first State was handed to the Sink, so nothing is programmed
+// from a partial view; done is closed when everything has stopped.
+func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err error) {
+	c.kick = make(chan struct{}, 1)
+	quietKlog(c.Log)
+
+	noProxyName, _ := labels.NewRequirement(LabelServiceProxyName, selection.DoesNotExist, nil)
+	noHeadless, _ := labels.NewRequirement(LabelHeadless, selection.DoesNotExist, nil)
+	factory := informers.NewSharedInformerFactoryWithOptions(c.Client, c.Resync,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.LabelSelector = labels.NewSelector().Add(*noProxyName, *noHeadless).String()
+		}))
+	svcInformer := factory.Core().V1().Services()
+	sliceInformer := factory.Discovery().V1().EndpointSlices()
+	handler := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { c.changed() },
+		UpdateFunc: func(any, any) { c.changed() },
+		DeleteFunc: func(any) { c.changed() },
+	}
+	for _, inf := range []cache.SharedIndexInformer{svcInformer.Informer(), sliceInformer.Informer()} {
+		if _, err := inf.AddEventHandler(handler); err != nil {
+			return nil, fmt.Errorf("adding event handler: %w", err)
+		}
+		if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+			c.apiError(ctx, err)
+		}); err != nil {
+			return nil, fmt.Errorf("setting watch error handler: %w", err)
+		}
+	}
+
+	runCtx, cancel := context.WithCancel(ctx)
+	factory.Start(runCtx.Done())
+	c.Log.Info("Waiting for the Service and EndpointSlice caches to sync")
+	synced := factory.WaitForCacheSync(runCtx.Done())
+	for typ, ok := range synced {
+		if !ok {
+			cancel()
+			factory.Shutdown()
+			return nil, fmt.Errorf("%v cache did not sync: %w", typ, ctx.Err())
+		}
+	}
+	svcLister, sliceLister := svcInformer.Lister(), sliceInformer.Lister()
+	build := func() {
+		services, err := svcLister.List(labels.Everything())
+		if err != nil {
+			c.Log.WithError(err).Error("Listing Services from the cache")
+			return
+		}
+		slices, err := sliceLister.List(labels.Everything())
+		if err != nil {
+			c.Log.WithError(err).Error("Listing EndpointSlices from the cache")
+			return
+		}
+		c.Sink.Update(c.buildState(services, slices))
+	}
+	build()
+
+	ch := make(chan struct{})
+	go func() {
+		defer close(ch)
+		defer factory.Shutdown()
+		defer cancel()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-c.kick:
+				build()
+			}
+		}
+	}()
+	return ch, nil
+}
+
+// changed is every informer event: it only wakes the builder.
+func (c *ClusterSource) changed() {
+	c.apiBack()
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+}
+
+// buildState converts the cached objects. Invalid objects are logged and
+// skipped: one bad Service must not stop the others.
+func (c *ClusterSource) buildState(services []*v1.Service, slices []*discovery.EndpointSlice) *State {
+	b := NewBuilder(c.Node)
+	for _, svc := range services {
+		if _, err := b.AddService(svc); err != nil {
+			c.Log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name}).WithError(err).Warn("Service not proxied")
+		}
+	}
+	for _, es := range slices {
+		if _, err := b.AddSlice(es); err != nil {
+			c.Log.WithFields(logrus.Fields{"endpointSlice": es.Namespace + "/" + es.Name}).WithError(err).Warn("EndpointSlice ignored")
+		}
+	}
+	return b.State()
+}
+
+// apiError is called by the informers for every failed list or watch. The
+// first one of an outage is logged; the rest are not, and a goroutine probes
+// the server to log its return once.
+func (c *ClusterSource) apiError(ctx context.Context, err error) {
+	if errors.Is(err, context.Canceled) {
+		return
+	}
+	c.mu.Lock()
+	first := !c.outage
+	c.outage = true
+	c.mu.Unlock()
+	if !first {
+		return
+	}
+	c.Log.WithError(err).Warn("API server unreachable; serving the last known state until it is back")
+	go c.watchReturn(ctx)
+}
+
+func (c *ClusterSource) watchReturn(ctx context.Context) {
+	probe := c.Probe
+	if probe == nil {
+		probe = func(ctx context.Context) error {
+			_, err := c.Client.Discovery().RESTClient().Get().AbsPath("/version").Do(ctx).Raw()
+			return err
+		}
+	}
+	t := time.NewTicker(2 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		err := probe(pctx)
+		cancel()
+		if err == nil {
+			c.apiBack()
+			return
+		}
+	}
+}
+
+func (c *ClusterSource) apiBack() {
+	c.mu.Lock()
+	was := c.outage
+	c.outage = false
+	c.mu.Unlock()
+	if was {
+		c.Log.Info("API server reachable again; changes made meanwhile are applied as the watches resume")
+	}
+}
+
+// quietKlog routes client-go's klog output to logrus at debug level: the
+// reflectors log every failed retry, which during an outage is a flood; the
+// source logs an outage once itself.
+func quietKlog(log logrus.FieldLogger) {
+	klogOnce.Do(func() {
+		klog.SetLogger(logr.New(&klogSink{log: log.WithField("from", "client-go")}))
+	})
+}
+
+var klogOnce sync.Once
+
+type klogSink struct {
+	log    logrus.FieldLogger
+	name   string
+	values []any
+}
+
+func (s *klogSink) Init(logr.RuntimeInfo)  {}
+func (s *klogSink) Enabled(level int) bool { return true }
+func (s *klogSink) Info(level int, msg string, kv ...any) {
+	s.log.WithFields(kvFields(append(s.values, kv...))).Debug(msg)
+}
+func (s *klogSink) Error(err error, msg string, kv ...any) {
+	s.log.WithFields(kvFields(append(s.values, kv...))).WithError(err).Debug(msg)
+}
+func (s *klogSink) WithValues(kv ...any) logr.LogSink {
+	return &klogSink{log: s.log, name: s.name, values: append(append([]any(nil), s.values...), kv...)}
+}
+func (s *klogSink) WithName(name string) logr.LogSink {
+	return &klogSink{log: s.log.WithField("logger", name), name: name, values: s.values}
+}
+
+func kvFields(kv []any) logrus.Fields {
+	f := logrus.Fields{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		f[fmt.Sprint(kv[i])] = kv[i+1]
+	}
+	return f
+}
