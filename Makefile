@@ -4,7 +4,7 @@ GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
 
-.PHONY: all build demo test vet fmt-check clean bench-programming
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster
 
 all: build
 
@@ -38,3 +38,7 @@ clean:
 bench-programming: build
 	$(GO) build -o $(BIN)/progbench ./test/bench/progbench
 	$(BIN)/progbench -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -runs 5
+
+# A real control plane on loopback to try the daemon against (first run builds it, ~10 minutes).
+cluster: build
+	$(GO) run ./test/cmd/cluster

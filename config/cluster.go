@@ -16,6 +16,8 @@ import (
 	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	listersv1 "k8s.io/client-go/listers/core/v1"
+	discoverylisters "k8s.io/client-go/listers/discovery/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
@@ -53,10 +55,11 @@ type ClusterSource struct {
 	Probe func(context.Context) error
 
 	kick chan struct{} // capacity 1: merges bursts of events into one build
+	back chan struct{} // capacity 1: the API server is back after an outage
 
-	mu      sync.Mutex // guards outage
-	outage  bool
-	outSent time.Time
+	mu       sync.Mutex // guards outage and seenErrs
+	outage   bool
+	seenErrs map[string]bool
 }
 
 // Start runs the informers until ctx ends. It returns once both caches have
@@ -64,8 +67,64 @@ type ClusterSource struct {
 // from a partial view; done is closed when everything has stopped.
 func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err error) {
 	c.kick = make(chan struct{}, 1)
+	c.back = make(chan struct{}, 1)
 	quietKlog(c.Log)
 
+	c.Log.Info("Waiting for the Service and EndpointSlice caches to sync")
+	inf, err := c.startInformers(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c.build(inf)
+
+	ch := make(chan struct{})
+	healthDone := make(chan struct{})
+	go func() { defer close(healthDone); c.watchHealth(ctx) }()
+	go func() {
+		defer close(ch)
+		defer func() { <-healthDone }()
+		defer func() { inf.stop() }()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-c.kick:
+				c.build(inf)
+			case <-c.back:
+				// After an outage client-go's reflectors retry with a
+				// backoff of up to 30 s; fresh informers relist now, so
+				// that changes made meanwhile apply at once. The old
+				// caches serve until the new ones have synced.
+				next, err := c.startInformers(ctx)
+				if err != nil {
+					c.Log.WithError(err).Warn("Restarting the informers after the outage failed; the old ones keep retrying")
+					continue
+				}
+				inf.stop()
+				inf = next
+				c.build(inf)
+			}
+		}
+	}()
+	return ch, nil
+}
+
+// informerSet is one generation of the two informers.
+type informerSet struct {
+	factory  informers.SharedInformerFactory
+	cancel   context.CancelFunc
+	services listersv1.ServiceLister
+	slices   discoverylisters.EndpointSliceLister
+}
+
+func (s *informerSet) stop() {
+	s.cancel()
+	s.factory.Shutdown()
+}
+
+// startInformers starts Service and EndpointSlice informers with
+// kube-proxy's label filters and waits until both caches have synced.
+func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error) {
 	noProxyName, _ := labels.NewRequirement(LabelServiceProxyName, selection.DoesNotExist, nil)
 	noHeadless, _ := labels.NewRequirement(LabelHeadless, selection.DoesNotExist, nil)
 	factory := informers.NewSharedInformerFactoryWithOptions(c.Client, c.Resync,
@@ -84,59 +143,40 @@ func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err er
 			return nil, fmt.Errorf("adding event handler: %w", err)
 		}
 		if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-			c.apiError(ctx, err)
+			c.watchError(err)
 		}); err != nil {
 			return nil, fmt.Errorf("setting watch error handler: %w", err)
 		}
 	}
-
 	runCtx, cancel := context.WithCancel(ctx)
+	set := &informerSet{factory: factory, cancel: cancel, services: svcInformer.Lister(), slices: sliceInformer.Lister()}
 	factory.Start(runCtx.Done())
-	c.Log.Info("Waiting for the Service and EndpointSlice caches to sync")
-	synced := factory.WaitForCacheSync(runCtx.Done())
-	for typ, ok := range synced {
+	for typ, ok := range factory.WaitForCacheSync(runCtx.Done()) {
 		if !ok {
-			cancel()
-			factory.Shutdown()
+			set.stop()
 			return nil, fmt.Errorf("%v cache did not sync: %w", typ, ctx.Err())
 		}
 	}
-	svcLister, sliceLister := svcInformer.Lister(), sliceInformer.Lister()
-	build := func() {
-		services, err := svcLister.List(labels.Everything())
-		if err != nil {
-			c.Log.WithError(err).Error("Listing Services from the cache")
-			return
-		}
-		slices, err := sliceLister.List(labels.Everything())
-		if err != nil {
-			c.Log.WithError(err).Error("Listing EndpointSlices from the cache")
-			return
-		}
-		c.Sink.Update(c.buildState(services, slices))
-	}
-	build()
+	return set, nil
+}
 
-	ch := make(chan struct{})
-	go func() {
-		defer close(ch)
-		defer factory.Shutdown()
-		defer cancel()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-c.kick:
-				build()
-			}
-		}
-	}()
-	return ch, nil
+// build hands the Sink a State made from the caches.
+func (c *ClusterSource) build(inf *informerSet) {
+	services, err := inf.services.List(labels.Everything())
+	if err != nil {
+		c.Log.WithError(err).Error("Listing Services from the cache")
+		return
+	}
+	slices, err := inf.slices.List(labels.Everything())
+	if err != nil {
+		c.Log.WithError(err).Error("Listing EndpointSlices from the cache")
+		return
+	}
+	c.Sink.Update(c.buildState(services, slices))
 }
 
 // changed is every informer event: it only wakes the builder.
 func (c *ClusterSource) changed() {
-	c.apiBack()
 	select {
 	case c.kick <- struct{}{}:
 	default:
@@ -160,25 +200,10 @@ func (c *ClusterSource) buildState(services []*v1.Service, slices []*discovery.E
 	return b.State()
 }
 
-// apiError is called by the informers for every failed list or watch. The
-// first one of an outage is logged; the rest are not, and a goroutine probes
-// the server to log its return once.
-func (c *ClusterSource) apiError(ctx context.Context, err error) {
-	if errors.Is(err, context.Canceled) {
-		return
-	}
-	c.mu.Lock()
-	first := !c.outage
-	c.outage = true
-	c.mu.Unlock()
-	if !first {
-		return
-	}
-	c.Log.WithError(err).Warn("API server unreachable; serving the last known state until it is back")
-	go c.watchReturn(ctx)
-}
-
-func (c *ClusterSource) watchReturn(ctx context.Context) {
+// watchHealth probes the API server every 2 s while ctx lives and logs
+// the start and the end of an outage once each; the informers' own retries
+// are quiet (client-go retries a refused watch in place without reporting).
+func (c *ClusterSource) watchHealth(ctx context.Context) {
 	probe := c.Probe
 	if probe == nil {
 		probe = func(ctx context.Context) error {
@@ -199,8 +224,37 @@ func (c *ClusterSource) watchReturn(ctx context.Context) {
 		cancel()
 		if err == nil {
 			c.apiBack()
+			continue
+		}
+		if ctx.Err() != nil {
 			return
 		}
+		c.mu.Lock()
+		first := !c.outage
+		c.outage = true
+		c.mu.Unlock()
+		if first {
+			c.Log.WithError(err).Warn("API server unreachable; serving the last known state until it is back")
+		}
+	}
+}
+
+// watchError is called by the informers when a list or watch fails for a
+// reason they do not retry in place (e.g. forbidden): each distinct error is
+// logged once.
+func (c *ClusterSource) watchError(err error) {
+	if errors.Is(err, context.Canceled) {
+		return
+	}
+	c.mu.Lock()
+	if c.seenErrs == nil {
+		c.seenErrs = map[string]bool{}
+	}
+	seen := c.seenErrs[err.Error()]
+	c.seenErrs[err.Error()] = true
+	c.mu.Unlock()
+	if !seen {
+		c.Log.WithError(err).Warn("Watching the API server failed; retrying")
 	}
 }
 
@@ -210,7 +264,11 @@ func (c *ClusterSource) apiBack() {
 	c.outage = false
 	c.mu.Unlock()
 	if was {
-		c.Log.Info("API server reachable again; changes made meanwhile are applied as the watches resume")
+		c.Log.Info("API server reachable again; relisting to apply changes made meanwhile")
+		select {
+		case c.back <- struct{}{}:
+		default:
+		}
 	}
 }
 

@@ -1,0 +1,57 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"runtime"
+
+	"golang.org/x/sys/unix"
+)
+
+// InNetns runs f with the calling thread inside the named network namespace
+// (/var/run/netns/NAME); sockets f creates stay in it. Empty name: just f.
+func InNetns(name string, f func() error) error {
+	if name == "" {
+		return f()
+	}
+	runtime.LockOSThread()
+	orig, err := unix.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer unix.Close(orig)
+	target, err := unix.Open("/var/run/netns/"+name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer unix.Close(target)
+	if err := unix.Setns(target, unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("setns %s: %w", name, err)
+	}
+	ferr := f()
+	if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+		// The thread is stuck in the namespace: leave it locked so that
+		// the runtime throws it away when this goroutine ends.
+		return fmt.Errorf("setns back: %w", err)
+	}
+	runtime.UnlockOSThread()
+	return ferr
+}
+
+// DialContextIn returns a dialer whose sockets live in the named network
+// namespace, for clients of servers that run inside a test namespace.
+func DialContextIn(name string) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		var c net.Conn
+		err := InNetns(name, func() error {
+			var err error
+			c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+			return err
+		})
+		return c, err
+	}
+}

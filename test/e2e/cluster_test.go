@@ -1,0 +1,414 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	authv1 "k8s.io/api/authentication/v1"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+)
+
+// clusterLab is a lab whose node namespace also runs a real control plane;
+// the daemon watches it with the shipped ClusterRole's permissions only.
+type clusterLab struct {
+	*Lab
+	cp     *cluster.ControlPlane
+	admin  *kubernetes.Clientset
+	daemon *Proc
+	ctx    context.Context
+}
+
+func newClusterLab(t *testing.T) *clusterLab {
+	t.Helper()
+	requireRoot(t)
+	bins, err := cluster.BinDir(repoRoot, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := NewLab(t)
+	ctx := context.Background()
+	cp, err := cluster.Start(ctx, cluster.Options{BinDir: bins, Dir: t.TempDir(), Netns: l.NS("node")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cp.Stop)
+	rc := &rest.Config{Host: cp.URL, BearerToken: cp.AdminToken, TLSClientConfig: rest.TLSClientConfig{Insecure: true},
+		Dial: cluster.DialContextIn(l.NS("node"))}
+	admin, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := &clusterLab{Lab: l, cp: cp, admin: admin, ctx: ctx}
+	cl.applyDeployManifests(t)
+	cl.mustCreate(t, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "lab"}})
+	cl.mustCreate(t, &v1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default", Namespace: "lab"}})
+	for _, n := range []string{"node", "node-b"} {
+		cl.mustCreate(t, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}})
+	}
+
+	// The daemon gets a token of the shipped ServiceAccount, not the admin's.
+	tr, err := admin.CoreV1().ServiceAccounts("kube-system").CreateToken(ctx, "kube-userspace-proxy",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: ptr(int64(3600))}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kc := filepath.Join(t.TempDir(), "sa.kubeconfig")
+	if err := cluster.WriteKubeconfig(kc, cp.URL, tr.Status.Token); err != nil {
+		t.Fatal(err)
+	}
+	l.Backends()
+	l.Start("client", filepath.Join(binDir, "backend"), "--name", "pod3", "--tcp", ":8080", "--udp", "")
+	cl.daemon = l.Daemon("--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms")
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", cl.daemon.Output())
+		}
+	})
+	waitFor(t, "the daemon to sync its caches", func() bool { return strings.Contains(cl.daemon.Output(), "msg=Started") })
+	return cl
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) { w.t.Log(strings.TrimSpace(string(p))); return len(p), nil }
+
+func ptr[T any](v T) *T { return &v }
+
+// applyDeployManifests creates the RBAC objects of docs/deploy for real and
+// the DaemonSet with a server-side dry run: all must be valid.
+func (cl *clusterLab) applyDeployManifests(t *testing.T) {
+	t.Helper()
+	for _, f := range []string{"rbac.yaml", "daemonset.yaml"} {
+		data, err := os.ReadFile(filepath.Join(repoRoot, "docs", "deploy", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := utilyaml.NewYAMLReader(bufioReader(data))
+		for {
+			doc, err := r.Read()
+			if err != nil {
+				break
+			}
+			obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+			if err != nil {
+				t.Fatalf("%s: %v", f, err)
+			}
+			dry := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+			switch o := obj.(type) {
+			case *v1.ServiceAccount:
+				_, err = cl.admin.CoreV1().ServiceAccounts(o.Namespace).Create(cl.ctx, o, metav1.CreateOptions{})
+			case *rbacv1.ClusterRole:
+				_, err = cl.admin.RbacV1().ClusterRoles().Create(cl.ctx, o, metav1.CreateOptions{})
+			case *rbacv1.ClusterRoleBinding:
+				_, err = cl.admin.RbacV1().ClusterRoleBindings().Create(cl.ctx, o, metav1.CreateOptions{})
+			case *appsv1.DaemonSet:
+				_, err = cl.admin.AppsV1().DaemonSets(o.Namespace).Create(cl.ctx, o, dry)
+			default:
+				t.Fatalf("%s: unexpected %T", f, obj)
+			}
+			if err != nil {
+				t.Fatalf("%s: applying %T: %v", f, obj, err)
+			}
+		}
+	}
+}
+
+func (cl *clusterLab) mustCreate(t *testing.T, obj any) {
+	t.Helper()
+	var err error
+	switch o := obj.(type) {
+	case *v1.Namespace:
+		_, err = cl.admin.CoreV1().Namespaces().Create(cl.ctx, o, metav1.CreateOptions{})
+	case *v1.ServiceAccount:
+		_, err = cl.admin.CoreV1().ServiceAccounts(o.Namespace).Create(cl.ctx, o, metav1.CreateOptions{})
+	case *v1.Node:
+		_, err = cl.admin.CoreV1().Nodes().Create(cl.ctx, o, metav1.CreateOptions{})
+	case *v1.Service:
+		_, err = cl.admin.CoreV1().Services(o.Namespace).Create(cl.ctx, o, metav1.CreateOptions{})
+	case *discovery.EndpointSlice:
+		_, err = cl.admin.DiscoveryV1().EndpointSlices(o.Namespace).Create(cl.ctx, o, metav1.CreateOptions{})
+	default:
+		t.Fatalf("mustCreate: %T", obj)
+	}
+	if err != nil {
+		t.Fatalf("create %T: %v", obj, err)
+	}
+}
+
+// pod creates a Pod on node with the lab address ip and marks it Ready.
+func (cl *clusterLab) pod(t *testing.T, name, ip, node, app string) {
+	t.Helper()
+	p := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "lab", Labels: map[string]string{"app": app}},
+		Spec: v1.PodSpec{NodeName: node, Containers: []v1.Container{{Name: "c", Image: "backend",
+			Ports: []v1.ContainerPort{{Name: "http", ContainerPort: 8080}}}}},
+	}
+	if _, err := cl.admin.CoreV1().Pods("lab").Create(cl.ctx, p, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cl.setReady(t, name, ip, true)
+}
+
+func (cl *clusterLab) setReady(t *testing.T, name, ip string, ready bool) {
+	t.Helper()
+	status := v1.ConditionFalse
+	if ready {
+		status = v1.ConditionTrue
+	}
+	patch, _ := json.Marshal(map[string]any{"status": map[string]any{
+		"phase": "Running", "podIP": ip, "podIPs": []map[string]string{{"ip": ip}},
+		"conditions": []map[string]any{{"type": "Ready", "status": status}},
+	}})
+	if _, err := cl.admin.CoreV1().Pods("lab").Patch(cl.ctx, name, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (cl *clusterLab) service(t *testing.T, svc *v1.Service) {
+	t.Helper()
+	svc.Namespace = "lab"
+	cl.mustCreate(t, svc)
+}
+
+func (cl *clusterLab) updateService(t *testing.T, name string, mutate func(*v1.Service)) {
+	t.Helper()
+	svc, err := cl.admin.CoreV1().Services("lab").Get(cl.ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mutate(svc)
+	if _, err := cl.admin.CoreV1().Services("lab").Update(cl.ctx, svc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func webService(name, ip string) *v1.Service {
+	return &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: v1.ServiceSpec{
+			ClusterIP: ip, Selector: map[string]string{"app": name},
+			Ports: []v1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
+		},
+	}
+}
+
+// answers fetches url from ns several times and returns the set of pods.
+func (cl *clusterLab) answers(ns, url string, n int) map[string]int {
+	seen := map[string]int{}
+	for i := 0; i < n; i++ {
+		if f := strings.Fields(cl.Curl(ns, url)); len(f) > 0 {
+			seen[f[0]]++
+		} else {
+			seen[""]++
+		}
+	}
+	return seen
+}
+
+// expectPods waits until n requests all reach exactly the pods in want
+// (none: every request fails).
+func (cl *clusterLab) expectPods(t *testing.T, ns, url string, want ...string) {
+	t.Helper()
+	wantSet := map[string]bool{}
+	for _, w := range want {
+		wantSet[w] = true
+	}
+	if len(want) == 0 {
+		wantSet[""] = true
+	}
+	var last map[string]int
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		got := cl.answers(ns, url, 2*len(wantSet)+2)
+		ok := len(got) == len(wantSet)
+		for p := range got {
+			ok = ok && wantSet[p]
+		}
+		if ok {
+			return
+		}
+		last = got
+		if time.Now().After(deadline) {
+			t.Fatalf("%s → %s: reached %v, want exactly %v", ns, url, last, want)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func TestClusterSource(t *testing.T) {
+	cl := newClusterLab(t)
+
+	t.Run("selector and ready pods", func(t *testing.T) {
+		cl.service(t, webService("web", "10.96.1.10"))
+		cl.pod(t, "web-1", "10.251.19.12", "node", "web")
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1")
+	})
+	t.Run("scale 1 to 3 and back", func(t *testing.T) {
+		cl.pod(t, "web-2", "10.251.19.8", "node", "web")
+		cl.pod(t, "web-3", "10.251.19.20", "node", "web")
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1", "pod2", "pod3")
+		for _, p := range []string{"web-2", "web-3"} {
+			if err := cl.admin.CoreV1().Pods("lab").Delete(cl.ctx, p, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(0))}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1")
+	})
+	t.Run("unready pod gets no new connections", func(t *testing.T) {
+		cl.pod(t, "web-2", "10.251.19.8", "node", "web")
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1", "pod2")
+		cl.setReady(t, "web-2", "10.251.19.8", false)
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1")
+		cl.setReady(t, "web-2", "10.251.19.8", true)
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1", "pod2")
+	})
+	t.Run("terminating pod used only when nothing is ready", func(t *testing.T) {
+		// No kubelet: a graceful delete leaves the pod Terminating.
+		if err := cl.admin.CoreV1().Pods("lab").Delete(cl.ctx, "web-2", metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(3600))}); err != nil {
+			t.Fatal(err)
+		}
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1")
+		cl.setReady(t, "web-1", "10.251.19.12", false)
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod2")
+		cl.setReady(t, "web-1", "10.251.19.12", true)
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1")
+	})
+	t.Run("ClusterIP to NodePort", func(t *testing.T) {
+		cl.updateService(t, "web", func(s *v1.Service) {
+			s.Spec.Type = v1.ServiceTypeNodePort
+			s.Spec.Ports[0].NodePort = 31500
+		})
+		cl.expectPods(t, "ext", "http://192.168.50.1:31500/", "pod1")
+		cl.expectPods(t, "client", "http://10.96.1.10/", "pod1")
+	})
+	t.Run("port change", func(t *testing.T) {
+		cl.updateService(t, "web", func(s *v1.Service) { s.Spec.Ports[0].Port = 8081 })
+		cl.expectPods(t, "client", "http://10.96.1.10:8081/", "pod1")
+		cl.expectPods(t, "client", "http://10.96.1.10:80/")
+	})
+	t.Run("session affinity on and off", func(t *testing.T) {
+		cl.pod(t, "web-3", "10.251.19.8", "node", "web")
+		cl.expectPods(t, "client", "http://10.96.1.10:8081/", "pod1", "pod2")
+		cl.updateService(t, "web", func(s *v1.Service) { s.Spec.SessionAffinity = v1.ServiceAffinityClientIP })
+		waitFor(t, "affinity", func() bool {
+			return len(cl.answers("client", "http://10.96.1.10:8081/", 6)) == 1
+		})
+		cl.updateService(t, "web", func(s *v1.Service) {
+			s.Spec.SessionAffinity = v1.ServiceAffinityNone
+			s.Spec.SessionAffinityConfig = nil
+		})
+		cl.expectPods(t, "client", "http://10.96.1.10:8081/", "pod1", "pod2")
+	})
+	t.Run("ignored services", func(t *testing.T) {
+		other := webService("other", "10.96.1.20")
+		other.Labels = map[string]string{"service.kubernetes.io/service-proxy-name": "someone-else"}
+		other.Spec.Selector = map[string]string{"app": "web"}
+		cl.service(t, other)
+		headless := webService("headless", v1.ClusterIPNone)
+		headless.Spec.Selector = map[string]string{"app": "web"}
+		cl.service(t, headless)
+		cl.service(t, &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: "ext"},
+			Spec: v1.ServiceSpec{Type: v1.ServiceTypeExternalName, ExternalName: "example.com"}})
+		control := webService("control", "10.96.1.21")
+		control.Spec.Selector = map[string]string{"app": "web"}
+		cl.service(t, control)
+		cl.expectPods(t, "client", "http://10.96.1.21/", "pod1", "pod2") // the daemon saw the newest one
+		if body := cl.Curl("client", "http://10.96.1.20/"); body != "" {
+			t.Fatalf("service labelled for another proxy answered: %q", body)
+		}
+		if n := countRules(t, cl.Lab, `lab/(other|headless|ext)`); n != 0 {
+			t.Fatalf("%d rules for ignored services", n)
+		}
+	})
+	t.Run("traffic policies Local", func(t *testing.T) {
+		cl.pod(t, "loc-here", "10.251.19.12", "node", "loc")
+		cl.pod(t, "loc-there", "10.251.19.8", "node-b", "loc")
+		loc := webService("loc", "10.96.1.30")
+		loc.Spec.Type = v1.ServiceTypeNodePort
+		loc.Spec.Ports[0].NodePort = 31600
+		cl.service(t, loc)
+		cl.expectPods(t, "client", "http://10.96.1.30/", "pod1", "pod2")
+		cl.expectPods(t, "ext", "http://192.168.50.1:31600/", "pod1", "pod2")
+
+		cl.updateService(t, "loc", func(s *v1.Service) { s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyLocal })
+		cl.expectPods(t, "ext", "http://192.168.50.1:31600/", "pod1")
+		cl.expectPods(t, "client", "http://10.96.1.30/", "pod1", "pod2")
+
+		local := v1.ServiceInternalTrafficPolicyLocal
+		cl.updateService(t, "loc", func(s *v1.Service) { s.Spec.InternalTrafficPolicy = &local })
+		cl.expectPods(t, "client", "http://10.96.1.30/", "pod1")
+
+		// No local endpoint left: refused, never sent to node-b's pod.
+		cl.setReady(t, "loc-here", "10.251.19.12", false)
+		cl.expectPods(t, "client", "http://10.96.1.30/")
+		cl.expectPods(t, "ext", "http://192.168.50.1:31600/")
+	})
+	t.Run("selector-less service with hand-made slice", func(t *testing.T) {
+		manual := &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: "manual"},
+			Spec: v1.ServiceSpec{ClusterIP: "10.96.1.40", Ports: []v1.ServicePort{{Name: "http", Port: 80}}}}
+		cl.service(t, manual)
+		cl.mustCreate(t, &discovery.EndpointSlice{
+			ObjectMeta:  metav1.ObjectMeta{Name: "manual-1", Namespace: "lab", Labels: map[string]string{discovery.LabelServiceName: "manual"}},
+			AddressType: discovery.AddressTypeIPv4,
+			Ports:       []discovery.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}},
+			Endpoints:   []discovery.Endpoint{{Addresses: []string{"10.251.19.20"}}},
+		})
+		cl.expectPods(t, "client", "http://10.96.1.40/", "pod3")
+	})
+	t.Run("API server outage", func(t *testing.T) {
+		cl.StopAPIServerFor(t, 30*time.Second, func() {
+			// Traffic keeps flowing on the last known state.
+			cl.expectPods(t, "client", "http://10.96.1.40/", "pod3")
+		})
+		// A change made once it is back is applied.
+		cl.updateService(t, "manual", func(s *v1.Service) { s.Spec.Ports[0].Port = 8082 })
+		cl.expectPods(t, "client", "http://10.96.1.40:8082/", "pod3")
+		out := cl.daemon.Output()
+		if n := strings.Count(out, "API server unreachable"); n != 1 {
+			t.Fatalf("outage logged %d times, want once", n)
+		}
+		if !strings.Contains(out, "API server reachable again") {
+			t.Fatal("the API server's return was not logged")
+		}
+	})
+	if strings.Contains(cl.daemon.Output(), "forbidden") {
+		t.Fatalf("the shipped ClusterRole lacks a permission the daemon used:\n%s", cl.daemon.Output())
+	}
+}
+
+// StopAPIServerFor stops kube-apiserver, runs during every few seconds for d,
+// and starts it again.
+func (cl *clusterLab) StopAPIServerFor(t *testing.T, d time.Duration, during func()) {
+	t.Helper()
+	cl.cp.StopAPIServer()
+	end := time.Now().Add(d)
+	for time.Now().Before(end) {
+		during()
+		time.Sleep(2 * time.Second)
+	}
+	waitFor(t, "the outage to be logged", func() bool { return strings.Contains(cl.daemon.Output(), "API server unreachable") })
+	if err := cl.cp.StartAPIServer(cl.ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func bufioReader(data []byte) *bufio.Reader { return bufio.NewReader(bytes.NewReader(data)) }
