@@ -1,0 +1,65 @@
+package config
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+)
+
+// A unit test with client-go's fake clientset; the real API server is in
+// test/e2e.
+func TestClusterSourceFiltersAndUpdates(t *testing.T) {
+	svc := func(name string, labels map[string]string) *v1.Service {
+		return &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "ns", Labels: labels},
+			Spec: v1.ServiceSpec{ClusterIP: "10.96.0.1", Ports: []v1.ServicePort{{Port: 80, Protocol: v1.ProtocolTCP}}}}
+	}
+	ready := true
+	slice := &discovery.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: "web-1", Namespace: "ns", Labels: map[string]string{LabelServiceName: "web"}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Port: ptr(int32(8080))}},
+		Endpoints:   []discovery.Endpoint{{Addresses: []string{"10.1.0.1"}, Conditions: discovery.EndpointConditions{Ready: &ready}}},
+	}
+	client := fake.NewClientset(svc("web", nil), svc("other", map[string]string{LabelServiceProxyName: "x"}), slice)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	sink := &recordingSink{}
+	ctx, cancel := context.WithCancel(context.Background())
+	src := &ClusterSource{Client: client, Node: "n", Sink: sink, Log: log, Probe: func(context.Context) error { return nil }}
+	done, err := src.Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); <-done }()
+
+	st, n := sink.last()
+	if n != 1 {
+		t.Fatalf("%d states before Start returned, want exactly the synced one", n)
+	}
+	// The fake clientset ignores label selectors, so the filter that matters
+	// here is SkipReason's; the real API server test covers the selector.
+	sp := st.Ports[ServicePortName{Namespace: "ns", Name: "web"}]
+	if sp == nil || len(st.Ports) != 1 || len(sp.Endpoints) != 1 || sp.Endpoints[0].Addr.String() != "10.1.0.1:8080" {
+		t.Fatalf("state %+v", st.Ports)
+	}
+	if err := client.CoreV1().Services("ns").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if st, _ := sink.last(); len(st.Ports) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("deleted Service still in the state")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
