@@ -178,6 +178,9 @@ func (f *family) run(bin string, args []string, stdin string) error {
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
+		if bin == f.restore {
+			restoreFailures.Inc()
+		}
 		return fmt.Errorf("%s %s: %w: %s", bin, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
 	}
 	return nil
@@ -199,6 +202,8 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 			errs = multierror.Append(errs, fmt.Errorf("IPv%d: %w", f.fam, err))
 			continue
 		}
+		ruleCount.WithLabelValues("nat", fmt.Sprint(f.fam)).Set(float64(nat))
+		ruleCount.WithLabelValues("filter", fmt.Sprint(f.fam)).Set(float64(filter))
 		r.mu.Lock()
 		r.shown[f.fam] = shownRules{frontends: mine, opts: opts}
 		r.counts[fmt.Sprintf("nat/%d", f.fam)] = nat

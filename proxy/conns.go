@@ -22,15 +22,61 @@ type connRecord struct {
 	OrigDst netip.AddrPort // where the client was going (SO_ORIGINAL_DST)
 	Start   time.Time
 
+	fe *frontend
+
+	up, down atomic.Int64 // bytes so far
+
 	mu          sync.Mutex // guards the fields below, set while the connection lives
 	Endpoint    netip.AddrPort
 	Reason      Reason
 	Attempt     int
 	DialLatency time.Duration
-	Cause       string
 	shutdown    bool
 	client      *net.TCPConn
 	backend     *net.TCPConn
+}
+
+func (c *connRecord) addUp(n int64) {
+	c.up.Add(n)
+	c.fe.m.bytesIn.Add(float64(n))
+}
+
+func (c *connRecord) addDown(n int64) {
+	c.down.Add(n)
+	c.fe.m.bytesOut.Add(float64(n))
+}
+
+func (c *connRecord) setDialLatency(d time.Duration) {
+	c.mu.Lock()
+	c.DialLatency = d
+	c.mu.Unlock()
+}
+
+// ConnInfo is one live connection, for the debug table.
+type ConnInfo struct {
+	ID          uint64        `json:"id"`
+	Service     string        `json:"service"`
+	Client      string        `json:"client"`
+	OrigDst     string        `json:"origDst"`
+	Endpoint    string        `json:"endpoint,omitempty"`
+	Reason      Reason        `json:"reason,omitempty"`
+	Attempts    int           `json:"attempts"`
+	DialLatency time.Duration `json:"dialLatencyNs"`
+	Age         time.Duration `json:"ageNs"`
+	BytesUp     int64         `json:"bytesUp"`
+	BytesDown   int64         `json:"bytesDown"`
+}
+
+func (c *connRecord) info(now time.Time) ConnInfo {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ci := ConnInfo{ID: c.ID, Service: c.Service.String(), Client: c.Client.String(), OrigDst: c.OrigDst.String(),
+		Reason: c.Reason, Attempts: c.Attempt + 1, DialLatency: c.DialLatency, Age: now.Sub(c.Start),
+		BytesUp: c.up.Load(), BytesDown: c.down.Load()}
+	if c.Endpoint.IsValid() {
+		ci.Endpoint = c.Endpoint.String()
+	}
+	return ci
 }
 
 func (c *connRecord) setBackend(ep netip.AddrPort, why Reason, attempt int) {
@@ -72,8 +118,12 @@ func (c *connRecord) forceClose() {
 	}
 }
 
-// finish logs the connection's one line.
+// finish logs the connection's one line and records its duration.
 func (c *connRecord) finish(f *frontend, up, down int64, cause string) {
+	f.m.duration.Observe(time.Since(c.Start).Seconds())
+	if !f.p.cfg.logConn(cause) {
+		return
+	}
 	c.mu.Lock()
 	fields := logrus.Fields{
 		"service":     c.Service.String(),
@@ -92,7 +142,7 @@ func (c *connRecord) finish(f *frontend, up, down int64, cause string) {
 		fields["reason"] = string(c.Reason)
 	}
 	c.mu.Unlock()
-	f.p.cfg.connLog().WithFields(fields).Debug("Connection closed")
+	f.p.cfg.connLog().WithFields(fields).Info("Connection closed")
 }
 
 // connTable holds every live TCP connection of a Proxier.
@@ -106,6 +156,7 @@ type connTable struct {
 
 func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
 	c := &connRecord{
+		fe:      f,
 		ID:      t.nextID.Add(1),
 		Service: f.key.Name,
 		Client:  client.RemoteAddr().(*net.TCPAddr).AddrPort(),
@@ -113,6 +164,7 @@ func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
 	}
 	c.Client = netip.AddrPortFrom(c.Client.Addr().Unmap(), c.Client.Port())
 	t.wg.Add(1)
+	f.m.active.Inc()
 	t.mu.Lock()
 	if t.conns == nil {
 		t.conns = make(map[uint64]*connRecord)
@@ -123,6 +175,7 @@ func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
 }
 
 func (t *connTable) remove(c *connRecord) {
+	c.fe.m.active.Dec()
 	t.mu.Lock()
 	delete(t.conns, c.ID)
 	t.mu.Unlock()
@@ -137,6 +190,16 @@ func (t *connTable) list() []*connRecord {
 	}
 	t.mu.Unlock()
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// Connections returns the live TCP connections, oldest first.
+func (p *Proxier) Connections() []ConnInfo {
+	now := time.Now()
+	var out []ConnInfo
+	for _, c := range p.conns.list() {
+		out = append(out, c.info(now))
+	}
 	return out
 }
 

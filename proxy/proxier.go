@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -52,6 +53,31 @@ type Config struct {
 
 	Log     logrus.FieldLogger // logrus.StandardLogger() when nil
 	ConnLog logrus.FieldLogger // per-connection lines; Log when nil
+	// ConnLogMode says which connections get their line (at info level):
+	// ConnLogErrors (the zero value), ConnLogAll or ConnLogNone.
+	ConnLogMode ConnLogMode
+}
+
+// ConnLogMode selects the per-connection log lines.
+type ConnLogMode string
+
+const (
+	// ConnLogErrors logs connections that did not end by a normal close:
+	// resets, no endpoints, failed dials, idle timeouts, shutdown. It does
+	// not flood under normal traffic.
+	ConnLogErrors ConnLogMode = "errors"
+	ConnLogAll    ConnLogMode = "all"
+	ConnLogNone   ConnLogMode = "none"
+)
+
+func (c *Config) logConn(cause string) bool {
+	switch c.ConnLogMode {
+	case ConnLogAll:
+		return true
+	case ConnLogNone:
+		return false
+	}
+	return cause != CauseClientClosed && cause != CauseBackendClosed
 }
 
 func (c *Config) dialTimeouts() []time.Duration {
@@ -163,6 +189,7 @@ type frontend struct {
 	release     func()
 	log         logrus.FieldLogger
 
+	m      feMetrics
 	ctx    context.Context // cancelled when the proxier shuts down
 	tcp    *net.TCPListener
 	udpSk  *udpSocket
@@ -176,10 +203,13 @@ type Proxier struct {
 	alloc portAllocator
 	conns connTable
 
-	mu       sync.Mutex // guards pending and queuedAt
-	pending  *config.State
-	queuedAt time.Time
-	kick     chan struct{} // capacity 1: merges bursts
+	mu          sync.Mutex // guards pending, queuedAt, latest and health
+	pending     *config.State
+	queuedAt    time.Time
+	latest      *config.State // the newest State given to Update, for counting changes
+	lastUpdated time.Time     // the end of the last successful sync
+	lastErr     error         // of the last sync
+	kick        chan struct{} // capacity 1: merges bursts
 
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
@@ -205,11 +235,18 @@ var _ config.Sink = (*Proxier)(nil)
 // wakes the sync goroutine. It never blocks on kernel work.
 func (p *Proxier) Update(st *config.State) {
 	p.mu.Lock()
+	svcChanges, epChanges := countChanges(p.latest, st)
+	p.latest = st
 	if p.pending == nil {
 		p.queuedAt = time.Now()
+		syncLastQueued.SetToCurrentTime()
 	}
 	p.pending = st
 	p.mu.Unlock()
+	serviceChangesTotal.Add(float64(svcChanges))
+	serviceChangesPending.Add(float64(svcChanges))
+	endpointChangesTotal.Add(float64(epChanges))
+	endpointChangesPending.Add(float64(epChanges))
 	select {
 	case p.kick <- struct{}{}:
 	default:
@@ -253,16 +290,34 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			}
 		}
 		p.mu.Lock()
+		queuedAt := p.queuedAt
 		if p.pending != nil {
 			current, p.pending = p.pending, nil
+			p.queuedAt = time.Time{}
 		}
 		p.mu.Unlock()
 		if current == nil {
 			continue // nothing to serve yet: program nothing
 		}
+		serviceChangesPending.Set(0)
+		endpointChangesPending.Set(0)
 		lastSync = time.Now()
-		if err := p.sync(current, verify); err != nil {
+		err := p.sync(current, verify)
+		end := time.Now()
+		syncDuration.Observe(end.Sub(lastSync).Seconds())
+		p.mu.Lock()
+		p.lastErr = err
+		if err == nil {
+			p.lastUpdated = end
+		}
+		p.mu.Unlock()
+		if err != nil {
 			retry.Reset(max(minPeriod, time.Second))
+			continue
+		}
+		syncLast.Set(float64(end.UnixNano()) / 1e9)
+		if !queuedAt.IsZero() {
+			programmingDuration.Observe(end.Sub(queuedAt).Seconds())
 		}
 	}
 }
@@ -412,7 +467,7 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		}
 	}
 	fe := &frontend{
-		p: p, key: key, spec: sp, bal: NewRoundRobin(),
+		p: p, key: key, spec: sp, bal: NewRoundRobin(), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(port)),
 		nodePortErr: nodePortErr,
 		holdFD:      holdFD,
@@ -466,14 +521,13 @@ func (fe *frontend) close() {
 	fe.log.Info("Listener closed")
 }
 
-// shutdown removes the rules first, so that new traffic fails fast instead of
-// into closed ports, then closes listeners and lets connections drain.
+// shutdown stops accepting — the rules still point at the closed ports, so a
+// new connection is refused at once instead of timing out — lets open
+// connections drain for up to grace, and removes the rules last. Removing
+// them first would break the draining connections: on Linux 6.18 with
+// nf_tables, deleting the last REDIRECT rule stops the NAT of flows already
+// redirected (measured in the netns tests).
 func (p *Proxier) shutdown(grace time.Duration) {
-	if p.cfg.Rules != nil {
-		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {
-			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
-		}
-	}
 	for key, fe := range p.frontends {
 		fe.close()
 		delete(p.frontends, key)
@@ -482,6 +536,11 @@ func (p *Proxier) shutdown(grace time.Duration) {
 	p.view = nil
 	p.viewMu.Unlock()
 	p.conns.drain(grace)
+	if p.cfg.Rules != nil {
+		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {
+			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
+		}
+	}
 }
 
 // Frontends returns the frontends as of the last sync, sorted by service.
@@ -523,4 +582,42 @@ func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []Fronten
 	}
 	sort.Slice(out, func(i, j int) bool { return lessFrontend(out[i], out[j]) })
 	return out
+}
+
+// Health is what /healthz reports.
+type Health struct {
+	LastUpdated time.Time // end of the last successful sync; zero before the first
+	QueuedAt    time.Time // when the oldest change not yet synced arrived; zero if none
+	LastErr     error     // the last sync's error
+}
+
+// Health returns the sync state for health checks.
+func (p *Proxier) Health() Health {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr}
+}
+
+// countChanges counts service ports added, removed or changed in their
+// frontend, and service ports whose endpoints changed, from old to new.
+func countChanges(old, new *config.State) (services, endpoints int) {
+	var oldPorts map[config.ServicePortName]*config.ServicePort
+	if old != nil {
+		oldPorts = old.Ports
+	}
+	for name, sp := range new.Ports {
+		o := oldPorts[name]
+		switch {
+		case o == nil || !o.SameFrontend(sp) || o.AffinityTimeout != sp.AffinityTimeout:
+			services++
+		case !slices.Equal(o.Endpoints, sp.Endpoints):
+			endpoints++
+		}
+	}
+	for name := range oldPorts {
+		if new.Ports[name] == nil {
+			services++
+		}
+	}
+	return services, endpoints
 }

@@ -98,6 +98,9 @@ func startProxier(t *testing.T, cfg Config) *harness {
 	if cfg.MinSyncPeriod == 0 {
 		cfg.MinSyncPeriod = time.Millisecond
 	}
+	if cfg.ConnLogMode == "" {
+		cfg.ConnLogMode = ConnLogAll
+	}
 	cfg.Log = log
 	h.p = New(cfg)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -660,4 +663,17 @@ func TestRestrictedNodePortIsHeldNotServed(t *testing.T) {
 		}
 		return err == nil
 	})
+}
+
+// The default connection log leaves normal closes out and logs the rest.
+func TestConnLogErrorsOnly(t *testing.T) {
+	h := startProxier(t, Config{ConnLogMode: ConnLogErrors})
+	h.apply(svc("ok", config.TCP, tcpBackend(t, "a")), svc("empty", config.TCP))
+	fetchName(t, h.addr("ok"))
+	expectReset(t, h.addr("empty"))
+	waitFor(t, "the reset's line", func() bool { return len(h.logs.find("Connection closed")) == 1 })
+	time.Sleep(100 * time.Millisecond) // proving an absence: the normal close's line
+	if lines := h.logs.find("Connection closed"); len(lines) != 1 || lines[0]["cause"] != CauseNoEndpoints {
+		t.Fatalf("lines %v: want only the no-endpoints reset", lines)
+	}
 }

@@ -59,6 +59,7 @@ func (f *frontend) serveTCP(ln *net.TCPListener) {
 			continue
 		}
 		backoff = 0
+		f.m.accepted.Inc()
 		c := f.p.conns.add(f, client)
 		go f.handleTCP(c, client)
 	}
@@ -90,17 +91,22 @@ func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
 	for attempt, timeout := range timeouts {
 		ep, why, ok := f.bal.Pick(client, attempt)
 		if !ok {
-			c.Cause = CauseNoEndpoints
+			f.m.noEndpoints.Inc()
 			return nil, errors.New(CauseNoEndpoints)
+		}
+		if attempt > 0 {
+			f.m.retries.Inc()
 		}
 		c.setBackend(ep, why, attempt)
 		start := time.Now()
 		d := net.Dialer{Timeout: timeout, KeepAlive: 15 * time.Second}
+		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
 		conn, err := d.DialContext(f.ctx, "tcp", ep.String())
 		if err == nil {
-			c.DialLatency = time.Since(start)
+			c.setDialLatency(time.Since(start))
 			return conn.(*net.TCPConn), nil
 		}
+		dialFailures.WithLabelValues(f.m.service, ep.String()).Inc()
 		f.log.WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1}).
 			WithError(err).Debug("Dial failed")
 		if f.ctx.Err() != nil {
@@ -126,8 +132,8 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	idle := f.p.cfg.TCPIdleTimeout
 	ups, downs := make(chan result, 1), make(chan result, 1)
 	c.setConns(client, backend)
-	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, out chan<- result) {
-		n, err := copyUntilIdle(dst, src, client, backend, idle)
+	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, count func(int64), out chan<- result) {
+		n, err := copyUntilIdle(dst, src, client, backend, idle, count)
 		switch {
 		case err == nil:
 			// A FIN from src: pass the half-close on and let the other
@@ -143,8 +149,8 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 			out <- result{n, resetCause, true}
 		}
 	}
-	go copyHalf(backend, client, CauseClientClosed, CauseClientReset, ups)
-	go copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, downs)
+	go copyHalf(backend, client, CauseClientClosed, CauseClientReset, c.addUp, ups)
+	go copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown, downs)
 
 	var first, second result
 	var firstUp bool
@@ -177,8 +183,10 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 // copyUntilIdle is io.Copy(dst, src) — which splices, because both are plain
 // *net.TCPConn — with an idle timeout: the read deadline on src fires every
 // idle period, and the copy goes on while the kernel's TCP_INFO says either
-// peer sent data within the period. It returns nil at EOF.
-func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration) (int64, error) {
+// peer sent data within the period. It returns nil at EOF. count gets the
+// bytes of every io.Copy call, so long connections show in the metrics
+// before they end.
+func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration, count func(int64)) (int64, error) {
 	var total int64
 	for {
 		if idle > 0 {
@@ -186,6 +194,7 @@ func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration) (
 		}
 		n, err := io.Copy(dst, src)
 		total += n
+		count(n)
 		if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
 			return total, err
 		}

@@ -156,6 +156,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 			continue
 		}
 		fl.up.Add(int64(n))
+		f.m.bytesIn.Add(float64(n))
 	}
 }
 
@@ -176,6 +177,7 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 	for attempt := 0; attempt < len(DefaultDialTimeouts); attempt++ {
 		ep, why, ok := f.bal.Pick(client.Addr(), attempt)
 		if !ok {
+			f.m.noEndpoints.Inc()
 			f.log.WithField("client", client).Debug("UDP datagram dropped: no endpoints")
 			return nil
 		}
@@ -203,11 +205,15 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 	var victim *udpFlow
 	if max := f.p.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
-		t.removeLocked(victim)
+		if t.removeLocked(victim) {
+			f.m.udpActive.Dec()
+		}
 		t.evicted.Add(1)
+		f.m.evicted.Inc()
 	}
 	fl.elem = t.lru.PushFront(fl)
 	t.flows[client] = fl
+	f.m.udpActive.Inc()
 	t.wg.Add(1)
 	t.mu.Unlock()
 
@@ -219,17 +225,21 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 	return fl
 }
 
-func (t *udpFlows) removeLocked(fl *udpFlow) {
+func (t *udpFlows) removeLocked(fl *udpFlow) bool {
 	if cur, ok := t.flows[fl.client]; ok && cur == fl {
 		delete(t.flows, fl.client)
 		t.lru.Remove(fl.elem)
+		return true
 	}
+	return false
 }
 
 // endFlow removes fl and closes its socket; its reply goroutine then exits.
 func (f *frontend) endFlow(fl *udpFlow, cause string) {
 	f.udp.mu.Lock()
-	f.udp.removeLocked(fl)
+	if f.udp.removeLocked(fl) {
+		f.m.udpActive.Dec()
+	}
 	f.udp.mu.Unlock()
 	fl.cause.CompareAndSwap(nil, cause)
 	fl.backend.Close()
@@ -266,6 +276,11 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			continue
 		}
 		fl.down.Add(int64(n))
+		f.m.bytesOut.Add(float64(n))
+	}
+	cause, _ := fl.cause.Load().(string)
+	if !f.p.cfg.logConn(cause) {
+		return
 	}
 	f.p.cfg.connLog().WithFields(logrus.Fields{
 		"service":   f.key.Name.String(),
@@ -277,8 +292,8 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		"bytesUp":   fl.up.Load(),
 		"bytesDown": fl.down.Load(),
 		"duration":  time.Since(fl.start).Round(time.Microsecond).String(),
-		"cause":     fl.cause.Load(),
-	}).Debug("UDP flow closed")
+		"cause":     cause,
+	}).Info("UDP flow closed")
 }
 
 // closeFlows ends every flow (the frontend is going away) and waits for them.

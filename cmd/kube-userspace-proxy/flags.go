@@ -37,15 +37,33 @@ type options struct {
 	showRules        bool
 	iptables         bool
 	iptablesBasic    bool
+	restoreCommand   string
+	healthzAddr      string
+	metricsAddr      string
+	profiling        bool
+	connLog          string
+	configFile       string
+	// origin names where a flag's value came from, for error messages.
+	origin map[string]string
+}
+
+// name returns how to call a setting in an error: --flag, or the config
+// file's field when the value came from there.
+func (o *options) name(flag string) string {
+	if n, ok := o.origin[flag]; ok {
+		return n
+	}
+	return "--" + flag
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
-	o := &options{}
+	o := &options{origin: map[string]string{}}
 	fs := pflag.NewFlagSet("kube-userspace-proxy", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.SortFlags = false
 	var bind, portRange string
 	var nodePortAddrs []string
+	fs.StringVar(&o.configFile, "config", "", "A KubeProxyConfiguration YAML file (kube-proxy's fields that apply here, plus this proxy's own); flags override it.")
 	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this YAML/JSON file or directory (reloaded on change) instead of a cluster.")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file for watching a cluster.")
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig).")
@@ -64,6 +82,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
 	fs.BoolVar(&o.iptablesBasic, "iptables-basic-only", false, "Use only basic netfilter (no comment, addrtype or conntrack matches) even where the kernel has more.")
 	_ = fs.MarkHidden("iptables-basic-only") // for tests of kernels without netfilter extras
+	fs.StringVar(&o.restoreCommand, "iptables-restore-command", "", "The iptables-restore binary for IPv4 (default: iptables-restore from PATH).")
+	_ = fs.MarkHidden("iptables-restore-command") // tests inject failures with it
+	fs.StringVar(&o.healthzAddr, "healthz-bind-address", "0.0.0.0:10256", "Where /healthz and /livez are served (empty: off).")
+	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
+	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
+	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, timeouts...), all, or none.")
 	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (connection lines are debug).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
 	fs.Usage = func() {
@@ -78,35 +102,53 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q (flags only)", fs.Arg(0))
 	}
+	if o.configFile != "" {
+		if err := applyConfigFile(o.configFile, fs, o.origin); err != nil {
+			return nil, err
+		}
+	}
 	var err error
 	if o.bindAddress, err = netip.ParseAddr(bind); err != nil {
-		return nil, fmt.Errorf("--bind-address: %q is not an IP address", bind)
+		return nil, fmt.Errorf("%s: %q is not an IP address", o.name("bind-address"), bind)
 	}
 	if o.portRange, err = proxy.ParsePortRange(portRange); err != nil {
-		return nil, fmt.Errorf("--proxy-port-range: %w", err)
+		return nil, fmt.Errorf("%s: %w", o.name("proxy-port-range"), err)
 	}
 	for _, d := range []struct {
-		name string
+		flag string
 		v    time.Duration
 		min  time.Duration
 	}{
-		{"--udp-timeout", o.udpTimeout, time.Millisecond},
-		{"--min-sync-period", o.minSyncPeriod, 0},
-		{"--sync-period", o.syncPeriod, time.Second},
-		{"--tcp-idle-timeout", o.tcpIdleTimeout, 0},
-		{"--shutdown-grace", o.shutdownGrace, 0},
+		{"udp-timeout", o.udpTimeout, time.Millisecond},
+		{"min-sync-period", o.minSyncPeriod, 0},
+		{"sync-period", o.syncPeriod, time.Second},
+		{"tcp-idle-timeout", o.tcpIdleTimeout, 0},
+		{"shutdown-grace", o.shutdownGrace, 0},
 	} {
 		if d.v < d.min {
-			return nil, fmt.Errorf("%s: %s is below the minimum %s", d.name, d.v, d.min)
+			return nil, fmt.Errorf("%s: %s is below the minimum %s", o.name(d.flag), d.v, d.min)
 		}
 	}
 	if o.udpMaxFlows < 1 {
-		return nil, fmt.Errorf("--udp-max-flows: %d must be at least 1", o.udpMaxFlows)
+		return nil, fmt.Errorf("%s: %d must be at least 1", o.name("udp-max-flows"), o.udpMaxFlows)
+	}
+	switch o.connLog {
+	case "errors", "all", "none":
+	default:
+		return nil, fmt.Errorf("%s: %q is not errors, all or none", o.name("connection-log"), o.connLog)
+	}
+	for _, a := range []struct{ flag, v string }{{"healthz-bind-address", o.healthzAddr}, {"metrics-bind-address", o.metricsAddr}} {
+		if a.v == "" {
+			continue
+		}
+		if _, err := netip.ParseAddrPort(a.v); err != nil {
+			return nil, fmt.Errorf("%s: %q is not ip:port", o.name(a.flag), a.v)
+		}
 	}
 	for _, a := range nodePortAddrs {
 		pfx, err := netip.ParsePrefix(strings.TrimSpace(a))
 		if err != nil {
-			return nil, fmt.Errorf("--nodeport-addresses: %q is not a CIDR", a)
+			return nil, fmt.Errorf("%s: %q is not a CIDR", o.name("nodeport-addresses"), a)
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
 	}

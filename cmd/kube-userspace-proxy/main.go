@@ -60,7 +60,7 @@ func newLogger(o *options, w io.Writer) (*logrus.Logger, error) {
 	log.SetOutput(w)
 	lvl, err := logrus.ParseLevel(o.logLevel)
 	if err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
+		return nil, fmt.Errorf("%s: %w", o.name("log-level"), err)
 	}
 	log.SetLevel(lvl)
 	switch o.logFormat {
@@ -69,7 +69,7 @@ func newLogger(o *options, w io.Writer) (*logrus.Logger, error) {
 	case "json":
 		log.SetFormatter(&logrus.JSONFormatter{})
 	default:
-		return nil, fmt.Errorf("--log-format: %q is not text or json", o.logFormat)
+		return nil, fmt.Errorf("%s: %q is not text or json", o.name("log-format"), o.logFormat)
 	}
 	return log, nil
 }

@@ -87,7 +87,7 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
 	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
-	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms")
+	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	var stderr lockedBuffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -172,7 +172,7 @@ func TestRecoversFromFileLimit(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "m.yaml")
 	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
-	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug")
+	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	cmd.Env = append(cmd.Env, "KUP_NOFILE=48")
 	var stderr lockedBuffer
 	cmd.Stderr = &stderr

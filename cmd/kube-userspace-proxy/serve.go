@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net/http"
+	"time"
 
 	"github.com/sirupsen/logrus"
 	"k8s.io/client-go/kubernetes"
@@ -45,12 +47,14 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	}
 
 	var rules proxy.Rules
+	var ipt *iptables.Rules
 	if o.iptables {
-		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic, Log: log.WithField("component", "iptables")})
+		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
+			RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
 		if err != nil {
 			return err
 		}
-		rules = r
+		rules, ipt = r, r
 	} else {
 		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
 	}
@@ -66,7 +70,22 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		SyncPeriod:          o.syncPeriod,
 		Log:                 log.WithField("component", "proxier"),
 		ConnLog:             log.WithField("component", "conn"),
+		ConnLogMode:         proxy.ConnLogMode(o.connLog),
 	})
+	httpCtx, stopHTTP := context.WithCancel(context.Background())
+	defer stopHTTP()
+	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), log.WithField("component", "healthz"))
+	if err != nil {
+		return err
+	}
+	dbg := &debugServer{p: p, rules: ipt}
+	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), log.WithField("component", "metrics"))
+	if err != nil {
+		stopHTTP()
+		<-healthDone
+		return err
+	}
+	defer func() { stopHTTP(); <-healthDone; <-metricsDone }()
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
 	// The proxier's sync goroutine starts first: a source hands it the first
@@ -130,4 +149,12 @@ func showRules(o *options, node string, w io.Writer) error {
 		}
 	}
 	return nil
+}
+
+func healthMux(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
+	mux := http.NewServeMux()
+	h := healthHandler(p, syncPeriod)
+	mux.Handle("/healthz", h)
+	mux.Handle("/livez", h)
+	return mux
 }

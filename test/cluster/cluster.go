@@ -119,8 +119,14 @@ type ControlPlane struct {
 	AdminToken string
 	Kubeconfig string // admin kubeconfig
 
-	etcd, apiserver, kcm *exec.Cmd
+	etcd, apiserver, kcm *proc
 	apiArgs              []string
+}
+
+// proc is a started process; done is closed once it has been waited for.
+type proc struct {
+	cmd  *exec.Cmd
+	done chan struct{}
 }
 
 // Start brings the control plane up and waits until the API server is ready.
@@ -202,22 +208,25 @@ func (cp *ControlPlane) Stop() {
 	stop(cp.etcd)
 }
 
-func stop(c *exec.Cmd) {
-	if c == nil || c.Process == nil || c.ProcessState != nil {
+func stop(p *proc) {
+	if p == nil {
 		return
 	}
-	_ = c.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { _ = c.Wait(); close(done) }()
 	select {
-	case <-done:
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
 	case <-time.After(10 * time.Second):
-		_ = c.Process.Kill()
-		<-done
+		_ = p.cmd.Process.Kill()
+		<-p.done
 	}
 }
 
-func (cp *ControlPlane) spawn(name string, args ...string) (*exec.Cmd, error) {
+func (cp *ControlPlane) spawn(name string, args ...string) (*proc, error) {
 	bin := filepath.Join(cp.opts.BinDir, name)
 	var cmd *exec.Cmd
 	if cp.opts.Netns != "" {
@@ -235,8 +244,9 @@ func (cp *ControlPlane) spawn(name string, args ...string) (*exec.Cmd, error) {
 		logf.Close()
 		return nil, fmt.Errorf("starting %s: %w", name, err)
 	}
-	go func() { _ = cmd.Wait(); logf.Close() }()
-	return cmd, nil
+	p := &proc{cmd: cmd, done: make(chan struct{})}
+	go func() { _ = cmd.Wait(); logf.Close(); close(p.done) }()
+	return p, nil
 }
 
 // waitReady polls /readyz through the namespace's loopback.

@@ -1,0 +1,242 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// healthHandler serves /healthz and /livez with kube-proxy's JSON body.
+// Unhealthy (503) when a queued change has waited longer than 2 × the sync
+// period or the last sync failed.
+func healthHandler(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := p.Health()
+		now := time.Now()
+		healthy := h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod)
+		body := map[string]any{"lastUpdated": h.LastUpdated, "currentTime": now, "healthy": healthy}
+		if h.LastErr != nil {
+			body["lastError"] = h.LastErr.Error()
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		if !healthy {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+		_ = json.NewEncoder(w).Encode(body)
+	})
+}
+
+// debugServer serves /metrics and the /debug pages.
+type debugServer struct {
+	p     *proxy.Proxier
+	rules *iptables.Rules // nil with --iptables=false
+}
+
+func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/debug/connections", d.connections)
+	mux.HandleFunc("/debug/services", d.services)
+	mux.HandleFunc("/debug/rules", d.showRules)
+	if profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	return mux
+}
+
+func wantsText(r *http.Request) bool {
+	return r.URL.Query().Get("format") == "text" || strings.Contains(r.Header.Get("Accept"), "text/plain")
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+// connections is the live TCP connection table: JSON, or ?format=text.
+func (d *debugServer) connections(w http.ResponseWriter, r *http.Request) {
+	conns := d.p.Connections()
+	if !wantsText(r) {
+		if conns == nil {
+			conns = []proxy.ConnInfo{}
+		}
+		writeJSON(w, conns)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tSERVICE\tCLIENT\tSENT TO\tENDPOINT\tWHY\tTRIES\tDIAL\tAGE\tBYTES UP\tBYTES DOWN")
+	for _, c := range conns {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%d\t%d\n", c.ID, c.Service, c.Client, c.OrigDst, c.Endpoint,
+			c.Reason, c.Attempts, c.DialLatency.Round(time.Microsecond), c.Age.Round(time.Millisecond), c.BytesUp, c.BytesDown)
+	}
+	tw.Flush()
+}
+
+type serviceView struct {
+	Service     string           `json:"service"`
+	Kind        proxy.Kind       `json:"kind"`
+	Family      int              `json:"family"`
+	Protocol    string           `json:"protocol"`
+	Listen      string           `json:"listen,omitempty"`
+	Error       string           `json:"error,omitempty"`
+	NodePortErr string           `json:"nodePortError,omitempty"`
+	Port        int              `json:"port"`
+	NodePort    int              `json:"nodePort,omitempty"`
+	ClusterIPs  []string         `json:"clusterIPs"`
+	ExternalIPs []string         `json:"externalIPs,omitempty"`
+	LBIPs       []string         `json:"loadBalancerIPs,omitempty"`
+	Endpoints   []string         `json:"endpoints"`
+	Affinity    string           `json:"affinityTimeout,omitempty"`
+	Pins        []proxy.Affinity `json:"affinity,omitempty"`
+	UDPFlows    *int             `json:"udpFlows,omitempty"`
+}
+
+// services maps each service port to its listener, addresses, endpoints
+// (with their conditions) and affinity table.
+func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
+	var out []serviceView
+	for _, fe := range d.p.Frontends() {
+		sp := fe.Service
+		v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
+			Port: sp.Port, NodePort: sp.NodePort, Pins: fe.Affinities()}
+		if fe.Err != nil {
+			v.Error = fe.Err.Error()
+		} else {
+			v.Listen = fe.Listen.String()
+		}
+		if fe.NodePortErr != nil {
+			v.NodePortErr = fe.NodePortErr.Error()
+		}
+		for _, ip := range sp.ClusterIPs {
+			v.ClusterIPs = append(v.ClusterIPs, ip.String())
+		}
+		for _, ip := range sp.ExternalIPs {
+			v.ExternalIPs = append(v.ExternalIPs, ip.String())
+		}
+		for _, ip := range sp.LoadBalancerIPs {
+			v.LBIPs = append(v.LBIPs, ip.String())
+		}
+		v.Endpoints = []string{}
+		for _, ep := range sp.Endpoints {
+			s := ep.String()
+			if ep.NodeName != "" {
+				s += " node=" + ep.NodeName
+			}
+			v.Endpoints = append(v.Endpoints, s)
+		}
+		if sp.AffinityTimeout > 0 {
+			v.Affinity = sp.AffinityTimeout.String()
+		}
+		if fe.Protocol == "UDP" {
+			n, _ := fe.UDPFlows()
+			v.UDPFlows = &n
+		}
+		out = append(out, v)
+	}
+	if !wantsText(r) {
+		if out == nil {
+			out = []serviceView{}
+		}
+		writeJSON(w, out)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	for _, v := range out {
+		fmt.Fprintf(w, "%s %s (IPv%d, %s) listen %s port %d", v.Service, v.Protocol, v.Family, v.Kind, v.Listen, v.Port)
+		if v.NodePort != 0 {
+			fmt.Fprintf(w, " nodePort %d", v.NodePort)
+		}
+		fmt.Fprintf(w, "\n  addresses: %s\n", strings.Join(append(append(append([]string(nil), v.ClusterIPs...), v.ExternalIPs...), v.LBIPs...), " "))
+		for _, e := range []string{v.Error, v.NodePortErr} {
+			if e != "" {
+				fmt.Fprintf(w, "  ERROR: %s\n", e)
+			}
+		}
+		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(v.Endpoints, " "))
+		if v.Affinity != "" {
+			fmt.Fprintf(w, "  affinity: ClientIP for %s\n", v.Affinity)
+			for _, pin := range v.Pins {
+				fmt.Fprintf(w, "    %s -> %s until %s\n", pin.Client, pin.Endpoint, pin.Expires.Format(time.RFC3339))
+			}
+		}
+	}
+}
+
+// showRules prints the rules as last written, as iptables-restore input.
+func (d *debugServer) showRules(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	if d.rules == nil {
+		fmt.Fprintln(w, "# --iptables=false: no rules are programmed")
+		return
+	}
+	text, counts := d.rules.Installed()
+	fams := make([]int, 0, len(text))
+	for f := range text {
+		fams = append(fams, f)
+	}
+	sort.Ints(fams)
+	for _, f := range fams {
+		fmt.Fprintf(w, "# IPv%d: %d nat and %d filter rules in our chains\n%s", f, counts[fmt.Sprintf("nat/%d", f)], counts[fmt.Sprintf("filter/%d", f)], text[f])
+	}
+}
+
+// startHTTP serves h on addr until ctx ends; a bind error is returned at once.
+func startHTTP(ctx context.Context, addr string, h http.Handler, log logrus.FieldLogger) (<-chan struct{}, error) {
+	done := make(chan struct{})
+	if addr == "" {
+		close(done)
+		return done, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("serving on %s: %w", addr, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.WithError(err).Error("HTTP server failed")
+		}
+	}()
+	log.WithField("address", ln.Addr().String()).Info("Serving HTTP")
+	return done, nil
+}
+
+// newRegistry holds every metric the daemon exports.
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	proxy.RegisterMetrics(reg)
+	iptables.RegisterMetrics(reg)
+	return reg
+}

@@ -1,0 +1,107 @@
+package proxy
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// Sync metrics keep kube-proxy's names, so existing dashboards work.
+var (
+	syncDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "kubeproxy_sync_proxy_rules_duration_seconds", Help: "How long one sync of listeners and rules took.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
+	})
+	syncLast = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kubeproxy_sync_proxy_rules_last_timestamp_seconds", Help: "When the last successful sync ended.",
+	})
+	syncLastQueued = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", Help: "When the last change was queued for a sync.",
+	})
+	programmingDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "kubeproxy_network_programming_duration_seconds", Help: "From a change reaching the proxy to it being served.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),
+	})
+	serviceChangesPending = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kubeproxy_sync_proxy_rules_service_changes_pending", Help: "Service ports changed but not yet synced.",
+	})
+	serviceChangesTotal = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kubeproxy_sync_proxy_rules_service_changes_total", Help: "Service ports added, removed or changed.",
+	})
+	endpointChangesPending = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kubeproxy_sync_proxy_rules_endpoint_changes_pending", Help: "Service ports whose endpoints changed but are not yet synced.",
+	})
+	endpointChangesTotal = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kubeproxy_sync_proxy_rules_endpoint_changes_total", Help: "Service ports whose endpoints changed.",
+	})
+)
+
+// Traffic metrics, per service port ("namespace/name:port"). They are counted
+// from the copy results, never by wrapping connections, so splice stays.
+var (
+	connsAccepted = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_connections_accepted_total", Help: "TCP connections accepted.",
+	}, []string{"service"})
+	connsActive = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_connections_active", Help: "TCP connections open now.",
+	}, []string{"service"})
+	dialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_dial_attempts_total", Help: "Dials to endpoints.",
+	}, []string{"service", "endpoint"})
+	dialFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_dial_failures_total", Help: "Dials to endpoints that failed.",
+	}, []string{"service", "endpoint"})
+	retries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_retries_total", Help: "Dials retried on another endpoint after a failure.",
+	}, []string{"service"})
+	noEndpointResets = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_no_endpoints_resets_total", Help: "Connections reset (or datagrams dropped) because no endpoint was usable.",
+	}, []string{"service", "protocol"})
+	bytesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_bytes_total", Help: "Bytes proxied; direction in = client to endpoint, out = endpoint to client.",
+	}, []string{"service", "protocol", "direction"})
+	udpFlowsActive = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_udp_flows_active", Help: "UDP flows open now.",
+	}, []string{"service"})
+	udpFlowsEvicted = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_udp_flows_evicted_total", Help: "UDP flows evicted because the flow table was full.",
+	}, []string{"service"})
+	connDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kube_userspace_proxy_connection_duration_seconds", Help: "How long proxied TCP connections lasted.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 4, 12),
+	}, []string{"service"})
+)
+
+// RegisterMetrics adds the proxier's metrics to reg.
+func RegisterMetrics(reg prometheus.Registerer) {
+	reg.MustRegister(syncDuration, syncLast, syncLastQueued, programmingDuration,
+		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
+		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
+		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration)
+}
+
+// feMetrics are one frontend's metrics, resolved once: looking labels up per
+// datagram would cost more than the datagram.
+type feMetrics struct {
+	service                                 string
+	accepted, retries, noEndpoints, evicted prometheus.Counter
+	bytesIn, bytesOut                       prometheus.Counter
+	active, udpActive                       prometheus.Gauge
+	duration                                prometheus.Observer
+}
+
+func newFEMetrics(service string, proto config.Protocol) feMetrics {
+	p := string(proto)
+	return feMetrics{
+		service:     service,
+		accepted:    connsAccepted.WithLabelValues(service),
+		retries:     retries.WithLabelValues(service),
+		noEndpoints: noEndpointResets.WithLabelValues(service, p),
+		evicted:     udpFlowsEvicted.WithLabelValues(service),
+		bytesIn:     bytesTotal.WithLabelValues(service, p, "in"),
+		bytesOut:    bytesTotal.WithLabelValues(service, p, "out"),
+		active:      connsActive.WithLabelValues(service),
+		udpActive:   udpFlowsActive.WithLabelValues(service),
+		duration:    connDuration.WithLabelValues(service),
+	}
+}

@@ -1,0 +1,284 @@
+package e2e
+
+import (
+	"bufio"
+	"io"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+)
+
+// httpIn is an HTTP client whose connections are made in a lab namespace.
+func (l *Lab) httpIn(ns string) *http.Client {
+	return &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: cluster.DialContextIn(l.NS(ns))}}
+}
+
+func (l *Lab) get(ns, url string) (int, string) {
+	resp, err := l.httpIn(ns).Get(url)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	var b strings.Builder
+	_, _ = bufio.NewReader(resp.Body).WriteTo(&b)
+	return resp.StatusCode, b.String()
+}
+
+func TestHealthTurnsUnhealthyWhenRulesFail(t *testing.T) {
+	dir := t.TempDir()
+	marker := filepath.Join(dir, "fail")
+	script := filepath.Join(dir, "restore.sh")
+	os.WriteFile(script, []byte(fmt.Sprintf("#!/bin/sh\nif [ -e %s ]; then echo injected failure >&2; exit 1; fi\nexec iptables-restore \"$@\"\n", marker)), 0o755)
+	l, d, m := startWeb(t, webManifest(), "--iptables-restore-command", script, "--sync-period", "2s")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	health := func() int { code, _ := l.get("node", "http://127.0.0.1:10256/healthz"); return code }
+	waitFor(t, "healthy", func() bool { return health() == 200 })
+	code, body := l.get("node", "http://127.0.0.1:10256/livez")
+	var h map[string]any
+	if err := json.Unmarshal([]byte(body), &h); err != nil || code != 200 || h["healthy"] != true || h["lastUpdated"] == nil || h["currentTime"] == nil {
+		t.Fatalf("livez %d %q", code, body)
+	}
+
+	os.WriteFile(marker, nil, 0o644)
+	writeManifest(t, m, webManifest()+"---\n"+service("extra", "ClusterIP", "10.96.0.50", "", `{name: http, port: 80, protocol: TCP}`))
+	waitFor(t, "unhealthy after a failed sync", func() bool { return health() == 503 })
+	if _, body := l.get("node", "http://127.0.0.1:10256/healthz"); !strings.Contains(body, "injected failure") {
+		t.Errorf("503 body does not say why: %s", body)
+	}
+	os.Remove(marker)
+	waitFor(t, "healthy again", func() bool { return health() == 200 })
+	if !strings.Contains(d.Output(), "injected failure") {
+		t.Fatal("the failure was not logged")
+	}
+}
+
+func scrape(t *testing.T, l *Lab) map[string]*dto.MetricFamily {
+	t.Helper()
+	code, body := l.get("node", "http://127.0.0.1:10249/metrics")
+	if code != 200 {
+		t.Fatalf("/metrics: %d %s", code, body)
+	}
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fams
+}
+
+// metricSum adds the values of a family's series whose labels include match.
+func metricSum(fams map[string]*dto.MetricFamily, name string, match map[string]string) float64 {
+	f := fams[name]
+	if f == nil {
+		return -1
+	}
+	var sum float64
+	for _, m := range f.Metric {
+		ok := true
+		for k, v := range match {
+			found := false
+			for _, lp := range m.Label {
+				found = found || (lp.GetName() == k && lp.GetValue() == v)
+			}
+			ok = ok && found
+		}
+		if !ok {
+			continue
+		}
+		switch {
+		case m.Counter != nil:
+			sum += m.Counter.GetValue()
+		case m.Gauge != nil:
+			sum += m.Gauge.GetValue()
+		case m.Histogram != nil:
+			sum += float64(m.Histogram.GetSampleCount())
+		}
+	}
+	return sum
+}
+
+func TestMetricsLogsAndDebugPages(t *testing.T) {
+	dead := service("dead", "ClusterIP", "10.96.0.60", "", `{name: http, port: 80, protocol: TCP}`) + `---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dead, namespace: lab, labels: {kubernetes.io/service-name: dead}}
+addressType: IPv4
+ports: [{name: http, port: 9999}]
+endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
+`
+	empty := service("empty", "ClusterIP", "10.96.0.61", "", `{name: http, port: 80, protocol: TCP}`)
+	l, d, _ := startWeb(t, webManifest()+"---\n"+dead+"---\n"+empty, "--connection-log", "all", "--log-format", "json", "--udp-max-flows", "1")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	before := scrape(t, l)
+
+	// One request whose bytes we know, as curl counts them.
+	out := l.MustExec("client", "curl", "-s", "-o", "/dev/null", "-w", "%{size_request} %{size_header} %{size_download} %{local_port}", "http://10.96.0.10:80/")
+	var up, hdr, body, port int
+	fmt.Sscan(out, &up, &hdr, &body, &port)
+	udpReaches(t, l, "client", "10.96.0.10", "53")
+	udpReaches(t, l, "ext", "192.168.50.1", "31341") // a second UDP client: evicts the first flow
+	l.Exec("client", "curl", "-s", "--max-time", "3", "http://10.96.0.60/")
+	l.Exec("client", "curl", "-s", "--max-time", "3", "http://10.96.0.61/")
+
+	var line map[string]any
+	waitFor(t, "the connection's log line", func() bool {
+		for _, raw := range strings.Split(d.Output(), "\n") {
+			var e map[string]any
+			if json.Unmarshal([]byte(raw), &e) == nil && e["msg"] == "Connection closed" && e["client"] == fmt.Sprintf("10.251.19.20:%d", port) {
+				line = e
+				return true
+			}
+		}
+		return false
+	})
+	for k, want := range map[string]any{"service": "lab/web:http", "origDst": "10.96.0.10:80", "protocol": "TCP",
+		"bytesUp": float64(up), "bytesDown": float64(hdr + body), "cause": "client closed", "reason": "round-robin", "attempts": float64(1)} {
+		if line[k] != want {
+			t.Errorf("log field %s = %v, want %v (line %v)", k, line[k], want, line)
+		}
+	}
+	for _, k := range []string{"endpoint", "dialLatency", "duration"} {
+		if line[k] == nil || line[k] == "" {
+			t.Errorf("log field %s missing: %v", k, line)
+		}
+	}
+
+	after := scrape(t, l)
+	web := map[string]string{"service": "lab/web:http"}
+	for _, m := range []struct {
+		name  string
+		match map[string]string
+	}{
+		{"kube_userspace_proxy_connections_accepted_total", web},
+		{"kube_userspace_proxy_bytes_total", map[string]string{"service": "lab/web:http", "direction": "in"}},
+		{"kube_userspace_proxy_bytes_total", map[string]string{"service": "lab/web:http", "direction": "out"}},
+		{"kube_userspace_proxy_bytes_total", map[string]string{"service": "lab/web:dns", "protocol": "UDP"}},
+		{"kube_userspace_proxy_dial_attempts_total", web},
+		{"kube_userspace_proxy_dial_failures_total", map[string]string{"service": "lab/dead:http"}},
+		{"kube_userspace_proxy_retries_total", map[string]string{"service": "lab/dead:http"}},
+		{"kube_userspace_proxy_no_endpoints_resets_total", map[string]string{"service": "lab/empty:http"}},
+		{"kube_userspace_proxy_udp_flows_evicted_total", map[string]string{"service": "lab/web:dns"}},
+		{"kube_userspace_proxy_connection_duration_seconds", web},
+	} {
+		if a, b := metricSum(after, m.name, m.match), metricSum(before, m.name, m.match); a <= b || a <= 0 {
+			t.Errorf("%s%v did not move: %v -> %v", m.name, m.match, b, a)
+		}
+	}
+	for _, name := range []string{"kubeproxy_sync_proxy_rules_duration_seconds", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+		"kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", "kubeproxy_network_programming_duration_seconds",
+		"kubeproxy_sync_proxy_rules_service_changes_total", "kubeproxy_sync_proxy_rules_iptables_total",
+		"kube_userspace_proxy_udp_flows_active"} {
+		if metricSum(after, name, nil) <= 0 {
+			t.Errorf("%s is missing or zero", name)
+		}
+	}
+	for _, name := range []string{"kubeproxy_sync_proxy_rules_endpoint_changes_total", "kubeproxy_sync_proxy_rules_service_changes_pending",
+		"kubeproxy_sync_proxy_rules_endpoint_changes_pending", "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+		"kube_userspace_proxy_connections_active"} {
+		if after[name] == nil {
+			t.Errorf("%s is not exported", name)
+		}
+	}
+
+	// A live connection shows in the table, and leaves it when closed.
+	conn, err := cluster.DialContextIn(l.NS("client"))(context.Background(), "tcp", "10.96.0.10:80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := func() bool {
+		_, body := l.get("node", "http://127.0.0.1:10249/debug/connections")
+		return strings.Contains(body, conn.LocalAddr().String())
+	}
+	waitFor(t, "the connection in /debug/connections", live)
+	if _, text := l.get("node", "http://127.0.0.1:10249/debug/connections?format=text"); !strings.Contains(text, "SENT TO") || !strings.Contains(text, "10.96.0.10:80") {
+		t.Errorf("text table:\n%s", text)
+	}
+	conn.Close()
+	waitFor(t, "the connection to leave the table", func() bool { return !live() })
+
+	if _, svcs := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !strings.Contains(svcs, "lab/web:http") || !strings.Contains(svcs, "10.251.19.12:8080(ready,serving)") {
+		t.Errorf("/debug/services:\n%s", svcs)
+	}
+	if _, rules := l.get("node", "http://127.0.0.1:10249/debug/rules"); !strings.Contains(rules, `-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "lab/web:http"`) {
+		t.Errorf("/debug/rules:\n%s", rules)
+	}
+	if code, _ := l.get("node", "http://127.0.0.1:10249/debug/pprof/"); code == 200 {
+		t.Error("pprof served without --profiling")
+	}
+	// Metrics and debug pages stay on the node; health is for everyone.
+	if code, _ := l.get("ext", "http://192.168.50.1:10249/metrics"); code != 0 {
+		t.Errorf("/metrics reachable from another namespace: %d", code)
+	}
+	if code, _ := l.get("ext", "http://192.168.50.1:10256/healthz"); code != 200 {
+		t.Errorf("/healthz not reachable from another namespace: %d", code)
+	}
+}
+
+func TestSIGTERMDrainsAndRemovesRules(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest(), "--shutdown-grace", "20s")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	// A keep-alive connection open through the ClusterIP: one transport
+	// connection, reused because every body is read to the end.
+	client := l.httpIn("client")
+	client.Transport.(*http.Transport).MaxConnsPerHost = 1
+	get := func() error {
+		resp, err := client.Get("http://10.96.0.10:80/")
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		_, err = io.Copy(io.Discard, resp.Body)
+		return err
+	}
+	if err := get(); err != nil {
+		t.Fatal(err)
+	}
+	if err := get(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+	waitFor(t, "listeners closed", func() bool { return strings.Count(d.Output(), "Listener closed") == 4 })
+	// New connections are refused at once (the rules point at closed ports)...
+	out, err := l.Exec("ext", "curl", "-s", "--max-time", "10", "http://192.168.50.1:31341/")
+	if err == nil || !strings.Contains(fmt.Sprint(err), "exit status 7") {
+		t.Errorf("a new connection during the drain: %v %q, want curl's 'connection refused' (exit 7)", err, out)
+	}
+	// ...while the open one still works.
+	if err := get(); err != nil {
+		t.Fatalf("the open connection broke during the drain: %v\n%s", err, d.Output())
+	}
+	if countRules(t, l, `lab/web`) == 0 {
+		t.Fatal("rules removed while a connection drains")
+	}
+	client.CloseIdleConnections()
+	done := make(chan error, 1)
+	go func() { done <- d.Cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, d.Output())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the daemon did not exit after its last connection closed")
+	}
+	if time.Since(start) > 19*time.Second {
+		t.Error("the daemon waited the whole grace period although its connection closed")
+	}
+	if n := countRules(t, l, `lab/web`); n != 0 {
+		t.Fatalf("%d rules left after exit", n)
+	}
+}
