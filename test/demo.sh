@@ -17,8 +17,9 @@ for pod in pod1 pod2; do
 done
 
 echo "== Serving docs/examples/devpaasy.yaml (dev/devpaasy: ClusterIP 10.0.0.41:8080, NodePort 31341)"
-ip netns exec "$LAB-node" "$BIN/kube-userspace-proxy" --manifests docs/examples/devpaasy.yaml \
-  --hostname-override node-1 >"$tmp/proxy.log" 2>&1 &
+cp docs/examples/devpaasy.yaml "$tmp/devpaasy.yaml"
+ip netns exec "$LAB-node" "$BIN/kube-userspace-proxy" --manifests "$tmp/devpaasy.yaml" \
+  --hostname-override node-1 --connection-log all >"$tmp/proxy.log" 2>&1 &
 wait_until 10 grep -q Listening "$tmp/proxy.log" || { cat "$tmp/proxy.log"; exit 1; }
 wait_until 10 ip netns exec "$LAB-node" sh -c 'iptables-save -t nat | grep -q "10.0.0.41/32"' || { cat "$tmp/proxy.log"; exit 1; }
 
@@ -40,5 +41,22 @@ for i in 1 2 3 4; do req "$LAB-ext" http://192.168.50.1:31341/ "extern -> NodePo
 echo "== Two from the node to 127.0.0.1:31341 (no route_localnet needed)"
 for i in 1 2; do req "$LAB-node" http://127.0.0.1:31341/ "node   -> localhost NodePort"; done
 [ $ok = 12 ] || { echo "demo failed: $ok of 12 requests answered" >&2; sed 's/^/   proxy: /' "$tmp/proxy.log" >&2; exit 1; }
-echo "== Done: every path alternates between the two pods; the proxy's log:"
-grep -v 'level=debug' "$tmp/proxy.log" | sed 's/^/   proxy: /'
+
+echo "== pod2's server dies (the manifest still lists it): no request fails, the proxy retries on pod1"
+for pid in $(ip netns pids "$LAB-pod2"); do kill "$pid"; done
+wait_until 5 sh -c "! ip netns exec $LAB-pod2 ss -ltn | grep -q 8080"
+for i in 1 2 3 4; do req "$LAB-client" http://10.0.0.41:8080/ "pod    -> ClusterIP"; done
+grep -c '"retry"\|reason=retry' "$tmp/proxy.log" | sed 's/^/   connections retried on the other pod: /'
+[ $ok = 16 ] || { echo "demo failed: a request failed although pod1 was up" >&2; exit 1; }
+
+echo "== pod2 is back; sessionAffinity: ClientIP is switched on in the manifest"
+ip netns exec "$LAB-pod2" "$BIN/backend" --name "devpaasy-pod2" --tcp :8080 --udp "" >/dev/null 2>&1 &
+wait_until 10 ip netns exec "$LAB-node" curl -s --max-time 1 http://10.251.19.8:8080/
+sed 's/^  type: NodePort$/  type: NodePort\n  sessionAffinity: ClientIP/' docs/examples/devpaasy.yaml > "$tmp/new.yaml"
+mv "$tmp/new.yaml" "$tmp/devpaasy.yaml"
+wait_until 10 sh -c "grep -c 'Manifests loaded' $tmp/proxy.log | grep -q 2"
+sleep 1.2 # the next sync may wait for --min-sync-period (1 s)
+for i in 1 2 3 4; do req "$LAB-client" http://10.0.0.41:8080/ "pod    -> ClusterIP (sticky)"; done
+[ $ok = 20 ] || { echo "demo failed" >&2; exit 1; }
+echo "== Done. The proxy's log (connection lines shortened):"
+grep -v 'level=debug' "$tmp/proxy.log" | sed -E 's/ (bytesDown|bytesUp|dialLatency|duration|component|protocol|attempts)=[^ ]*//g' | sed 's/^/   proxy: /' | tail -25
