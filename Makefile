@@ -4,7 +4,7 @@ GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
 
-.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-tools
 
 all: build
 
@@ -16,6 +16,7 @@ build:
 # The main job on the built-in example (needs root: it creates network namespaces).
 demo: build
 	BIN=$(BIN) ./test/demo.sh
+	$(MAKE) bench-smoke
 
 # The whole suite: formatting, vet, every test with the race detector, a short
 # fuzz run of the manifests parser, and the demo.
@@ -23,6 +24,7 @@ test: fmt-check vet build image-check
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
 	BIN=$(BIN) ./test/demo.sh
+	$(MAKE) bench-smoke
 
 vet:
 	$(GO) vet $(PKGS)
@@ -56,3 +58,14 @@ image-check:
 	@if ldd $(BIN)/image/kube-userspace-proxy >/dev/null 2>&1; then echo "not a static binary"; exit 1; fi
 	@grep -q 'ldflags "-s -w" -o /out/kube-userspace-proxy ./cmd/kube-userspace-proxy' Dockerfile || { echo "Dockerfile build command changed: update image-check"; exit 1; }
 	@echo "image-check: build stage OK, static binary"
+
+bench-tools: build
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
+
+# The data path against direct, kernel DNAT, HAProxy and socat; writes docs/benchmarks.md (root, ~15 minutes).
+bench: bench-tools
+	BIN=$(BIN) ./test/bench/bench.sh
+
+# The same harness in under a minute, so that it cannot rot (part of make test).
+bench-smoke: bench-tools
+	SMOKE=1 BIN=$(BIN) ./test/bench/bench.sh

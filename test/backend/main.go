@@ -6,6 +6,7 @@ package main
 import (
 	"flag"
 	"fmt"
+	"io"
 	"log"
 	"net"
 	"net/http"
@@ -16,11 +17,28 @@ func main() {
 	name := flag.String("name", "", "the name to answer with (default: the hostname)")
 	tcp := flag.String("tcp", ":8080", "TCP listen address (HTTP); empty to disable")
 	udp := flag.String("udp", ":8080", "UDP listen address; empty to disable")
+	echo := flag.String("echo", "", "TCP echo listen address (benchmarks); empty to disable")
 	flag.Parse()
 	if *name == "" {
 		*name, _ = os.Hostname()
 	}
-	errc := make(chan error, 2)
+	errc := make(chan error, 3)
+	if *echo != "" {
+		ln, err := net.Listen("tcp", *echo)
+		if err != nil {
+			log.Fatal(err)
+		}
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					errc <- err
+					return
+				}
+				go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
+			}
+		}()
+	}
 	if *udp != "" {
 		c, err := net.ListenPacket("udp", *udp)
 		if err != nil {

@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# make bench (and make bench-smoke with SMOKE=1): the data path of
+# kube-userspace-proxy against direct, kernel DNAT, HAProxy and socat in one
+# lab (client pod → node → backend pod over veth), interleaved A B A B, each
+# figure the median of RUNS runs. Prints a table and writes it into
+# docs/benchmarks.md (not in smoke mode). Needs root; cleans up on exit.
+set -u
+cd "$(dirname "$0")/../.."
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1
+else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 100000"}
+  UDP_SIZES="64 1400"; UDP_FLOWS="1 64"; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
+RATE=${RATE:-2000}
+BIN=${BIN:-bin}
+[ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
+need=()
+for c in haproxy:haproxy iperf3:iperf3 socat:socat; do command -v "${c%%:*}" >/dev/null || need+=("${c#*:}"); done
+if [ ${#need[@]} -gt 0 ]; then
+  [ -d /var/lib/apt/lists/partial ] && ls /var/lib/apt/lists/ | grep -q _Packages || apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null || { echo "cannot install ${need[*]}" >&2; exit 1; }
+fi
+ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+
+. test/lab/lab.sh
+LAB=kb$$
+work=$(mktemp -d)
+cleanup() { lab_down; rm -rf "$work"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+lab_up || { echo "lab_up failed" >&2; exit 1; }
+N() { ip netns exec "$LAB-$1" "${@:2}"; }
+
+# Backend pod: HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201.
+N pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 >/dev/null 2>&1 &
+N pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
+wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
+
+# The paths, each on its own service address.
+declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4)
+PATHS="direct dnat haproxy socat proxy"
+N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
+for p in 8080:18080 9000:19000 5201:15201; do
+  N node iptables -w -t nat -A PREROUTING -d 10.96.9.2 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "${p#*:}"
+  N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "2${p#*:1}"
+done
+N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
+cat > "$work/haproxy.cfg" <<EOF
+global
+  maxconn 7000
+  nbthread 2
+defaults
+  mode tcp
+  option splice-auto
+  timeout connect 5s
+  timeout client 1h
+  timeout server 1h
+listen http
+  bind :18080
+  server pod1 10.251.19.12:8080
+listen echo
+  bind :19000
+  server pod1 10.251.19.12:9000
+listen iperf
+  bind :15201
+  server pod1 10.251.19.12:5201
+EOF
+N node haproxy -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+for p in 8080:28080 9000:29000 5201:25201; do
+  N node socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
+done
+N node socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
+cat > "$work/svc.yaml" <<'EOF'
+apiVersion: v1
+kind: Service
+metadata: {name: bench, namespace: bench}
+spec:
+  clusterIP: 10.96.9.4
+  ports:
+  - {name: http, port: 8080, protocol: TCP}
+  - {name: echo, port: 9000, protocol: TCP}
+  - {name: iperf, port: 5201, protocol: TCP}
+  - {name: udp, port: 8081, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: bench, namespace: bench, labels: {kubernetes.io/service-name: bench}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: echo, port: 9000, protocol: TCP}, {name: iperf, port: 5201, protocol: TCP}, {name: udp, port: 8081, protocol: UDP}]
+endpoints: [{addresses: [10.251.19.12]}]
+EOF
+N node "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
+  --metrics-bind-address "" --healthz-bind-address "" >"$work/proxy.log" 2>&1 &
+for p in $PATHS; do
+  wait_until 10 N client curl -s --max-time 1 "http://${VIP[$p]}:8080/" || { echo "path $p does not answer" >&2; cat "$work/proxy.log" "$work/haproxy.log" >&2; exit 1; }
+done
+proxypid() { # the process serving a path, for CPU and memory
+  case $1 in
+    proxy) pgrep -f "kube-userspace-proxy --manifests $work" | head -1 ;;
+    haproxy) pgrep -f "haproxy -f $work" | tail -1 ;;
+  esac
+}
+cputicks() { awk '{print $14+$15}' "/proc/$1/stat"; }
+
+results="$work/results"
+: >"$results"
+record() { echo "$1 $2 $3" >>"$results"; } # metric path value
+
+iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
+  local p=$1 len=$2 pid t0 t1 out bps bytes
+  pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
+  out=$(N client iperf3 -c "${VIP[$p]}" -p 5201 -t "$DUR" -l "$len" -J 2>/dev/null)
+  bps=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
+  bytes=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bytes"/{gsub(/[,]/,"");print $2;exit}')
+  record "tput_${len}" "$p" "$(awk -v b="${bps:-0}" 'BEGIN{printf "%.2f", b/1e9}')"
+  if [ -n "$pid" ] && [ -n "${bytes:-}" ]; then
+    t1=$(cputicks "$pid")
+    record "cpu_per_gb_${len}" "$p" "$(awk -v t=$((t1-t0)) -v b="$bytes" -v hz="$(getconf CLK_TCK)" 'BEGIN{printf "%.2f", (t/hz)/(b/1e9)}')"
+  fi
+}
+jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
+
+for run in $(seq "$RUNS"); do
+  for p in $PATHS; do
+    echo "run $run/$RUNS: $p" >&2
+    iperf "$p" 128K
+    iperf "$p" 4K
+    record cps "$p" "$(N client "$BIN/loadgen" -mode cps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32 | jsonval perSecond)"
+    record rps "$p" "$(N client "$BIN/loadgen" -mode rps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32 | jsonval perSecond)"
+    lat=$(N client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 16 -rate "$RATE")
+    record p50 "$p" "$(echo "$lat" | jsonval p50us)"
+    record p99 "$p" "$(echo "$lat" | jsonval p99us)"
+    record p999 "$p" "$(echo "$lat" | jsonval p999us)"
+  done
+done
+
+# UDP: the highest offered rate with < 0.1 % loss, one flow and 64 flows.
+for p in direct dnat socat proxy; do
+  for size in $UDP_SIZES; do
+    for flows in $UDP_FLOWS; do
+      best=0
+      for r in $UDP_RATES; do
+        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${DUR}s" -size "$size" -flows "$flows" -rate "$r")
+        loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
+        awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' && best=$(printf "%.0f" "$pps") || break
+      done
+      record "udp_${size}_${flows}" "$p" "$best"
+    done
+  done
+done
+
+# Idle connections: descriptors and RSS per connection of the serving process.
+for p in haproxy proxy; do
+  pid=$(proxypid "$p")
+  for n in $IDLE_NS; do
+    fd0=$(ls "/proc/$pid/fd" | wc -l); rss0=$(awk '/VmRSS/{print $2}' "/proc/$pid/status")
+    mkfifo "$work/hold"
+    N client "$BIN/loadgen" -mode idle -addr "${VIP[$p]}:9000" -n "$n" <"$work/hold" >"$work/idle.out" 2>&1 &
+    lg=$!
+    exec 9>"$work/hold"
+    wait_until 120 grep -q ready "$work/idle.out" || { echo "idle $p $n failed: $(cat "$work/idle.out")" >&2; }
+    sleep 1
+    fd1=$(ls "/proc/$pid/fd" | wc -l); rss1=$(awk '/VmRSS/{print $2}' "/proc/$pid/status")
+    record "idle_fd_$n" "$p" "$(awk -v a="$fd0" -v b="$fd1" -v n="$n" 'BEGIN{printf "%.2f", (b-a)/n}')"
+    record "idle_kib_$n" "$p" "$(awk -v a="$rss0" -v b="$rss1" -v n="$n" 'BEGIN{printf "%.1f", (b-a)/n}')"
+    exec 9>&-
+    wait "$lg"
+    rm -f "$work/hold"
+    sleep 2
+  done
+done
+
+median() { sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int((NR+1)/2)]}}'; }
+value() { awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | median; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
+
+table="$work/table.md"
+{
+  echo "| metric | direct | kernel DNAT | HAProxy | socat | this proxy | proxy ÷ direct | proxy ÷ HAProxy |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+  while read -r m label; do
+    row="| $label"
+    for p in $PATHS; do row="$row | $(value "$m" "$p")"; done
+    row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") |"
+    echo "$row"
+  done <<EOF
+tput_128K TCP throughput, 128 KiB writes (Gbit/s)
+tput_4K TCP throughput, 4 KiB writes (Gbit/s)
+cpu_per_gb_128K proxy CPU seconds per GB, 128 KiB writes
+cps new connections/s (HTTP, Connection: close, 32 clients)
+rps keep-alive requests/s (32 connections)
+p50 p50 latency at $RATE req/s (µs)
+p99 p99 latency at $RATE req/s (µs)
+p999 p99.9 latency at $RATE req/s (µs)
+udp_64_1 UDP 64 B, 1 flow: pps at < 0.1 % loss
+udp_64_64 UDP 64 B, 64 flows: pps at < 0.1 % loss
+udp_1400_1 UDP 1400 B, 1 flow: pps at < 0.1 % loss
+udp_1400_64 UDP 1400 B, 64 flows: pps at < 0.1 % loss
+$(for n in $IDLE_NS; do echo "idle_fd_$n descriptors per idle connection ($n open)"; echo "idle_kib_$n RSS KiB per idle connection ($n open)"; done)
+EOF
+} >"$table"
+
+echo
+cat "$table"
+echo
+echo "Rule programming (progbench):"
+go build -o "$BIN/progbench" ./test/bench/progbench && "$BIN/progbench" -daemon "$BIN/kube-userspace-proxy" -n "$PROG_N" -runs "$PROG_RUNS" >"$work/prog.md" 2>/dev/null
+cat "$work/prog.md"
+
+if [ "$SMOKE" != 1 ]; then
+  doc=docs/benchmarks.md
+  {
+    sed '/<!-- bench:start -->/,$d' "$doc"
+    echo "<!-- bench:start -->"
+    echo "## Data path (make bench)"
+    echo
+    echo "Run $(date -u +%Y-%m-%d) on $(nproc) vCPU $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo), Linux $(uname -r);"
+    echo "$(haproxy -v | head -1 | cut -d' ' -f1-3), $(iperf3 --version | head -1 | cut -d' ' -f1-2), $(socat -V | sed -n 's/^socat version \([^ ]*\).*/socat \1/p')."
+    echo "Command: \`make bench\` (test/bench/bench.sh: $RUNS interleaved runs of ${DUR} s per figure, median). Lab: client pod → node → backend pod over veth in network namespaces;"
+    echo "HAProxy (mode tcp, splice-auto) and socat listen behind the same kind of REDIRECT as this proxy; kernel DNAT is what kube-proxy's iptables mode does."
+    echo
+    cat "$table"
+    echo
+    echo "Rule programming in the same run:"
+    echo
+    cat "$work/prog.md"
+  } >"$work/doc.md"
+  cp "$work/doc.md" "$doc"
+  echo "wrote $doc"
+fi

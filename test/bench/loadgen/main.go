@@ -1,0 +1,284 @@
+// Command loadgen is the benchmark's client: it runs in the lab's client
+// namespace and prints one JSON result.
+//
+//	loadgen -mode cps     -addr A -d 5s -c 32          new connections per second (HTTP, Connection: close)
+//	loadgen -mode rps     -addr A -d 5s -c 32          keep-alive requests per second
+//	loadgen -mode latency -addr A -d 5s -rate 2000     fixed-rate keep-alive requests: p50/p99/p99.9
+//	loadgen -mode udp     -addr A -d 3s -size 64 -flows 1 -rate R   datagrams sent/received at a fixed rate
+//	loadgen -mode idle    -addr A -n 1000              open n idle connections, print "ready", hold until stdin closes
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+func main() {
+	mode := flag.String("mode", "rps", "cps, rps, latency, udp or idle")
+	addr := flag.String("addr", "", "host:port")
+	dur := flag.Duration("d", 5*time.Second, "duration")
+	conns := flag.Int("c", 32, "concurrent connections (cps, rps, latency)")
+	rate := flag.Float64("rate", 1000, "requests or datagrams per second (latency, udp)")
+	size := flag.Int("size", 64, "datagram size (udp)")
+	flows := flag.Int("flows", 1, "UDP client sockets (udp)")
+	n := flag.Int("n", 1000, "connections (idle)")
+	flag.Parse()
+	var out any
+	switch *mode {
+	case "cps":
+		out = closeLoop(*addr, *dur, *conns)
+	case "rps":
+		out = keepAlive(*addr, *dur, *conns)
+	case "latency":
+		out = fixedRate(*addr, *dur, *conns, *rate)
+	case "udp":
+		out = udp(*addr, *dur, *size, *flows, *rate)
+	case "idle":
+		idle(*addr, *n)
+		return
+	default:
+		fmt.Fprintln(os.Stderr, "unknown mode")
+		os.Exit(2)
+	}
+	_ = json.NewEncoder(os.Stdout).Encode(out)
+}
+
+const request = "GET / HTTP/1.1\r\nHost: bench\r\n\r\n"
+const closeRequest = "GET / HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
+
+// readResponse reads one HTTP response with a Content-Length body.
+func readResponse(r *bufio.Reader) error {
+	length := -1
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return err
+		}
+		if line == "\r\n" {
+			break
+		}
+		var n int
+		if _, err := fmt.Sscanf(line, "Content-Length: %d", &n); err == nil {
+			length = n
+		}
+	}
+	if length < 0 {
+		return fmt.Errorf("no Content-Length")
+	}
+	_, err := io.CopyN(io.Discard, r, int64(length))
+	return err
+}
+
+type rateResult struct {
+	PerSecond float64 `json:"perSecond"`
+	Errors    int64   `json:"errors"`
+}
+
+func closeLoop(addr string, d time.Duration, c int) rateResult {
+	var ok, bad atomic.Int64
+	end := time.Now().Add(d)
+	var wg sync.WaitGroup
+	for i := 0; i < c; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(end) {
+				conn, err := net.DialTimeout("tcp", addr, 2*time.Second)
+				if err != nil {
+					bad.Add(1)
+					continue
+				}
+				_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+				if _, err := conn.Write([]byte(closeRequest)); err == nil && readResponse(bufio.NewReader(conn)) == nil {
+					ok.Add(1)
+				} else {
+					bad.Add(1)
+				}
+				conn.Close()
+			}
+		}()
+	}
+	wg.Wait()
+	return rateResult{PerSecond: float64(ok.Load()) / d.Seconds(), Errors: bad.Load()}
+}
+
+func keepAlive(addr string, d time.Duration, c int) rateResult {
+	var ok, bad atomic.Int64
+	end := time.Now().Add(d)
+	var wg sync.WaitGroup
+	for i := 0; i < c; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conn, err := net.DialTimeout("tcp", addr, 2*time.Second)
+			if err != nil {
+				bad.Add(1)
+				return
+			}
+			defer conn.Close()
+			r := bufio.NewReader(conn)
+			for time.Now().Before(end) {
+				_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+				if _, err := conn.Write([]byte(request)); err != nil || readResponse(r) != nil {
+					bad.Add(1)
+					return
+				}
+				ok.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return rateResult{PerSecond: float64(ok.Load()) / d.Seconds(), Errors: bad.Load()}
+}
+
+type latencyResult struct {
+	Rate   float64 `json:"rate"`
+	P50us  float64 `json:"p50us"`
+	P99us  float64 `json:"p99us"`
+	P999us float64 `json:"p999us"`
+	Errors int64   `json:"errors"`
+}
+
+// fixedRate sends requests on c keep-alive connections at a total rate,
+// measuring each from its scheduled send time (no coordinated omission).
+func fixedRate(addr string, d time.Duration, c int, rate float64) latencyResult {
+	var mu sync.Mutex
+	var lat []time.Duration
+	var bad atomic.Int64
+	interval := time.Duration(float64(time.Second) * float64(c) / rate)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for i := 0; i < c; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			conn, err := net.DialTimeout("tcp", addr, 2*time.Second)
+			if err != nil {
+				bad.Add(1)
+				return
+			}
+			defer conn.Close()
+			r := bufio.NewReader(conn)
+			next := start.Add(interval * time.Duration(i) / time.Duration(c))
+			var mine []time.Duration
+			for next.Before(start.Add(d)) {
+				time.Sleep(time.Until(next))
+				_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+				if _, err := conn.Write([]byte(request)); err != nil || readResponse(r) != nil {
+					bad.Add(1)
+					return
+				}
+				mine = append(mine, time.Since(next))
+				next = next.Add(interval)
+			}
+			mu.Lock()
+			lat = append(lat, mine...)
+			mu.Unlock()
+		}(i)
+	}
+	wg.Wait()
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	pct := func(p float64) float64 {
+		if len(lat) == 0 {
+			return 0
+		}
+		return float64(lat[min(len(lat)-1, int(p*float64(len(lat))))].Microseconds())
+	}
+	return latencyResult{Rate: rate, P50us: pct(0.5), P99us: pct(0.99), P999us: pct(0.999), Errors: bad.Load()}
+}
+
+type udpResult struct {
+	Sent     int64   `json:"sent"`
+	Received int64   `json:"received"`
+	Loss     float64 `json:"loss"`
+	PPS      float64 `json:"pps"`
+}
+
+// udp sends datagrams from flows sockets at a total rate to an echo server
+// and counts the replies.
+func udp(addr string, d time.Duration, size, flows int, rate float64) udpResult {
+	var sent, recv atomic.Int64
+	payload := make([]byte, size)
+	end := time.Now().Add(d)
+	var wg sync.WaitGroup
+	perFlow := rate / float64(flows)
+	for f := 0; f < flows; f++ {
+		ra, _ := net.ResolveUDPAddr("udp", addr)
+		c, err := net.DialUDP("udp", nil, ra)
+		if err != nil {
+			continue
+		}
+		_ = c.SetReadBuffer(4 << 20)
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, 65536)
+			for {
+				_ = c.SetReadDeadline(end.Add(500 * time.Millisecond))
+				if _, err := c.Read(buf); err != nil {
+					c.Close()
+					return
+				}
+				recv.Add(1)
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			// Send in small bursts every millisecond to reach high rates.
+			tick := time.Millisecond
+			perTick := perFlow * tick.Seconds()
+			var owed float64
+			for now := time.Now(); now.Before(end); now = time.Now() {
+				owed += perTick
+				for ; owed >= 1; owed-- {
+					if _, err := c.Write(payload); err == nil {
+						sent.Add(1)
+					}
+				}
+				time.Sleep(tick)
+			}
+		}()
+	}
+	wg.Wait()
+	s, r := sent.Load(), recv.Load()
+	loss := 1.0
+	if s > 0 {
+		loss = 1 - float64(r)/float64(s)
+	}
+	return udpResult{Sent: s, Received: r, Loss: loss, PPS: float64(r) / d.Seconds()}
+}
+
+// idle opens n connections, says "ready" and holds them until stdin closes.
+func idle(addr string, n int) {
+	var conns []net.Conn
+	for i := 0; i < n; i++ {
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "dial:", err)
+			os.Exit(1)
+		}
+		// One round trip, so that the proxy has dialled its endpoint.
+		fmt.Fprintf(c, "x")
+		buf := make([]byte, 1)
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.ReadFull(c, buf); err != nil {
+			fmt.Fprintln(os.Stderr, "echo:", err)
+			os.Exit(1)
+		}
+		conns = append(conns, c)
+	}
+	fmt.Println("ready")
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	for _, c := range conns {
+		c.Close()
+	}
+}
