@@ -12,10 +12,10 @@ package proxy
 import (
 	"encoding/binary"
 	"errors"
-	"io"
 	"net"
 	"net/netip"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 
@@ -124,77 +124,57 @@ func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
 // half-closes, and closes both sockets. It returns the bytes sent to the
 // backend (up) and to the client (down) and why the exchange ended.
 func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up, down int64, cause string) {
-	type result struct {
-		n     int64
-		cause string
-		fatal bool // the other direction must be stopped too
-	}
 	idle := f.p.cfg.TCPIdleTimeout
-	ups, downs := make(chan result, 1), make(chan result, 1)
 	c.setConns(client, backend)
-	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, count func(int64), out chan<- result) {
+	var first sync.Once // the direction that ends first names the cause
+	// copyHalf copies one direction. A FIN is passed on as a half-close and
+	// the other direction finishes on its own (request/response protocols
+	// depend on it); anything else ends both directions, a reset passed on.
+	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, count func(int64)) int64 {
 		n, err := copyUntilIdle(dst, src, client, backend, idle, count)
+		why := eofCause
 		switch {
 		case err == nil:
-			// A FIN from src: pass the half-close on and let the other
-			// direction finish on its own (a request/response protocol
-			// depends on it).
 			_ = dst.CloseWrite()
-			out <- result{n, eofCause, false}
 		case errors.Is(err, os.ErrDeadlineExceeded):
-			out <- result{n, CauseIdleTimeout, true}
+			why = CauseIdleTimeout
 		case errors.Is(err, net.ErrClosed):
-			out <- result{n, c.closeCause(), true}
+			why = c.closeCause()
 		default:
-			out <- result{n, resetCause, true}
+			why = resetCause
+			_ = dst.SetLinger(0)
 		}
-	}
-	go copyHalf(backend, client, CauseClientClosed, CauseClientReset, c.addUp, ups)
-	go copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown, downs)
-
-	var first, second result
-	var firstUp bool
-	select {
-	case first = <-ups:
-		firstUp = true
-	case first = <-downs:
-	}
-	if first.fatal {
-		if first.cause == CauseClientReset {
-			_ = backend.SetLinger(0) // pass the reset on
-		} else if first.cause == CauseBackendReset {
-			_ = client.SetLinger(0)
+		first.Do(func() { cause = why })
+		if err != nil {
+			client.Close()
+			backend.Close()
 		}
-		client.Close()
-		backend.Close()
+		return n
 	}
-	if firstUp {
-		second = <-downs
-		up, down = first.n, second.n
-	} else {
-		second = <-ups
-		up, down = second.n, first.n
-	}
+	// Two goroutines per connection, this one included: the downstream copy
+	// runs beside, the upstream copy here.
+	downDone := make(chan int64, 1)
+	go func() { downDone <- copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown) }()
+	up = copyHalf(backend, client, CauseClientClosed, CauseClientReset, c.addUp)
+	down = <-downDone
 	client.Close()
 	backend.Close()
-	return up, down, first.cause
+	return up, down, cause
 }
 
-// copyUntilIdle is io.Copy(dst, src) — which splices, because both are plain
-// *net.TCPConn — with an idle timeout: the read deadline on src fires every
-// idle period, and the copy goes on while the kernel's TCP_INFO says either
-// peer sent data within the period. It returns nil at EOF. count gets the
-// bytes of every io.Copy call, so long connections show in the metrics
-// before they end.
+// copyUntilIdle is spliceCopy(dst, src) — splice(2) through a pipe held only
+// while data moves — with an idle timeout: the read deadline on src fires
+// every idle period, and the copy goes on while the kernel's TCP_INFO says
+// either peer sent data within the period. It returns nil at EOF. count gets
+// the bytes of every burst, so live connections show in the metrics.
 func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration, count func(int64)) (int64, error) {
 	var total int64
 	for {
 		if idle > 0 {
 			_ = src.SetReadDeadline(time.Now().Add(idle))
 		}
-		n, err := io.Copy(dst, src)
+		n, err := spliceCopy(dst, src, count)
 		total += n
-		count(n)
 		if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
 			return total, err
 		}

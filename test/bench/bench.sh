@@ -139,7 +139,7 @@ for p in direct dnat socat proxy; do
     for flows in $UDP_FLOWS; do
       best=0
       for r in $UDP_RATES; do
-        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${DUR}s" -size "$size" -flows "$flows" -rate "$r")
+        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${UDP_DUR:-2}s" -size "$size" -flows "$flows" -rate "$r")
         loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
         awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' && best=$(printf "%.0f" "$pps") || break
       done
