@@ -2,6 +2,7 @@ package config
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"testing"
 	"time"
@@ -49,12 +50,28 @@ func TestClusterSourceFiltersAndUpdates(t *testing.T) {
 	if sp == nil || len(st.Ports) != 1 || len(sp.Endpoints) != 1 || sp.Endpoints[0].Addr.String() != "10.1.0.1:8080" {
 		t.Fatalf("state %+v", st.Ports)
 	}
+	// The fake clientset loses events sent before the informer's watch is
+	// up; create probe Services until one shows, so the watch is live.
+	deadline := time.Now().Add(10 * time.Second)
+	for i := 0; ; i++ {
+		probe := svc(fmt.Sprintf("probe-%d", i), nil)
+		if _, err := client.CoreV1().Services("ns").Create(ctx, probe, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+		if st, _ := sink.last(); len(st.Ports) > 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the informers never saw a change")
+		}
+	}
 	if err := client.CoreV1().Services("ns").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline = time.Now().Add(5 * time.Second)
 	for {
-		if st, _ := sink.last(); len(st.Ports) == 0 {
+		if st, _ := sink.last(); st.Ports[ServicePortName{Namespace: "ns", Name: "web"}] == nil {
 			break
 		}
 		if time.Now().After(deadline) {

@@ -10,8 +10,11 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	goruntime "runtime"
 	"sort"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
@@ -204,30 +207,56 @@ func combine(results []*fileResult, node string) (*State, []Skipped, error) {
 	return b.State(), skipped, nil
 }
 
+// parseFile splits a file into documents and converts them in parallel (a
+// 10k-Service file is mostly YAML parsing), then joins the results in
+// document order, so the first bad document is the one reported.
 func parseFile(file string, data []byte) (*fileResult, error) {
-	fr := &fileResult{}
+	var docs [][]byte
 	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
-	for doc := 1; ; doc++ {
+	for {
 		raw, err := r.Read()
 		if errors.Is(err, io.EOF) {
-			return fr, nil
+			break
 		}
-		at := where{file: file, doc: doc}
 		if err != nil {
-			return nil, at.err(err)
+			return nil, where{file: file, doc: len(docs) + 1}.err(err)
 		}
 		if len(bytes.TrimSpace(stripComments(raw))) == 0 {
-			doc-- // comment-only or empty documents are not counted
-			continue
+			continue // comment-only or empty documents are not counted
 		}
-		js, err := yaml.YAMLToJSON(raw)
-		if err != nil {
-			return nil, at.err(err)
-		}
-		if err := fr.parseObject(js, at); err != nil {
-			return nil, err
-		}
+		docs = append(docs, raw)
 	}
+	parts := make([]fileResult, len(docs))
+	errs := make([]error, len(docs))
+	workers := min(goruntime.GOMAXPROCS(0), max(1, len(docs)/64))
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := int(next.Add(1) - 1); i < len(docs); i = int(next.Add(1) - 1) {
+				at := where{file: file, doc: i + 1}
+				js, err := yaml.YAMLToJSON(docs[i])
+				if err != nil {
+					errs[i] = at.err(err)
+					continue
+				}
+				errs[i] = parts[i].parseObject(js, at)
+			}
+		}()
+	}
+	wg.Wait()
+	fr := &fileResult{}
+	for i := range parts {
+		if errs[i] != nil {
+			return nil, errs[i]
+		}
+		fr.services = append(fr.services, parts[i].services...)
+		fr.slices = append(fr.slices, parts[i].slices...)
+		fr.skipped = append(fr.skipped, parts[i].skipped...)
+	}
+	return fr, nil
 }
 
 func stripComments(doc []byte) []byte {
