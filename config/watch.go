@@ -61,6 +61,16 @@ func (m *ManifestSource) Start(ctx context.Context) (done <-chan struct{}, err e
 	return ch, nil
 }
 
+// Check loads the manifests once without handing them to the Sink, to fail
+// early on a bad file; Start then reuses what it parsed.
+func (m *ManifestSource) Check() error {
+	if m.cache == nil {
+		m.cache = newManifestCache()
+	}
+	_, _, err := m.cache.load(m.Path, m.Node)
+	return err
+}
+
 // fileSig is what tells the poller a file changed.
 type fileSig struct {
 	size  int64

@@ -26,8 +26,10 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	}
 	// Everything that can fail on bad input fails before the kernel is touched.
 	var client kubernetes.Interface
+	var manifests *config.ManifestSource
 	if o.manifests != "" {
-		if _, _, err := config.LoadManifests(o.manifests, node); err != nil {
+		manifests = &config.ManifestSource{Path: o.manifests, Node: node, Log: log.WithField("component", "manifests")}
+		if err := manifests.Check(); err != nil {
 			return fmt.Errorf("loading --manifests: %w", err)
 		}
 	} else {
@@ -94,7 +96,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	defer stopProxier()
 	proxierDone := make(chan struct{})
 	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
-	watching, err := startSource(srcCtx, o, node, client, p, log)
+	watching, err := startSource(srcCtx, manifests, node, client, p, log)
 	if err != nil {
 		stopProxier()
 		<-proxierDone
@@ -109,11 +111,12 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	return nil
 }
 
-// startSource starts the manifests or the cluster source feeding p.
-func startSource(ctx context.Context, o *options, node string, client kubernetes.Interface, p config.Sink, log *logrus.Logger) (<-chan struct{}, error) {
-	if o.manifests != "" {
-		src := &config.ManifestSource{Path: o.manifests, Node: node, Sink: p, Log: log.WithField("component", "manifests")}
-		done, err := src.Start(ctx)
+// startSource starts the manifests source (already checked) or the cluster
+// source, feeding p.
+func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, log *logrus.Logger) (<-chan struct{}, error) {
+	if manifests != nil {
+		manifests.Sink = p
+		done, err := manifests.Start(ctx)
 		if err != nil {
 			return nil, fmt.Errorf("loading --manifests: %w", err)
 		}
