@@ -521,7 +521,9 @@ func TestEndpointChangeKeepsListenerPortChangeReplacesIt(t *testing.T) {
 }
 
 func TestTCPIdleTimeout(t *testing.T) {
-	h := startProxier(t, Config{TCPIdleTimeout: 300 * time.Millisecond})
+	// Generous against a loaded machine: only a stall of over a second
+	// between two pings could cut the connection early.
+	h := startProxier(t, Config{TCPIdleTimeout: 1500 * time.Millisecond})
 	h.apply(svc("idle", config.TCP, tcpBackend(t, "a")))
 	c, err := net.Dial("tcp", h.addr("idle"))
 	if err != nil {
@@ -531,12 +533,12 @@ func TestTCPIdleTimeout(t *testing.T) {
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
 	r := bufio.NewReader(c)
 	// Keep talking for longer than the idle timeout: the connection must live.
-	for i := 0; i < 8; i++ {
+	for i := 0; i < 10; i++ {
 		fmt.Fprintf(c, "ping %d\n", i)
 		if line, err := r.ReadString('\n'); err != nil {
 			t.Fatalf("active connection cut at round %d: %q %v", i, line, err)
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(250 * time.Millisecond)
 	}
 	// Then go quiet: the proxy closes it.
 	_, _ = r.ReadString('\n') // the name line

@@ -88,7 +88,7 @@ func TestUDPReplyFromArrivalAddress(t *testing.T) {
 }
 
 func TestUDPFlowExpires(t *testing.T) {
-	h := startProxier(t, Config{UDPTimeout: 200 * time.Millisecond})
+	h := startProxier(t, Config{UDPTimeout: time.Second})
 	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
 	c := dialUDP(t, h.addr("dns"))
 	udpExchange(t, c, []byte("q"))
