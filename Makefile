@@ -21,7 +21,7 @@ demo: build
 # The whole suite: formatting, vet, every test with the race detector, a short
 # fuzz run of the manifests parser, and the demo.
 test: fmt-check vet build image-check
-	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	$(GO) test -race -count=1 -timeout 40m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
 	BIN=$(BIN) ./test/demo.sh
 	$(MAKE) bench-smoke
