@@ -392,11 +392,8 @@ func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) (map[fe
 // rules are compared in.
 func (f *family) installedSets() map[string]map[string]bool {
 	out := map[string]map[string]bool{}
-	for table, chains := range map[string][]string{"nat": natChains, "filter": {ChainGuard}} {
-		for _, c := range chains {
-			if table == "filter" && !f.features.Conntrack {
-				continue
-			}
+	for _, table := range []string{"nat", "filter"} {
+		for c := range chainsOf(table, f.features) {
 			out[table+"/"+c] = map[string]bool{}
 		}
 	}
@@ -472,7 +469,7 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 			return nil, false, fmt.Errorf("%s -t %s: %w: %s", f.save, table, err, strings.TrimSpace(stderr.String()))
 		}
 		ours := map[string]bool{}
-		for c := range flattenChains(table, f.features) {
+		for c := range chainsOf(table, f.features) {
 			ours[c] = true
 		}
 		var builtin []string
@@ -524,7 +521,8 @@ func quoteComment(rule []string) []string {
 	return out
 }
 
-func flattenChains(table string, f Features) map[string]bool {
+// chainsOf returns our chains in a table, given the optional matches.
+func chainsOf(table string, f Features) map[string]bool {
 	m := map[string]bool{}
 	if table == "nat" {
 		for _, c := range natChains {

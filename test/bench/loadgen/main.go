@@ -83,7 +83,9 @@ type rateResult struct {
 	Errors    int64   `json:"errors"`
 }
 
-func closeLoop(addr string, d time.Duration, c int) rateResult {
+// countRate runs c copies of work until d has passed; work counts its
+// successes and failures.
+func countRate(d time.Duration, c int, work func(end time.Time, ok, bad *atomic.Int64)) rateResult {
 	var ok, bad atomic.Int64
 	end := time.Now().Add(d)
 	var wg sync.WaitGroup
@@ -91,53 +93,52 @@ func closeLoop(addr string, d time.Duration, c int) rateResult {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for time.Now().Before(end) {
-				conn, err := net.DialTimeout("tcp", addr, 2*time.Second)
-				if err != nil {
-					bad.Add(1)
-					continue
-				}
-				_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-				if _, err := conn.Write([]byte(closeRequest)); err == nil && readResponse(bufio.NewReader(conn)) == nil {
-					ok.Add(1)
-				} else {
-					bad.Add(1)
-				}
-				conn.Close()
-			}
+			work(end, &ok, &bad)
 		}()
 	}
 	wg.Wait()
 	return rateResult{PerSecond: float64(ok.Load()) / d.Seconds(), Errors: bad.Load()}
 }
 
-func keepAlive(addr string, d time.Duration, c int) rateResult {
-	var ok, bad atomic.Int64
-	end := time.Now().Add(d)
-	var wg sync.WaitGroup
-	for i := 0; i < c; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+// closeLoop: one request per connection.
+func closeLoop(addr string, d time.Duration, c int) rateResult {
+	return countRate(d, c, func(end time.Time, ok, bad *atomic.Int64) {
+		for time.Now().Before(end) {
 			conn, err := net.DialTimeout("tcp", addr, 2*time.Second)
 			if err != nil {
 				bad.Add(1)
+				continue
+			}
+			_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := conn.Write([]byte(closeRequest)); err == nil && readResponse(bufio.NewReader(conn)) == nil {
+				ok.Add(1)
+			} else {
+				bad.Add(1)
+			}
+			conn.Close()
+		}
+	})
+}
+
+// keepAlive: requests back to back on one connection per worker.
+func keepAlive(addr string, d time.Duration, c int) rateResult {
+	return countRate(d, c, func(end time.Time, ok, bad *atomic.Int64) {
+		conn, err := net.DialTimeout("tcp", addr, 2*time.Second)
+		if err != nil {
+			bad.Add(1)
+			return
+		}
+		defer conn.Close()
+		r := bufio.NewReader(conn)
+		for time.Now().Before(end) {
+			_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := conn.Write([]byte(request)); err != nil || readResponse(r) != nil {
+				bad.Add(1)
 				return
 			}
-			defer conn.Close()
-			r := bufio.NewReader(conn)
-			for time.Now().Before(end) {
-				_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-				if _, err := conn.Write([]byte(request)); err != nil || readResponse(r) != nil {
-					bad.Add(1)
-					return
-				}
-				ok.Add(1)
-			}
-		}()
-	}
-	wg.Wait()
-	return rateResult{PerSecond: float64(ok.Load()) / d.Seconds(), Errors: bad.Load()}
+			ok.Add(1)
+		}
+	})
 }
 
 type latencyResult struct {
