@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -118,10 +120,12 @@ func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
 	}
 	switch proto {
 	case "tcp":
-		ln, err := net.ListenTCP("tcp"+fam, net.TCPAddrFromAddrPort(ap))
+		lc := net.ListenConfig{KeepAlive: -1, Control: setListenerKeepAlive}
+		l, err := lc.Listen(context.Background(), "tcp"+fam, ap.String())
 		if err != nil {
 			return nil, 0, fmt.Errorf("listen tcp %s: %w", ap, err)
 		}
+		ln := l.(*net.TCPListener)
 		return ln, ln.Addr().(*net.TCPAddr).Port, nil
 	case "udp":
 		c, err := net.ListenUDP("udp"+fam, net.UDPAddrFromAddrPort(ap))
@@ -131,6 +135,39 @@ func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
 		return c, c.LocalAddr().(*net.UDPAddr).Port, nil
 	}
 	return nil, 0, fmt.Errorf("unknown protocol %q", proto)
+}
+
+// Keep-alive probing of proxied connections, as Go's defaults: the first
+// probe after 15 s of silence, then every 15 s, the kernel's probe count.
+const (
+	keepAliveIdle     = 15 * time.Second
+	keepAliveInterval = 15 * time.Second
+)
+
+// setListenerKeepAlive enables keep-alive on a listening socket. Accepted
+// sockets inherit it from the listener, which saves Go's four setsockopt
+// calls on every accepted connection (the listener is opened with
+// KeepAlive: -1 so Go leaves them alone).
+func setListenerKeepAlive(_, _ string, c syscall.RawConn) error {
+	var serr error
+	err := c.Control(func(fd uintptr) {
+		for _, o := range [][3]int{
+			{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle / time.Second)},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
+		} {
+			if serr = unix.SetsockoptInt(int(fd), o[0], o[1], o[2]); serr != nil {
+				return
+			}
+		}
+	})
+	if err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("keep-alive on listener: %w", serr)
+	}
+	return nil
 }
 
 // RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit: every proxied

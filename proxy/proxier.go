@@ -199,9 +199,10 @@ type frontend struct {
 
 // Proxier turns States into listeners and rules.
 type Proxier struct {
-	cfg   Config
-	alloc portAllocator
-	conns connTable
+	cfg     Config
+	alloc   portAllocator
+	conns   connTable
+	workers workers // run the connection handlers
 
 	mu          sync.Mutex // guards pending, queuedAt, latest and health
 	pending     *config.State
@@ -226,6 +227,7 @@ func New(cfg Config) *Proxier {
 		alloc:     portAllocator{r: cfg.PortRange},
 		kick:      make(chan struct{}, 1),
 		frontends: make(map[frontendKey]*frontend),
+		workers:   workers{maxIdle: 10 * time.Second},
 	}
 }
 
@@ -258,6 +260,9 @@ func (p *Proxier) Update(st *config.State) {
 // closes every listener, waits up to grace for open connections and returns.
 func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	p.ctx = ctx
+	stopWorkers, workersDone := make(chan struct{}), make(chan struct{})
+	go func() { p.workers.Run(stopWorkers); close(workersDone) }()
+	defer func() { close(stopWorkers); <-workersDone }() // after shutdown: no handler left
 	minPeriod, period := p.cfg.MinSyncPeriod, p.cfg.SyncPeriod
 	if period <= 0 {
 		period = 30 * time.Second

@@ -17,6 +17,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
@@ -324,6 +325,60 @@ func TestTCPEchoAndHalfClose(t *testing.T) {
 	f := h.logs.find("Connection closed")[0]
 	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != CauseClientClosed {
 		t.Fatalf("log line %v: want bytesUp=%d bytesDown=%d cause=%q", f, len(payload), len(want), CauseClientClosed)
+	}
+}
+
+// Both sockets of a proxied connection probe a silent peer: the client's
+// inherits keep-alive from the listener, the backend's is set at dial.
+func TestTCPKeepAliveOnBothSockets(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("ka", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("ka"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := bufio.NewReader(c).ReadString('\n'); err != nil {
+		t.Fatal(err) // the backend's greeting: the connection is spliced
+	}
+	var rec *connRecord
+	waitFor(t, "connection record with both sockets", func() bool {
+		for _, r := range h.p.conns.list() {
+			r.mu.Lock()
+			ok := r.backend != nil
+			r.mu.Unlock()
+			if ok {
+				rec = r
+				return true
+			}
+		}
+		return false
+	})
+	rec.mu.Lock()
+	socks := map[string]*net.TCPConn{"client": rec.client, "backend": rec.backend}
+	rec.mu.Unlock()
+	for side, sock := range socks {
+		raw, err := sock.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = raw.Control(func(fd uintptr) {
+			for _, o := range []struct {
+				name       string
+				level, opt int
+				want       int
+			}{
+				{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+				{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 15},
+				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
+				{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+			} {
+				got, err := unix.GetsockoptInt(int(fd), o.level, o.opt)
+				if err != nil || got != o.want {
+					t.Errorf("%s socket: %s = %d (%v), want %d", side, o.name, got, err, o.want)
+				}
+			}
+		})
 	}
 }
 

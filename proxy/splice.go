@@ -13,11 +13,20 @@ import (
 // between two *net.TCPConn it splices bulk data, but it holds no pipe and no
 // buffer while the connection is idle: io.Copy takes a pipe (two
 // descriptors) for its whole call, so an idle proxied connection held six
-// descriptors; here it holds its two sockets. Each wake-up reads into a
-// pooled 32 KiB buffer; a small message is written straight on (two
-// syscalls), a full buffer means bulk data and the rest of the burst goes
-// through splice(2) with a pooled pipe. Waiting uses Go's poller, so src's
-// read deadline applies.
+// descriptors; here it holds its two sockets.
+//
+// Each wake-up reads what src has into a pooled 32 KiB buffer and writes it
+// on in one piece; a full buffer means bulk data and the rest of the burst
+// goes through splice(2) with a pooled pipe. Reading until src would block
+// before writing costs no extra system call (the read that finds nothing
+// happens either way) and shows an EOF that arrived with the data: then the
+// data is written with MSG_MORE so that the FIN the caller sends next leaves
+// in the same segment, as it would from the sender itself.
+//
+// All of it runs inside one RawConn.Read callback that returns false to wait
+// for readability: RawConn.Read forgets earlier readiness when it begins, so
+// a fresh call would have to try a read first, one more system call per
+// message. Waiting uses Go's poller, so src's read deadline applies.
 func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 	srcRaw, err := src.SyscallConn()
 	if err != nil {
@@ -28,58 +37,101 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 		return 0, err
 	}
 	var total int64
-	for {
-		var buf *[]byte
-		var n int
-		var rerr error
-		err := srcRaw.Read(func(fd uintptr) bool {
-			b := bufs.Get().(*[]byte)
-			n, rerr = unix.Read(int(fd), *b)
-			if rerr == unix.EAGAIN {
-				bufs.Put(b) // nothing to read: wait without holding it
-				return false
+	var cerr error // what ended the copy inside the callback; nil at EOF
+	moved := func(n int64) {
+		total += n
+		count(n)
+	}
+	err = srcRaw.Read(func(fd uintptr) bool {
+		b := bufs.Get().(*[]byte)
+		n, eof, rerr := readAvailable(int(fd), *b)
+		if n > 0 {
+			flags := 0
+			if eof {
+				flags = unix.MSG_MORE // the caller's FIN follows at once
 			}
-			buf = b
+			if werr := sendAll(dstRaw, (*b)[:n], flags); werr != nil {
+				bufs.Put(b)
+				cerr = werr
+				return true
+			}
+			moved(int64(n))
+		}
+		full := n == len(*b)
+		bufs.Put(b) // never held while waiting
+		switch {
+		case rerr != nil:
+			cerr = &net.OpError{Op: "read", Net: "tcp", Err: rerr}
 			return true
+		case eof:
+			return true
+		case !full:
+			return false // src is drained: wait for more
+		}
+		m, eof, err := spliceBurst(dstRaw, int(fd))
+		if m > 0 {
+			moved(m)
+		}
+		if err != nil {
+			cerr = err
+			return true
+		}
+		return eof // drained (the pipe is back in the pool): wait, unless at EOF
+	})
+	if err != nil {
+		return total, err // deadline or closed while waiting
+	}
+	return total, cerr
+}
+
+// readAvailable reads from the non-blocking socket fd into b until b is
+// full, the socket has nothing more (EAGAIN), EOF or an error. It returns the
+// bytes read; eof and err describe what ended the reading (neither: EAGAIN
+// or full).
+func readAvailable(fd int, b []byte) (n int, eof bool, err error) {
+	for n < len(b) {
+		m, err := unix.Read(fd, b[n:])
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			return n, false, nil
+		case err != nil:
+			return n, false, err
+		case m == 0:
+			return n, true, nil
+		}
+		n += m
+	}
+	return n, false, nil
+}
+
+// sendAll writes b to the socket, waiting for it to become writable as
+// needed, with send(2) flags.
+func sendAll(dstRaw syscall.RawConn, b []byte, flags int) error {
+	for len(b) > 0 {
+		var m int
+		var serr error
+		err := dstRaw.Write(func(fd uintptr) bool {
+			if flags == 0 {
+				m, serr = unix.Write(int(fd), b) // cheaper than sendmsg
+			} else {
+				m, serr = unix.SendmsgN(int(fd), b, nil, nil, flags|unix.MSG_NOSIGNAL)
+			}
+			return serr != unix.EAGAIN
 		})
 		if err != nil {
-			return total, err
+			return err
 		}
-		if rerr == unix.EINTR {
-			bufs.Put(buf)
+		if serr == unix.EINTR {
 			continue
 		}
-		if rerr != nil {
-			bufs.Put(buf)
-			return total, &net.OpError{Op: "read", Net: "tcp", Err: rerr}
+		if serr != nil {
+			return &net.OpError{Op: "write", Net: "tcp", Err: serr}
 		}
-		if n == 0 {
-			bufs.Put(buf)
-			return total, nil
-		}
-		_, werr := dst.Write((*buf)[:n])
-		full := n == len(*buf)
-		bufs.Put(buf)
-		if werr != nil {
-			return total, werr
-		}
-		total += int64(n)
-		count(int64(n))
-		if !full {
-			continue
-		}
-		m, eof, err := spliceBurst(dstRaw, srcRaw)
-		total += m
-		if m > 0 {
-			count(m)
-		}
-		if err != nil {
-			return total, err
-		}
-		if eof {
-			return total, nil
-		}
+		b = b[m:]
 	}
+	return nil
 }
 
 // bufs holds the read buffers of small messages, shared by all connections.
@@ -88,9 +140,10 @@ var bufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
 // maxSplice is how much one splice call moves at most (Go uses the same).
 const maxSplice = 1 << 20
 
-// spliceBurst moves what src has now to dst through a pooled pipe, and
-// returns the pipe when src would block. eof reports that src is at EOF.
-func spliceBurst(dstRaw, srcRaw syscall.RawConn) (moved int64, eof bool, err error) {
+// spliceBurst moves what the socket srcFd has now to dst through a pooled
+// pipe, and returns the pipe when srcFd would block. eof reports that srcFd
+// is at EOF.
+func spliceBurst(dstRaw syscall.RawConn, srcFd int) (moved int64, eof bool, err error) {
 	p, err := pipes.get()
 	if err != nil {
 		return 0, false, err
@@ -103,13 +156,7 @@ func spliceBurst(dstRaw, srcRaw syscall.RawConn) (moved int64, eof bool, err err
 		pipes.put(p)
 	}()
 	for {
-		var n int64
-		var serr error
-		if cerr := srcRaw.Control(func(fd uintptr) {
-			n, serr = unix.Splice(int(fd), nil, p.w, nil, maxSplice, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
-		}); cerr != nil {
-			return moved, false, cerr
-		}
+		n, serr := unix.Splice(srcFd, nil, p.w, nil, maxSplice, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
 		switch {
 		case serr == unix.EAGAIN:
 			return moved, false, nil // drained: give the pipe back, wait again

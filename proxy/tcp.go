@@ -16,6 +16,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -61,7 +62,7 @@ func (f *frontend) serveTCP(ln *net.TCPListener) {
 		backoff = 0
 		f.m.accepted.Inc()
 		c := f.p.conns.add(f, client)
-		go f.handleTCP(c, client)
+		f.p.workers.Go(func() { f.handleTCP(c, client) })
 	}
 }
 
@@ -99,8 +100,13 @@ func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
 		}
 		c.setBackend(ep, why, attempt)
 		start := time.Now()
-		d := net.Dialer{Timeout: timeout, KeepAlive: 15 * time.Second}
+		// Count -1 keeps the kernel's probe count and saves a setsockopt.
+		d := net.Dialer{Timeout: timeout, KeepAliveConfig: net.KeepAliveConfig{
+			Enable: true, Idle: keepAliveIdle, Interval: keepAliveInterval, Count: -1}}
 		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
+		// Not Dialer.DialTCP: its zero local address still binds, and bind
+		// before connect reserves a local port outright, where connect's
+		// own choice shares ports across destinations.
 		conn, err := d.DialContext(f.ctx, "tcp", ep.String())
 		if err == nil {
 			c.setDialLatency(time.Since(start))
@@ -127,15 +133,20 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	idle := f.p.cfg.TCPIdleTimeout
 	c.setConns(client, backend)
 	var first sync.Once // the direction that ends first names the cause
+	var ended atomic.Int32
 	// copyHalf copies one direction. A FIN is passed on as a half-close and
 	// the other direction finishes on its own (request/response protocols
 	// depend on it); anything else ends both directions, a reset passed on.
 	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, count func(int64)) int64 {
 		n, err := copyUntilIdle(dst, src, client, backend, idle, count)
+		last := ended.Add(1) == 2
 		why := eofCause
 		switch {
-		case err == nil:
+		case err == nil && !last:
 			_ = dst.CloseWrite()
+		case err == nil:
+			// Both directions are done: the Close below sends the FIN,
+			// a shutdown(2) first would only cost a system call.
 		case errors.Is(err, os.ErrDeadlineExceeded):
 			why = CauseIdleTimeout
 		case errors.Is(err, net.ErrClosed):
@@ -154,7 +165,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	// Two goroutines per connection, this one included: the downstream copy
 	// runs beside, the upstream copy here.
 	downDone := make(chan int64, 1)
-	go func() { downDone <- copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown) }()
+	f.p.workers.Go(func() { downDone <- copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown) })
 	up = copyHalf(backend, client, CauseClientClosed, CauseClientReset, c.addUp)
 	down = <-downDone
 	client.Close()

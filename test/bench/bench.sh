@@ -37,7 +37,10 @@ wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "b
 
 # The paths, each on its own service address.
 declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4)
-PATHS="direct dnat haproxy socat proxy"
+PATHS=${PATHS:-"direct dnat haproxy socat proxy"}
+# TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
+TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog"}
+want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
 for p in 8080:18080 9000:19000 5201:15201; do
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.2 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "${p#*:}"
@@ -88,8 +91,8 @@ addressType: IPv4
 ports: [{name: http, port: 8080, protocol: TCP}, {name: echo, port: 9000, protocol: TCP}, {name: iperf, port: 5201, protocol: TCP}, {name: udp, port: 8081, protocol: UDP}]
 endpoints: [{addresses: [10.251.19.12]}]
 EOF
-N node "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
-  --metrics-bind-address "" --healthz-bind-address "" >"$work/proxy.log" 2>&1 &
+N node env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
+  --metrics-bind-address "" --healthz-bind-address "" ${PROXY_ARGS:-} >"$work/proxy.log" 2>&1 &
 for p in $PATHS; do
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[$p]}:8080/" || { echo "path $p does not answer" >&2; cat "$work/proxy.log" "$work/haproxy.log" >&2; exit 1; }
 done
@@ -117,24 +120,38 @@ iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
     record "cpu_per_gb_${len}" "$p" "$(awk -v t=$((t1-t0)) -v b="$bytes" -v hz="$(getconf CLK_TCK)" 'BEGIN{printf "%.2f", (t/hz)/(b/1e9)}')"
   fi
 }
+rate() { # path mode → operations/s; CPU µs per operation of the proxy process
+  local p=$1 mode=$2 pid t0 t1 out
+  pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
+  out=$(N client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
+  record "$mode" "$p" "$(echo "$out" | jsonval perSecond)"
+  if [ -n "$pid" ]; then
+    t1=$(cputicks "$pid")
+    record "cpu_per_$mode" "$p" "$(awk -v t=$((t1-t0)) -v n="$(echo "$out" | jsonval count)" -v hz="$(getconf CLK_TCK)" 'BEGIN{if(n>0) printf "%.1f", t/hz/n*1e6}')"
+  fi
+}
 jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
     echo "run $run/$RUNS: $p" >&2
-    iperf "$p" 128K
-    iperf "$p" 4K
-    record cps "$p" "$(N client "$BIN/loadgen" -mode cps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32 | jsonval perSecond)"
-    record rps "$p" "$(N client "$BIN/loadgen" -mode rps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32 | jsonval perSecond)"
-    lat=$(N client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 16 -rate "$RATE")
-    record p50 "$p" "$(echo "$lat" | jsonval p50us)"
-    record p99 "$p" "$(echo "$lat" | jsonval p99us)"
-    record p999 "$p" "$(echo "$lat" | jsonval p999us)"
+    want tput128 && iperf "$p" 128K
+    want tput4 && iperf "$p" 4K
+    want cps && rate "$p" cps
+    want rps && rate "$p" rps
+    if want latency; then
+      lat=$(N client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 16 -rate "$RATE")
+      record p50 "$p" "$(echo "$lat" | jsonval p50us)"
+      record p99 "$p" "$(echo "$lat" | jsonval p99us)"
+      record p999 "$p" "$(echo "$lat" | jsonval p999us)"
+    fi
   done
 done
 
 # UDP: the highest offered rate with < 0.1 % loss, one flow and 64 flows.
 for p in direct dnat socat proxy; do
+  want udp || break
+  case " $PATHS " in *" $p "*) ;; *) continue ;; esac
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
       best=0
@@ -150,6 +167,8 @@ done
 
 # Idle connections: descriptors and RSS per connection of the serving process.
 for p in haproxy proxy; do
+  want idle || break
+  case " $PATHS " in *" $p "*) ;; *) continue ;; esac
   pid=$(proxypid "$p")
   for n in $IDLE_NS; do
     fd0=$(ls "/proc/$pid/fd" | wc -l); rss0=$(awk '/VmRSS/{print $2}' "/proc/$pid/status")
@@ -175,9 +194,13 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—
 
 table="$work/table.md"
 {
-  echo "| metric | direct | kernel DNAT | HAProxy | socat | this proxy | proxy ÷ direct | proxy ÷ HAProxy |"
-  echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy")
+  head="| metric"; rule="|---"
+  for p in $PATHS; do head="$head | ${LABEL[$p]}"; rule="$rule|---:"; done
+  echo "$head | proxy ÷ direct | proxy ÷ HAProxy |"
+  echo "$rule|---:|---:|"
   while read -r m label; do
+    grep -q "^$m " "$results" || continue # a figure this run did not measure
     row="| $label"
     for p in $PATHS; do row="$row | $(value "$m" "$p")"; done
     row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") |"
@@ -187,7 +210,9 @@ tput_128K TCP throughput, 128 KiB writes (Gbit/s)
 tput_4K TCP throughput, 4 KiB writes (Gbit/s)
 cpu_per_gb_128K proxy CPU seconds per GB, 128 KiB writes
 cps new connections/s (HTTP, Connection: close, 32 clients)
+cpu_per_cps proxy CPU µs per connection
 rps keep-alive requests/s (32 connections)
+cpu_per_rps proxy CPU µs per keep-alive request
 p50 p50 latency at $RATE req/s (µs)
 p99 p99 latency at $RATE req/s (µs)
 p999 p99.9 latency at $RATE req/s (µs)
@@ -202,11 +227,14 @@ EOF
 echo
 cat "$table"
 echo
-echo "Rule programming (progbench):"
-go build -o "$BIN/progbench" ./test/bench/progbench && "$BIN/progbench" -daemon "$BIN/kube-userspace-proxy" -n "$PROG_N" -runs "$PROG_RUNS" >"$work/prog.md" 2>/dev/null
-cat "$work/prog.md"
+if want prog; then
+  echo "Rule programming (progbench):"
+  go build -o "$BIN/progbench" ./test/bench/progbench && "$BIN/progbench" -daemon "$BIN/kube-userspace-proxy" -n "$PROG_N" -runs "$PROG_RUNS" >"$work/prog.md" 2>/dev/null
+  cat "$work/prog.md"
+fi
 
-if [ "$SMOKE" != 1 ]; then
+# Only a full run (all paths, all figures) replaces the published table.
+if [ "$SMOKE" != 1 ] && [ "$PATHS" = "direct dnat haproxy socat proxy" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog" ]; then
   doc=docs/benchmarks.md
   {
     sed '/<!-- bench:start -->/,$d' "$doc"

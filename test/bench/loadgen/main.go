@@ -80,6 +80,7 @@ func readResponse(r *bufio.Reader) error {
 
 type rateResult struct {
 	PerSecond float64 `json:"perSecond"`
+	Count     int64   `json:"count"`
 	Errors    int64   `json:"errors"`
 }
 
@@ -97,7 +98,7 @@ func countRate(d time.Duration, c int, work func(end time.Time, ok, bad *atomic.
 		}()
 	}
 	wg.Wait()
-	return rateResult{PerSecond: float64(ok.Load()) / d.Seconds(), Errors: bad.Load()}
+	return rateResult{PerSecond: float64(ok.Load()) / d.Seconds(), Count: ok.Load(), Errors: bad.Load()}
 }
 
 // closeLoop: one request per connection.

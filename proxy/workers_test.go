@@ -1,0 +1,62 @@
+package proxy
+
+import (
+	"sync"
+	"testing"
+	"time"
+)
+
+func (w *workers) idleCount() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.idle)
+}
+
+func TestWorkersReuseRetireStop(t *testing.T) {
+	w := &workers{maxIdle: 50 * time.Millisecond}
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() { w.Run(stop); close(done) }()
+
+	// Sequential jobs reuse one parked worker.
+	for i := 0; i < 5; i++ {
+		ran := make(chan struct{})
+		w.Go(func() { close(ran) })
+		<-ran
+		waitFor(t, "worker parked", func() bool { return w.idleCount() == 1 })
+	}
+	if w.spawned != 1 {
+		t.Fatalf("5 sequential jobs started %d goroutines, want 1", w.spawned)
+	}
+
+	// Concurrent jobs get a worker each; none waits for another.
+	var wg sync.WaitGroup
+	release := make(chan struct{})
+	for i := 0; i < 3; i++ {
+		wg.Add(1)
+		w.Go(func() { defer wg.Done(); <-release })
+	}
+	close(release)
+	wg.Wait()
+	waitFor(t, "three workers parked", func() bool { return w.idleCount() == 3 })
+	if w.spawned != 3 {
+		t.Fatalf("3 concurrent jobs after one parked worker: %d goroutines started in all, want 3", w.spawned)
+	}
+
+	// Idle workers are retired after maxIdle.
+	waitFor(t, "idle workers retired", func() bool { return w.idleCount() == 0 })
+
+	// Stop waits for a busy worker; Go after stop still runs its job.
+	busy := make(chan struct{})
+	w.Go(func() { <-busy })
+	close(stop)
+	select {
+	case <-done:
+		t.Fatal("Run returned while a worker was busy")
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(busy)
+	<-done
+	ran := make(chan struct{})
+	w.Go(func() { close(ran) })
+	<-ran
+}
