@@ -42,7 +42,25 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 		total += n
 		count(n)
 	}
+	// bulk: the last wake-up moved more than a buffer, so this one starts
+	// with splice(2) instead of copying the first 32 KiB through user space.
+	bulk := false
+	burst := func(fd int) bool {
+		m, eof, err := spliceBurst(dstRaw, fd)
+		if m > 0 {
+			moved(m)
+		}
+		if err != nil {
+			cerr = err
+			return true
+		}
+		bulk = m >= bufSize
+		return eof // drained (the pipe is back in the pool): wait, unless at EOF
+	}
 	err = srcRaw.Read(func(fd uintptr) bool {
+		if bulk {
+			return burst(int(fd))
+		}
 		b := bufs.Get().(*[]byte)
 		n, eof, rerr := readAvailable(int(fd), *b)
 		if n > 0 {
@@ -68,15 +86,7 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 		case !full:
 			return false // src is drained: wait for more
 		}
-		m, eof, err := spliceBurst(dstRaw, int(fd))
-		if m > 0 {
-			moved(m)
-		}
-		if err != nil {
-			cerr = err
-			return true
-		}
-		return eof // drained (the pipe is back in the pool): wait, unless at EOF
+		return burst(int(fd))
 	})
 	if err != nil {
 		return total, err // deadline or closed while waiting
@@ -135,7 +145,9 @@ func sendAll(dstRaw syscall.RawConn, b []byte, flags int) error {
 }
 
 // bufs holds the read buffers of small messages, shared by all connections.
-var bufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+var bufs = sync.Pool{New: func() any { b := make([]byte, bufSize); return &b }}
+
+const bufSize = 32 << 10
 
 // maxSplice is how much one splice call moves at most (Go uses the same).
 const maxSplice = 1 << 20
