@@ -8,7 +8,7 @@ set -u
 cd "$(dirname "$0")/../.."
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1
-else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 100000"}
+else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 75000 100000 150000"}
   UDP_SIZES="64 1400"; UDP_FLOWS="1 64"; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
 RATE=${RATE:-2000}
 BIN=${BIN:-bin}
@@ -165,6 +165,17 @@ for p in direct dnat socat proxy; do
   done
 done
 
+# UDP cost: proxy CPU per forwarded datagram at a fixed rate (64 B, one flow;
+# requests and replies both count), reported as datagrams per CPU-second.
+if want udp && case " $PATHS " in *" proxy "*) true ;; *) false ;; esac; then
+  for run in $(seq "$RUNS"); do
+    pid=$(proxypid proxy); t0=$(cputicks "$pid")
+    out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[proxy]}:8081" -d "${DUR}s" -size 64 -flows 1 -rate "${UDP_CPU_RATE:-40000}")
+    t1=$(cputicks "$pid")
+    record udp_per_core proxy "$(awk -v t=$((t1-t0)) -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" -v hz="$(getconf CLK_TCK)" 'BEGIN{if(t>0) printf "%.0f", (s+r)/(t/hz)}')"
+  done
+fi
+
 # Idle connections: descriptors and RSS per connection of the serving process.
 for p in haproxy proxy; do
   want idle || break
@@ -220,6 +231,7 @@ udp_64_1 UDP 64 B, 1 flow: pps at < 0.1 % loss
 udp_64_64 UDP 64 B, 64 flows: pps at < 0.1 % loss
 udp_1400_1 UDP 1400 B, 1 flow: pps at < 0.1 % loss
 udp_1400_64 UDP 1400 B, 64 flows: pps at < 0.1 % loss
+udp_per_core UDP datagrams forwarded per proxy CPU-second (64 B at ${UDP_CPU_RATE:-40000}/s, both directions)
 $(for n in $IDLE_NS; do echo "idle_fd_$n descriptors per idle connection ($n open)"; echo "idle_kib_$n RSS KiB per idle connection ($n open)"; done)
 EOF
 } >"$table"
