@@ -57,6 +57,7 @@ type ClusterSource struct {
 	kick chan struct{} // capacity 1: merges bursts of events into one build
 	back chan struct{} // capacity 1: the API server is back after an outage
 
+	last     *State     // the last State built, for ReuseUnchanged (builder goroutine only)
 	mu       sync.Mutex // guards outage and seenErrs
 	outage   bool
 	seenErrs map[string]bool
@@ -172,7 +173,10 @@ func (c *ClusterSource) build(inf *informerSet) {
 		c.Log.WithError(err).Error("Listing EndpointSlices from the cache")
 		return
 	}
-	c.Sink.Update(c.buildState(services, slices))
+	st := c.buildState(services, slices)
+	ReuseUnchanged(st, c.last)
+	c.last = st
+	c.Sink.Update(st)
 }
 
 // changed is every informer event: it only wakes the builder.

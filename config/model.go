@@ -12,6 +12,7 @@ package config
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -111,6 +112,28 @@ func (sp *ServicePort) SameFrontend(o *ServicePort) bool {
 		sp.ExternalLocal == o.ExternalLocal &&
 		equalAddrs(sp.ClusterIPs, o.ClusterIPs) && equalAddrs(sp.ExternalIPs, o.ExternalIPs) &&
 		equalAddrs(sp.LoadBalancerIPs, o.LoadBalancerIPs)
+}
+
+// Equal reports whether a and b are the same in every field.
+func (sp *ServicePort) Equal(o *ServicePort) bool {
+	return sp == o || (sp.SameFrontend(o) && sp.AffinityTimeout == o.AffinityTimeout &&
+		slices.Equal(sp.Endpoints, o.Endpoints))
+}
+
+// ReuseUnchanged replaces each port of next that equals its port in prev by
+// prev's pointer. Sources call it before handing next on, so that consumers
+// skip an unchanged port by comparing pointers: at 10k service ports,
+// comparing and re-applying every port on every change took longer than the
+// change itself. Ports are never modified once built, so sharing is safe.
+func ReuseUnchanged(next, prev *State) {
+	if prev == nil {
+		return
+	}
+	for name, sp := range next.Ports {
+		if old := prev.Ports[name]; old != nil && old.Equal(sp) {
+			next.Ports[name] = old
+		}
+	}
 }
 
 func equalAddrs(a, b []netip.Addr) bool {

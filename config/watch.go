@@ -20,13 +20,16 @@ type ManifestSource struct {
 	Sink Sink
 	Log  logrus.FieldLogger
 
-	// Debounce merges the burst of events one save makes; 0 means 20 ms.
+	// Debounce merges the burst of events one save makes (it restarts with
+	// every event, so a save of many writes is read once, after the last);
+	// 0 means 5 ms.
 	Debounce time.Duration
 	// Poll re-reads the files this often as a safety net for file systems
 	// without inotify; 0 means 2 s.
 	Poll time.Duration
 
 	cache *manifestCache // owned by the watch goroutine after Start
+	last  *State         // the last State handed on, for ReuseUnchanged
 }
 
 // Start loads the manifests once, hands the State to the Sink and then watches
@@ -101,6 +104,8 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 	for _, s := range skipped {
 		m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason}).Info("Not proxied")
 	}
+	ReuseUnchanged(st, m.last)
+	m.last = st
 	m.Log.WithFields(logrus.Fields{"path": m.Path, "servicePorts": len(st.Ports), "took": time.Since(start).String()}).Info("Manifests loaded")
 	m.Sink.Update(st)
 	return sig, nil
@@ -109,7 +114,7 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 func (m *ManifestSource) watch(ctx context.Context, w *fsnotify.Watcher, sig map[string]fileSig) {
 	debounce, poll := m.Debounce, m.Poll
 	if debounce <= 0 {
-		debounce = 20 * time.Millisecond
+		debounce = 5 * time.Millisecond
 	}
 	if poll <= 0 {
 		poll = 2 * time.Second

@@ -35,7 +35,7 @@ func Cleanup(log logrus.FieldLogger) error {
 			errs = multierror.Append(errs, fmt.Errorf("%s: %w", bin, err))
 			continue
 		}
-		n, err := cleanupFamily(ipt)
+		n, err := cleanupFamily(ipt, bin+"-restore")
 		if err != nil {
 			errs = multierror.Append(errs, fmt.Errorf("%s: %w", bin, err))
 		}
@@ -44,12 +44,24 @@ func Cleanup(log logrus.FieldLogger) error {
 	return errs.ErrorOrNil()
 }
 
-func cleanupFamily(ipt *goipt.IPTables) (int, error) {
+func cleanupFamily(ipt *goipt.IPTables, restore string) (int, error) {
 	removed := 0
+	doomed := map[string][]string{}
 	for table, chains := range ourChains {
 		ours := map[string]bool{}
 		for _, c := range chains {
 			ours[c] = true
+		}
+		// Shards are found by name: their number depends on the size the
+		// daemon last served.
+		all, err := ipt.ListChains(table)
+		if err != nil {
+			continue // the table does not exist: nothing of ours in it
+		}
+		for _, c := range all {
+			if isShard(c) {
+				ours[c] = true
+			}
 		}
 		// Jumps first: a chain that is still referenced cannot be deleted.
 		for _, builtin := range []string{"PREROUTING", "INPUT", "OUTPUT", "FORWARD", "POSTROUTING"} {
@@ -71,18 +83,24 @@ func cleanupFamily(ipt *goipt.IPTables) (int, error) {
 				removed++
 			}
 		}
-		for _, c := range chains {
-			ok, err := ipt.ChainExists(table, c)
-			if err != nil || !ok {
-				continue
+		for _, c := range all {
+			if ours[c] {
+				doomed[table] = append(doomed[table], c)
 			}
-			if err := ipt.ClearAndDeleteChain(table, c); err != nil {
-				return removed, fmt.Errorf("deleting chain %s %s: %w", table, c, err)
-			}
-			removed++
 		}
 	}
-	return removed, nil
+	n := len(doomed["nat"]) + len(doomed["filter"])
+	if n == 0 {
+		return removed, nil
+	}
+	// One restore flushes and deletes them all: a chain at a time would be
+	// two iptables runs each, for up to 165 chains.
+	cmd := exec.Command(restore, "-w", "--noflush")
+	cmd.Stdin = strings.NewReader(deleteChainsInput(doomed))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return removed, fmt.Errorf("deleting chains with %s: %w: %s", restore, err, strings.TrimSpace(string(out)))
+	}
+	return removed + n, nil
 }
 
 // target returns the chain a rule jumps to.

@@ -204,3 +204,76 @@ func TestRenderListenerOnNodePort(t *testing.T) {
 		t.Fatalf("ClusterIP rule %v", r)
 	}
 }
+
+// manyFrontends returns n ClusterIP frontends of distinct services.
+func manyFrontends(n int) []proxy.Frontend {
+	var out []proxy.Frontend
+	for i := 0; i < n; i++ {
+		sp := &config.ServicePort{
+			Name:       config.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("s%d", i)},
+			Protocol:   config.TCP,
+			Port:       80,
+			ClusterIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i / 250), byte(i%250 + 1)})},
+		}
+		out = append(out, proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: config.TCP,
+			Listen: netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(20000+i))})
+	}
+	return out
+}
+
+func TestShardedLayout(t *testing.T) {
+	fes := manyFrontends(2000)
+	o := RenderOptions{Family: 4, Features: allFeatures, AllLocal: true, Shards: ShardsFor(len(fes))}
+	if o.Shards != ShardCount || ShardsFor(shardAbove-1) != 0 {
+		t.Fatalf("ShardsFor(%d) = %d, ShardsFor(%d) = %d", len(fes), o.Shards, shardAbove-1, ShardsFor(shardAbove-1))
+	}
+	rs := Render(fes, o)
+	for _, top := range []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost} {
+		if got := rs.Nat[top]; len(got) != ShardCount || got[0] != "-j "+top+"-00" || got[ShardCount-1] != "-j "+top+"-1F" {
+			t.Fatalf("%s holds %v, want one jump per shard", top, got)
+		}
+	}
+	if got := rs.Filter[ChainGuard]; len(got) != ShardCount {
+		t.Fatalf("guard holds %d rules, want %d jumps", len(got), ShardCount)
+	}
+	// Every frontend's rules sit in one shard, the same for every chain, and
+	// the shards share the load.
+	total, biggest := 0, 0
+	for i := 0; i < ShardCount; i++ {
+		c := ShardName(ChainPortalsContainer, i)
+		n := len(rs.Nat[c])
+		total += n
+		biggest = max(biggest, n)
+		if len(rs.Nat[ShardName(ChainPortalsHost, i)]) != n || len(rs.Filter[ShardName(ChainGuard, i)]) != n {
+			t.Fatalf("shard %02X: container %d, host %d, guard %d rules", i, n, len(rs.Nat[ShardName(ChainPortalsHost, i)]), len(rs.Filter[ShardName(ChainGuard, i)]))
+		}
+	}
+	if total != len(fes) || biggest > 2*len(fes)/ShardCount {
+		t.Fatalf("%d rules in container shards (want %d), biggest shard %d", total, len(fes), biggest)
+	}
+	for _, r := range renderFrontend(fes[7], o) {
+		if !isShard(r.chain) {
+			t.Fatalf("rule in %s, not in a shard", r.chain)
+		}
+	}
+	// The restore input declares every shard, and the shard names are ours.
+	in := rs.RestoreInput()
+	for table, chains := range shardChains(allFeatures) {
+		for _, c := range chains {
+			if !strings.Contains(in, ":"+c+" - [0:0]\n") || !isShard(c) {
+				t.Fatalf("%s %s not declared or not recognised as ours", table, c)
+			}
+		}
+	}
+	if isShard("KUBE-PORTALS-CONTAINER") || isShard("KUBE-PORTALS-CONTAINER-XYZ") || isShard("KUBE-SVC-00") {
+		t.Fatal("isShard accepts a chain that is not a shard")
+	}
+}
+
+func TestDeleteChainsInput(t *testing.T) {
+	got := deleteChainsInput(map[string][]string{"nat": {"A", "B"}, "filter": {"C"}})
+	want := "*nat\n:A - [0:0]\n:B - [0:0]\n-X A\n-X B\nCOMMIT\n*filter\n:C - [0:0]\n-X C\nCOMMIT\n"
+	if got != want {
+		t.Fatalf("got\n%s\nwant\n%s", got, want)
+	}
+}

@@ -18,6 +18,7 @@ import (
 	"github.com/hashicorp/go-multierror"
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
@@ -73,7 +74,7 @@ type family struct {
 }
 
 type feKey struct {
-	name string
+	name config.ServicePortName
 	kind proxy.Kind
 }
 
@@ -83,9 +84,10 @@ type feRules struct {
 }
 
 // sameRules reports whether a and b render the same rules.
+// Sources reuse an unchanged port's pointer, which settles most cases cheaply.
 func sameRules(a, b proxy.Frontend) bool {
-	return a.Service.SameFrontend(b.Service) && a.Listen == b.Listen && a.Kind == b.Kind &&
-		a.Protocol == b.Protocol && (a.NodePortErr == nil) == (b.NodePortErr == nil)
+	return (a.Service == b.Service || a.Service.SameFrontend(b.Service)) && a.Listen == b.Listen &&
+		a.Kind == b.Kind && a.Protocol == b.Protocol && (a.NodePortErr == nil) == (b.NodePortErr == nil)
 }
 
 // ErrNotSupported wraps every "this machine cannot run the proxy" error.
@@ -190,13 +192,13 @@ func (f *family) run(bin string, args []string, stdin string) error {
 func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify bool) error {
 	var errs *multierror.Error
 	for _, f := range r.families {
-		opts := f.renderOptions(r.cfg.NodePortAddresses)
 		var mine []proxy.Frontend
 		for _, fe := range frontends {
 			if fe.Family == f.fam && fe.Err == nil {
 				mine = append(mine, fe)
 			}
 		}
+		opts := f.renderOptions(r.cfg.NodePortAddresses, len(mine))
 		nat, filter, err := f.sync(mine, opts, verify, r.log)
 		if err != nil {
 			errs = multierror.Append(errs, fmt.Errorf("IPv%d: %w", f.fam, err))
@@ -241,8 +243,13 @@ func (r *Rules) Installed() (map[int]string, map[string]int) {
 	return text, counts
 }
 
-func (f *family) renderOptions(cidrs []netip.Prefix) RenderOptions {
+// renderOptions returns the options for n frontends; a change of options
+// (node addresses, shard layout) makes the next sync a full rewrite.
+func (f *family) renderOptions(cidrs []netip.Prefix, n int) RenderOptions {
 	o := RenderOptions{Family: f.fam, Features: f.features}
+	if o.Shards = ShardsFor(n); f.opts.Shards > 0 && n >= shardBelow {
+		o.Shards = f.opts.Shards
+	}
 	if len(cidrs) == 0 && f.features.Addrtype {
 		o.AllLocal = true
 		return o
@@ -312,22 +319,28 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 			f.installed = next
 			return f.counts()
 		}
-		if next == nil {
-			// fall through to the full rewrite
-		} else if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err == nil {
-			f.installed = next
-			log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
-			return f.counts()
-		} else {
+		if next != nil {
+			restoreStart := time.Now()
+			err := f.run(f.restore, []string{"-w", "--noflush"}, in)
+			if err == nil {
+				f.installed = next
+				log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(),
+					"restore": time.Since(restoreStart).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
+				return f.counts()
+			}
 			log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
 		}
 	}
 	start := time.Now()
 	next := make(map[feKey]*feRules, len(frontends))
 	for _, fe := range frontends {
-		next[feKey{fe.Service.Name.String(), fe.Kind}] = &feRules{fe: fe, rules: renderFrontend(fe, opts)}
+		next[feKey{fe.Service.Name, fe.Kind}] = &feRules{fe: fe, rules: renderFrontend(fe, opts)}
 	}
-	if err := f.run(f.restore, []string{"-w", "--noflush"}, Render(frontends, opts).RestoreInput()); err != nil {
+	in := Render(frontends, opts).RestoreInput()
+	if opts.Shards == 0 && (f.installed == nil || f.opts.Shards != 0) {
+		in += deleteChainsInput(shardChains(opts.Features)) // a sharded layout may be left over
+	}
+	if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err != nil {
 		f.installed = nil
 		return 0, 0, err
 	}
@@ -367,7 +380,7 @@ func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) (map[fe
 	next := make(map[feKey]*feRules, len(frontends))
 	var dels, adds []chainRule
 	for _, fe := range frontends {
-		k := feKey{fe.Service.Name.String(), fe.Kind}
+		k := feKey{fe.Service.Name, fe.Kind}
 		old := f.installed[k]
 		if old != nil && sameRules(old.fe, fe) {
 			next[k] = &feRules{fe: fe, rules: old.rules}
@@ -393,9 +406,12 @@ func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) (map[fe
 func (f *family) installedSets() map[string]map[string]bool {
 	out := map[string]map[string]bool{}
 	for _, table := range []string{"nat", "filter"} {
-		for c := range chainsOf(table, f.features) {
+		for c := range chainsOf(table, f.opts) {
 			out[table+"/"+c] = map[string]bool{}
 		}
+	}
+	for _, r := range skeleton(f.opts) {
+		out[r.table+"/"+r.chain][r.rule] = true
 	}
 	for _, fr := range f.installed {
 		for _, r := range fr.rules {
@@ -468,10 +484,7 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 		if err != nil {
 			return nil, false, fmt.Errorf("%s -t %s: %w: %s", f.save, table, err, strings.TrimSpace(stderr.String()))
 		}
-		ours := map[string]bool{}
-		for c := range chainsOf(table, f.features) {
-			ours[c] = true
-		}
+		ours := chainsOf(table, f.opts)
 		var builtin []string
 		for _, line := range strings.Split(string(data), "\n") {
 			if strings.HasPrefix(line, ":") {
@@ -519,19 +532,6 @@ func quoteComment(rule []string) []string {
 		}
 	}
 	return out
-}
-
-// chainsOf returns our chains in a table, given the optional matches.
-func chainsOf(table string, f Features) map[string]bool {
-	m := map[string]bool{}
-	if table == "nat" {
-		for _, c := range natChains {
-			m[c] = true
-		}
-	} else if f.Conntrack {
-		m[ChainGuard] = true
-	}
-	return m
 }
 
 // ensureJumps puts each jump rule in place exactly once: portals first,

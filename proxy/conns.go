@@ -38,12 +38,12 @@ type connRecord struct {
 
 func (c *connRecord) addUp(n int64) {
 	c.up.Add(n)
-	c.fe.m.bytesIn.Add(float64(n))
+	c.fe.m.get().bytesIn.Add(float64(n))
 }
 
 func (c *connRecord) addDown(n int64) {
 	c.down.Add(n)
-	c.fe.m.bytesOut.Add(float64(n))
+	c.fe.m.get().bytesOut.Add(float64(n))
 }
 
 func (c *connRecord) setDialLatency(d time.Duration) {
@@ -120,7 +120,7 @@ func (c *connRecord) forceClose() {
 
 // finish logs the connection's one line and records its duration.
 func (c *connRecord) finish(f *frontend, up, down int64, cause string) {
-	f.m.duration.Observe(time.Since(c.Start).Seconds())
+	f.m.get().duration.Observe(time.Since(c.Start).Seconds())
 	if !f.p.cfg.logConn(cause) {
 		return
 	}
@@ -164,7 +164,7 @@ func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
 	}
 	c.Client = netip.AddrPortFrom(c.Client.Addr().Unmap(), c.Client.Port())
 	t.wg.Add(1)
-	f.m.active.Inc()
+	f.m.get().active.Inc()
 	t.mu.Lock()
 	if t.conns == nil {
 		t.conns = make(map[uint64]*connRecord)
@@ -175,7 +175,7 @@ func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
 }
 
 func (t *connTable) remove(c *connRecord) {
-	c.fe.m.active.Dec()
+	c.fe.m.get().active.Dec()
 	t.mu.Lock()
 	delete(t.conns, c.ID)
 	t.mu.Unlock()

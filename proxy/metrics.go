@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"sync"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
@@ -80,28 +82,43 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration)
 }
 
-// feMetrics are one frontend's metrics, resolved once: looking labels up per
-// datagram would cost more than the datagram.
+// feMetrics are one frontend's metrics, resolved once, on first use: looking
+// labels up per datagram would cost more than the datagram, and creating them
+// up front cost ~6 KiB and 23 exposition lines per service port whether or not
+// it ever saw traffic (60 MB and 230 000 lines at 10k service ports).
 type feMetrics struct {
-	service                                 string
+	service string
+	proto   config.Protocol
+	once    sync.Once
+	series  *feSeries
+}
+
+type feSeries struct {
 	accepted, retries, noEndpoints, evicted prometheus.Counter
 	bytesIn, bytesOut                       prometheus.Counter
 	active, udpActive                       prometheus.Gauge
 	duration                                prometheus.Observer
 }
 
-func newFEMetrics(service string, proto config.Protocol) feMetrics {
-	p := string(proto)
-	return feMetrics{
-		service:     service,
-		accepted:    connsAccepted.WithLabelValues(service),
-		retries:     retries.WithLabelValues(service),
-		noEndpoints: noEndpointResets.WithLabelValues(service, p),
-		evicted:     udpFlowsEvicted.WithLabelValues(service),
-		bytesIn:     bytesTotal.WithLabelValues(service, p, "in"),
-		bytesOut:    bytesTotal.WithLabelValues(service, p, "out"),
-		active:      connsActive.WithLabelValues(service),
-		udpActive:   udpFlowsActive.WithLabelValues(service),
-		duration:    connDuration.WithLabelValues(service),
-	}
+func newFEMetrics(service string, proto config.Protocol) *feMetrics {
+	return &feMetrics{service: service, proto: proto}
+}
+
+// get returns the series, creating them the first time.
+func (m *feMetrics) get() *feSeries {
+	m.once.Do(func() {
+		service, p := m.service, string(m.proto)
+		m.series = &feSeries{
+			accepted:    connsAccepted.WithLabelValues(service),
+			retries:     retries.WithLabelValues(service),
+			noEndpoints: noEndpointResets.WithLabelValues(service, p),
+			evicted:     udpFlowsEvicted.WithLabelValues(service),
+			bytesIn:     bytesTotal.WithLabelValues(service, p, "in"),
+			bytesOut:    bytesTotal.WithLabelValues(service, p, "out"),
+			active:      connsActive.WithLabelValues(service),
+			udpActive:   udpFlowsActive.WithLabelValues(service),
+			duration:    connDuration.WithLabelValues(service),
+		}
+	})
+	return m.series
 }

@@ -183,13 +183,14 @@ type frontend struct {
 	key         frontendKey
 	spec        *config.ServicePort
 	bal         *RoundRobin
+	balanced    bool // bal has been given spec's endpoints
 	listen      netip.AddrPort
 	nodePortErr error // the NodePort could not be taken
 	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
 	release     func()
 	log         logrus.FieldLogger
 
-	m      feMetrics
+	m      *feMetrics
 	ctx    context.Context // cancelled when the proxier shuts down
 	tcp    *net.TCPListener
 	udpSk  *udpSocket
@@ -216,8 +217,9 @@ type Proxier struct {
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
 
-	viewMu sync.RWMutex // guards view, the frontends as last synced, for readers
-	view   []Frontend
+	viewMu     sync.Mutex // guards view, the frontends as last synced, for readers
+	view       []Frontend
+	viewSorted bool
 }
 
 // New returns a Proxier; nothing happens until Run.
@@ -336,7 +338,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	desired := desiredFrontends(st)
 	var stale []*frontend
 	for key, fe := range p.frontends {
-		if sp, ok := desired[key]; !ok || !fe.spec.SameFrontend(sp) {
+		if sp, ok := desired[key]; !ok || (sp != fe.spec && !fe.spec.SameFrontend(sp)) {
 			delete(p.frontends, key)
 			if fe.onNodePort() {
 				// Its successor may need the same NodePort: close it now
@@ -360,14 +362,18 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			}
 			p.frontends[key] = fe
 		}
-		fe.spec = sp
-		fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
+		if fe.spec != sp || !fe.balanced {
+			// Sources reuse an unchanged port's pointer: only changed
+			// ports cost anything here.
+			fe.spec = sp
+			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
+			fe.balanced = true
+		}
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr, fe: fe})
 	}
-	sort.Slice(view, func(i, j int) bool { return lessFrontend(view[i], view[j]) })
 	p.viewMu.Lock()
-	p.view = view
+	p.view, p.viewSorted = view, false // sorted when first read: sorting 10k costs ms
 	p.viewMu.Unlock()
 
 	var err error
@@ -550,8 +556,12 @@ func (p *Proxier) shutdown(grace time.Duration) {
 
 // Frontends returns the frontends as of the last sync, sorted by service.
 func (p *Proxier) Frontends() []Frontend {
-	p.viewMu.RLock()
-	defer p.viewMu.RUnlock()
+	p.viewMu.Lock()
+	defer p.viewMu.Unlock()
+	if !p.viewSorted {
+		sort.Slice(p.view, func(i, j int) bool { return lessFrontend(p.view[i], p.view[j]) })
+		p.viewSorted = true
+	}
 	return append([]Frontend(nil), p.view...)
 }
 
@@ -613,6 +623,7 @@ func countChanges(old, new *config.State) (services, endpoints int) {
 	for name, sp := range new.Ports {
 		o := oldPorts[name]
 		switch {
+		case o == sp:
 		case o == nil || !o.SameFrontend(sp) || o.AffinityTimeout != sp.AffinityTimeout:
 			services++
 		case !slices.Equal(o.Endpoints, sp.Endpoints):

@@ -60,7 +60,7 @@ func (f *frontend) serveTCP(ln *net.TCPListener) {
 			continue
 		}
 		backoff = 0
-		f.m.accepted.Inc()
+		f.m.get().accepted.Inc()
 		c := f.p.conns.add(f, client)
 		f.p.workers.Go(func() { f.handleTCP(c, client) })
 	}
@@ -92,11 +92,11 @@ func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
 	for attempt, timeout := range timeouts {
 		ep, why, ok := f.bal.Pick(client, attempt)
 		if !ok {
-			f.m.noEndpoints.Inc()
+			f.m.get().noEndpoints.Inc()
 			return nil, errors.New(CauseNoEndpoints)
 		}
 		if attempt > 0 {
-			f.m.retries.Inc()
+			f.m.get().retries.Inc()
 		}
 		c.setBackend(ep, why, attempt)
 		start := time.Now()

@@ -187,7 +187,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 			continue
 		}
 		fl.up.Add(int64(n))
-		f.m.bytesIn.Add(float64(n))
+		f.m.get().bytesIn.Add(float64(n))
 	}
 }
 
@@ -208,7 +208,7 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 	for attempt := 0; attempt < len(DefaultDialTimeouts); attempt++ {
 		ep, why, ok := f.bal.Pick(client.Addr(), attempt)
 		if !ok {
-			f.m.noEndpoints.Inc()
+			f.m.get().noEndpoints.Inc()
 			f.log.WithField("client", client).Debug("UDP datagram dropped: no endpoints")
 			return nil
 		}
@@ -240,14 +240,14 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 	if max := f.p.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
 		if t.removeLocked(victim) {
-			f.m.udpActive.Dec()
+			f.m.get().udpActive.Dec()
 		}
 		t.evicted.Add(1)
-		f.m.evicted.Inc()
+		f.m.get().evicted.Inc()
 	}
 	fl.elem = t.lru.PushFront(fl)
 	t.flows[client] = fl
-	f.m.udpActive.Inc()
+	f.m.get().udpActive.Inc()
 	t.wg.Add(1)
 	t.mu.Unlock()
 
@@ -272,7 +272,7 @@ func (t *udpFlows) removeLocked(fl *udpFlow) bool {
 func (f *frontend) endFlow(fl *udpFlow, cause string) {
 	f.udp.mu.Lock()
 	if f.udp.removeLocked(fl) {
-		f.m.udpActive.Dec()
+		f.m.get().udpActive.Dec()
 	}
 	f.udp.mu.Unlock()
 	fl.cause.CompareAndSwap(nil, cause)
@@ -310,7 +310,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			continue
 		}
 		fl.down.Add(int64(n))
-		f.m.bytesOut.Add(float64(n))
+		f.m.get().bytesOut.Add(float64(n))
 	}
 	cause, _ := fl.cause.Load().(string)
 	if !f.p.cfg.logConn(cause) {

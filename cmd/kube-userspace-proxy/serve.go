@@ -135,11 +135,18 @@ func showRules(o *options, node string, w io.Writer) error {
 	}
 	frontends := proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
 	for _, fam := range []int{4, 6} {
+		n := 0
+		for _, fe := range frontends {
+			if fe.Family == fam {
+				n++
+			}
+		}
 		ro := iptables.RenderOptions{
 			Family:       fam,
 			Features:     iptables.Features{Comment: true, Addrtype: true, Conntrack: true},
 			AllLocal:     len(o.nodePortCIDRs) == 0,
 			Placeholders: true,
+			Shards:       iptables.ShardsFor(n),
 		}
 		if !ro.AllLocal {
 			ro.NodePortAddresses = iptables.LocalAddrs(fam, o.nodePortCIDRs)

@@ -1,0 +1,68 @@
+package config
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// A reload joins only the Services in changed files again; after any
+// sequence of edits its State must equal a full load of the same files.
+func TestIncrementalReloadMatchesFullLoad(t *testing.T) {
+	dir := t.TempDir()
+	rng := rand.New(rand.NewPCG(1, 2))
+	object := func(svc int) string {
+		name := fmt.Sprintf("s%d", svc)
+		switch rng.IntN(4) {
+		case 0:
+			return fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: %s}\nspec: {clusterIP: 10.96.0.%d, ports: [{port: %d}]}\n",
+				name, svc+1, 80+rng.IntN(2))
+		case 1:
+			return fmt.Sprintf("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: %s-%d, labels: {kubernetes.io/service-name: %s}}\naddressType: IPv4\nports: [{port: 9000}]\nendpoints: [{addresses: [10.1.%d.%d]}]\n",
+				name, rng.IntN(1000), name, svc, rng.IntN(3)+1)
+		case 2:
+			return fmt.Sprintf("apiVersion: v1\nkind: Endpoints\nmetadata: {name: %s}\nsubsets: [{addresses: [{ip: 10.2.%d.%d}], ports: [{port: 9000}]}]\n",
+				name, svc, rng.IntN(3)+1)
+		}
+		return "# nothing\n"
+	}
+	incr := newManifestCache()
+	compared := 0
+	for step := 0; step < 400; step++ {
+		file := filepath.Join(dir, fmt.Sprintf("f%d.yaml", rng.IntN(4)))
+		if rng.IntN(6) == 0 {
+			_ = os.Remove(file)
+		} else {
+			var docs []string
+			for n := rng.IntN(4); n > 0; n-- {
+				docs = append(docs, object(rng.IntN(6)))
+			}
+			if err := os.WriteFile(file, []byte(strings.Join(docs, "---\n")), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		got, _, gotErr := incr.load(dir, "node-a")
+		want, _, wantErr := newManifestCache().load(dir, "node-a")
+		if (gotErr == nil) != (wantErr == nil) {
+			t.Fatalf("step %d: incremental error %v, full load error %v", step, gotErr, wantErr)
+		}
+		if wantErr != nil {
+			continue
+		}
+		compared++
+		if len(got.Ports) != len(want.Ports) {
+			t.Fatalf("step %d: %d ports, full load has %d", step, len(got.Ports), len(want.Ports))
+		}
+		for name, sp := range want.Ports {
+			if g := got.Ports[name]; g == nil || !g.Equal(sp) {
+				t.Fatalf("step %d: %s is %+v, full load has %+v", step, name, g, sp)
+			}
+		}
+	}
+	if compared < 100 {
+		t.Fatalf("only %d of 400 steps loaded without error: the generator makes too many bad sets", compared)
+	}
+}
