@@ -337,3 +337,65 @@ func TestMissingIptablesIsReported(t *testing.T) {
 		t.Fatalf("message does not say what is missing:\n%s", out)
 	}
 }
+
+// bulkManifest: lab/web plus n ClusterIP Services bulk-0 … bulk-(n-1) on
+// 10.97.x.y, except those in skip.
+func bulkManifest(n int, skip ...int) string {
+	var b strings.Builder
+	b.WriteString(webManifest())
+	left := map[int]bool{}
+	for _, s := range skip {
+		left[s] = true
+	}
+	for i := 0; i < n; i++ {
+		if left[i] {
+			continue
+		}
+		name := fmt.Sprintf("bulk-%d", i)
+		b.WriteString("---\n" + service(name, "ClusterIP", bulkIP(i), "", `{name: http, port: 80, protocol: TCP}`) +
+			slices(name, `{name: http, port: 8080, protocol: TCP}`, false))
+	}
+	return b.String()
+}
+
+func bulkIP(i int) string { return fmt.Sprintf("10.97.%d.%d", i/250, i%250+1) }
+
+// From 1000 service ports the chains are split into shards; traffic, removal,
+// the way back to whole chains and --cleanup all work with them.
+func TestShardedRulesAtScale(t *testing.T) {
+	l, d, m := startWeb(t, bulkManifest(1000))
+	waitFor(t, "the last bulk Service answering", func() bool { return l.Curl("client", "http://"+bulkIP(999)+":80/") != "" })
+	reachesBoth(t, l, "client", "http://"+bulkIP(500)+":80/")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER -j KUBE-PORTALS-CONTAINER-[0-9A-F]{2}$`); n != 32 {
+		t.Fatalf("%d jumps from KUBE-PORTALS-CONTAINER into shards, want 32", n)
+	}
+	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER-[0-9A-F]{2} -d 10\.97\.0\.8/32 .*"lab/bulk-7:http"`); n != 1 {
+		t.Fatalf("%d rules for lab/bulk-7 in a container shard, want 1", n)
+	}
+
+	writeManifest(t, m, bulkManifest(1000, 7))
+	waitFor(t, "lab/bulk-7's rules to go", func() bool { return countRules(t, l, `"lab/bulk-7:http"`) == 0 })
+	if body := l.Curl("client", "http://"+bulkIP(7)+":80/"); body != "" {
+		t.Fatalf("removed service still answers: %q", body)
+	}
+	reachesBoth(t, l, "client", "http://"+bulkIP(8)+":80/")
+
+	// Below 500 service ports the chains are whole again and no shard is left.
+	writeManifest(t, m, webManifest())
+	waitFor(t, "the shards to go", func() bool { return countRules(t, l, `^:KUBE-[A-Z-]+-[0-9A-F]{2} `) == 0 })
+	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER -d 10\.96\.0\.10/32 .*"lab/web:http"`); n != 1 {
+		t.Fatalf("%d rules for lab/web in the whole KUBE-PORTALS-CONTAINER, want 1", n)
+	}
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+
+	// And --cleanup finds shards after a crash.
+	writeManifest(t, m, bulkManifest(1000))
+	waitFor(t, "the shards back", func() bool { return countRules(t, l, `^:KUBE-PORTALS-HOST-1F `) == 1 })
+	_ = d.Cmd.Process.Signal(syscall.SIGKILL)
+	_ = d.Cmd.Wait()
+	l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup")
+	if n := countRules(t, l, `KUBE-`); n != 0 {
+		t.Fatalf("%d lines mention KUBE- after --cleanup", n)
+	}
+}
