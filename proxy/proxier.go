@@ -203,7 +203,8 @@ type Proxier struct {
 	cfg     Config
 	alloc   portAllocator
 	conns   connTable
-	workers workers // run the connection handlers
+	workers workers // run the connection handlers up to their dial
+	copiers workers // run the two copies of each connection
 
 	mu          sync.Mutex // guards pending, queuedAt, latest and health
 	pending     *config.State
@@ -230,6 +231,7 @@ func New(cfg Config) *Proxier {
 		kick:      make(chan struct{}, 1),
 		frontends: make(map[frontendKey]*frontend),
 		workers:   workers{maxIdle: 10 * time.Second},
+		copiers:   workers{maxIdle: 10 * time.Second},
 	}
 }
 
@@ -264,7 +266,9 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	p.ctx = ctx
 	stopWorkers, workersDone := make(chan struct{}), make(chan struct{})
 	go func() { p.workers.Run(stopWorkers); close(workersDone) }()
-	defer func() { close(stopWorkers); <-workersDone }() // after shutdown: no handler left
+	copiersDone := make(chan struct{})
+	go func() { p.copiers.Run(stopWorkers); close(copiersDone) }()
+	defer func() { close(stopWorkers); <-workersDone; <-copiersDone }() // after shutdown: no handler left
 	minPeriod, period := p.cfg.MinSyncPeriod, p.cfg.SyncPeriod
 	if period <= 0 {
 		period = 30 * time.Second

@@ -67,8 +67,12 @@ func (f *frontend) serveTCP(ln *net.TCPListener) {
 }
 
 // handleTCP owns client: it dials a backend, splices the two and closes both.
+//
+// The copies run on other goroutines than the dial: net.Dial grows a
+// goroutine's stack to 8 KiB or more, and a goroutine keeps its deepest size
+// while it waits, so a copy on the dialling goroutine made every idle
+// connection hold that stack. Dialling goroutines go back to their pool.
 func (f *frontend) handleTCP(c *connRecord, client *net.TCPConn) {
-	defer f.p.conns.remove(c)
 	c.OrigDst = originalDst(client)
 
 	backend, err := f.dialBackend(c)
@@ -78,10 +82,14 @@ func (f *frontend) handleTCP(c *connRecord, client *net.TCPConn) {
 		_ = client.SetLinger(0)
 		client.Close()
 		c.finish(f, 0, 0, err.Error())
+		f.p.conns.remove(c)
 		return
 	}
-	up, down, cause := f.spliceConns(c, client, backend)
-	c.finish(f, up, down, cause)
+	f.p.copiers.Go(func() {
+		defer f.p.conns.remove(c)
+		up, down, cause := f.spliceConns(c, client, backend)
+		c.finish(f, up, down, cause)
+	})
 }
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own
@@ -165,7 +173,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	// Two goroutines per connection, this one included: the downstream copy
 	// runs beside, the upstream copy here.
 	downDone := make(chan int64, 1)
-	f.p.workers.Go(func() { downDone <- copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown) })
+	f.p.copiers.Go(func() { downDone <- copyHalf(client, backend, CauseBackendClosed, CauseBackendReset, c.addDown) })
 	up = copyHalf(backend, client, CauseClientClosed, CauseClientReset, c.addUp)
 	down = <-downDone
 	client.Close()
