@@ -218,9 +218,9 @@ type Proxier struct {
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
 
-	viewMu     sync.Mutex // guards view, the frontends as last synced, for readers
-	view       []Frontend
-	viewSorted bool
+	viewMu sync.Mutex // guards view, the frontends as last synced, for readers
+	view   []Frontend // also handed to Rules.Sync: never reordered
+	sorted []Frontend // a sorted copy of view, made on first read
 }
 
 // New returns a Proxier; nothing happens until Run.
@@ -377,7 +377,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			NodePortErr: fe.nodePortErr, fe: fe})
 	}
 	p.viewMu.Lock()
-	p.view, p.viewSorted = view, false // sorted when first read: sorting 10k costs ms
+	p.view, p.sorted = view, nil // sorted when first read: sorting 10k costs ms
 	p.viewMu.Unlock()
 
 	var err error
@@ -548,7 +548,7 @@ func (p *Proxier) shutdown(grace time.Duration) {
 		delete(p.frontends, key)
 	}
 	p.viewMu.Lock()
-	p.view = nil
+	p.view, p.sorted = nil, nil
 	p.viewMu.Unlock()
 	p.conns.drain(grace)
 	if p.cfg.Rules != nil {
@@ -562,11 +562,11 @@ func (p *Proxier) shutdown(grace time.Duration) {
 func (p *Proxier) Frontends() []Frontend {
 	p.viewMu.Lock()
 	defer p.viewMu.Unlock()
-	if !p.viewSorted {
-		sort.Slice(p.view, func(i, j int) bool { return lessFrontend(p.view[i], p.view[j]) })
-		p.viewSorted = true
+	if p.sorted == nil && p.view != nil {
+		p.sorted = append([]Frontend(nil), p.view...)
+		sort.Slice(p.sorted, func(i, j int) bool { return lessFrontend(p.sorted[i], p.sorted[j]) })
 	}
-	return append([]Frontend(nil), p.view...)
+	return append([]Frontend(nil), p.sorted...)
 }
 
 // Lookup returns the frontend serving name for family and kind as of the last sync.
