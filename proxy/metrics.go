@@ -122,3 +122,17 @@ func (m *feMetrics) get() *feSeries {
 	})
 	return m.series
 }
+
+// deleteServiceMetrics drops every series of a service port that is no longer
+// served. Connections still draining keep counting into their detached
+// series; a service that comes back starts from zero, which Prometheus reads
+// as a counter reset.
+func deleteServiceMetrics(service string) {
+	match := prometheus.Labels{"service": service}
+	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
+		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
+		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
+	} {
+		v.DeletePartialMatch(match)
+	}
+}

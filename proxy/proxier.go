@@ -341,6 +341,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	start := time.Now()
 	desired := desiredFrontends(st)
 	var stale []*frontend
+	var closed []config.ServicePortName
 	for key, fe := range p.frontends {
 		if sp, ok := desired[key]; !ok || (sp != fe.spec && !fe.spec.SameFrontend(sp)) {
 			delete(p.frontends, key)
@@ -348,6 +349,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 				// Its successor may need the same NodePort: close it now
 				// (the one case that is break-before-make).
 				fe.close()
+				closed = append(closed, key.Name)
 				continue
 			}
 			stale = append(stale, fe)
@@ -388,9 +390,27 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	}
 	for _, fe := range stale {
 		fe.close()
+		closed = append(closed, fe.key.Name)
+	}
+	for _, name := range closed {
+		if !served(desired, name) {
+			deleteServiceMetrics(name.String()) // else churn would grow /metrics forever
+		}
 	}
 	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(stale), "took": time.Since(start).String()}).Debug("Synced")
 	return err
+}
+
+// served reports whether desired has a frontend for name, of any kind and family.
+func served(desired map[frontendKey]*config.ServicePort, name config.ServicePortName) bool {
+	for _, k := range []Kind{KindAll, KindInternal, KindExternal} {
+		for _, fam := range []int{4, 6} {
+			if desired[frontendKey{Name: name, Kind: k, Family: fam}] != nil {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 func lessFrontend(a, b Frontend) bool {
