@@ -43,8 +43,10 @@ type fileConfig struct {
 	UDPMaxFlows    *int    `json:"udpMaxFlows,omitempty"`
 	ShutdownGrace  *string `json:"shutdownGrace,omitempty"`
 	ConnectionLog  *string `json:"connectionLog,omitempty"`
-	LogLevel       *string `json:"logLevel,omitempty"`
-	LogFormat      *string `json:"logFormat,omitempty"`
+	// SchedulingPolicy is --scheduling-policy.
+	SchedulingPolicy *string `json:"schedulingPolicy,omitempty"`
+	LogLevel         *string `json:"logLevel,omitempty"`
+	LogFormat        *string `json:"logFormat,omitempty"`
 }
 
 // applyConfigFile sets every flag the command line did not set from the
@@ -112,6 +114,7 @@ func applyConfigFile(path string, fs *pflag.FlagSet, origin map[string]string) e
 		setting{"tcpIdleTimeout", "tcp-idle-timeout", dur(fc.TCPIdleTimeout)},
 		setting{"shutdownGrace", "shutdown-grace", dur(fc.ShutdownGrace)},
 		setting{"connectionLog", "connection-log", str(fc.ConnectionLog)},
+		setting{"schedulingPolicy", "scheduling-policy", str(fc.SchedulingPolicy)},
 		setting{"logLevel", "log-level", str(fc.LogLevel)},
 		setting{"logFormat", "log-format", str(fc.LogFormat)},
 	)

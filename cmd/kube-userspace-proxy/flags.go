@@ -42,6 +42,7 @@ type options struct {
 	metricsAddr      string
 	profiling        bool
 	connLog          string
+	schedPolicy      string
 	configFile       string
 	// origin names where a flag's value came from, for error messages.
 	origin map[string]string
@@ -88,6 +89,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
 	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, timeouts...), all, or none.")
+	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
 	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (connection lines are debug).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
 	fs.Usage = func() {
@@ -136,6 +138,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	case "errors", "all", "none":
 	default:
 		return nil, fmt.Errorf("%s: %q is not errors, all or none", o.name("connection-log"), o.connLog)
+	}
+	switch o.schedPolicy {
+	case "normal", "batch":
+	default:
+		return nil, fmt.Errorf("%s: %q is not normal or batch", o.name("scheduling-policy"), o.schedPolicy)
 	}
 	for _, a := range []struct{ flag, v string }{{"healthz-bind-address", o.healthzAddr}, {"metrics-bind-address", o.metricsAddr}} {
 		if a.v == "" {

@@ -46,6 +46,7 @@ func TestBadFlagsExit2(t *testing.T) {
 		{"--manifests", "x.yaml", "--udp-timeout", "-1s"},
 		{"--manifests", "x.yaml", "--log-format", "xml"},
 		{"--manifests", "x.yaml", "--log-level", "loud"},
+		{"--manifests", "x.yaml", "--scheduling-policy", "fifo"},
 		{"--manifests", "x.yaml", "stray"},
 		{"--kubeconfig", "/nonexistent"}, // cannot be loaded
 		{"--manifests", "x.yaml", "--master", "https://127.0.0.1:1"},
@@ -238,5 +239,47 @@ func waitListening(t *testing.T, stderr *lockedBuffer) string {
 			t.Fatalf("daemon never listened: %s", stderr.String())
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// --scheduling-policy batch puts every thread of the daemon under SCHED_BATCH.
+func TestSchedulingPolicyBatch(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "m.yaml")
+	os.WriteFile(f, []byte("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n"), 0o644)
+	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
+	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--scheduling-policy", "batch",
+		"--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
+	var stderr lockedBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(stderr.String(), "msg=Listening") {
+		if time.Now().After(deadline) {
+			t.Fatalf("daemon never listened: %s", stderr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !strings.Contains(stderr.String(), "Scheduling policy batch") {
+		t.Fatalf("no log line about the policy: %s", stderr.String())
+	}
+	dir := fmt.Sprintf("/proc/%d/task", cmd.Process.Pid)
+	tasks, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range tasks {
+		stat, err := os.ReadFile(filepath.Join(dir, task.Name(), "stat"))
+		if err != nil {
+			continue // exited
+		}
+		// Field 41 is the policy; fields are counted after the ")" that ends the name.
+		_, rest, _ := strings.Cut(string(stat), ") ")
+		fields := strings.Fields(rest)
+		if policy := fields[41-3]; policy != "3" {
+			t.Errorf("thread %s has policy %s, want 3 (SCHED_BATCH)", task.Name(), policy)
+		}
 	}
 }

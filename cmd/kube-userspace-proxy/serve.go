@@ -42,6 +42,13 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 			return usageError{fmt.Errorf("API client: %w", err)}
 		}
 	}
+	if o.schedPolicy == "batch" {
+		if n, err := setBatchScheduling(); err != nil {
+			log.WithError(err).Warn("Cannot switch to SCHED_BATCH; running with the normal policy")
+		} else {
+			log.WithField("threads", n).Info("Scheduling policy batch (SCHED_BATCH)")
+		}
+	}
 	if limit, err := proxy.RaiseFileLimit(); err != nil {
 		log.WithError(err).Warn("Cannot raise the open-file limit")
 	} else {
