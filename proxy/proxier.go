@@ -230,8 +230,8 @@ func New(cfg Config) *Proxier {
 		alloc:     portAllocator{r: cfg.PortRange},
 		kick:      make(chan struct{}, 1),
 		frontends: make(map[frontendKey]*frontend),
-		workers:   workers{maxIdle: 10 * time.Second},
-		copiers:   workers{maxIdle: 10 * time.Second},
+		workers:   workers{maxIdle: 10 * time.Second, maxParked: 1024},
+		copiers:   workers{maxIdle: 10 * time.Second, maxParked: 1024},
 	}
 }
 

@@ -10,11 +10,13 @@ import (
 // copying, on its way through net.Dial; at 8k connections/s goroutine start,
 // stack growth and exit took ~4.5 % of the proxy's CPU. A parked worker keeps
 // its grown stack. Workers idle for longer than maxIdle exit, so a burst
-// leaves no lasting goroutines behind.
+// leaves no lasting goroutines behind, and at most maxParked wait at a time,
+// so that a storm of short connections leaves no pile of parked stacks.
 //
 // Go never blocks: with no idle worker it starts a new one.
 type workers struct {
-	maxIdle time.Duration
+	maxIdle   time.Duration
+	maxParked int // 0: no limit
 
 	mu      sync.Mutex
 	idle    []*worker // most recently parked last
@@ -56,7 +58,7 @@ func (w *workers) loop(fn func()) {
 	for fn != nil {
 		fn()
 		w.mu.Lock()
-		if w.stopped {
+		if w.stopped || (w.maxParked > 0 && len(w.idle) >= w.maxParked) {
 			w.mu.Unlock()
 			return
 		}

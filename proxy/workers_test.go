@@ -13,7 +13,7 @@ func (w *workers) idleCount() int {
 }
 
 func TestWorkersReuseRetireStop(t *testing.T) {
-	w := &workers{maxIdle: 50 * time.Millisecond}
+	w := &workers{maxIdle: 500 * time.Millisecond} // long enough to observe parked workers on a loaded machine
 	stop, done := make(chan struct{}), make(chan struct{})
 	go func() { w.Run(stop); close(done) }()
 
@@ -40,6 +40,23 @@ func TestWorkersReuseRetireStop(t *testing.T) {
 	waitFor(t, "three workers parked", func() bool { return w.idleCount() == 3 })
 	if w.spawned != 3 {
 		t.Fatalf("3 concurrent jobs after one parked worker: %d goroutines started in all, want 3", w.spawned)
+	}
+
+	// At most maxParked wait; the others end.
+	w.mu.Lock()
+	w.maxParked = 2
+	w.mu.Unlock()
+	release = make(chan struct{})
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		w.Go(func() { defer wg.Done(); <-release })
+	}
+	close(release)
+	wg.Wait()
+	waitFor(t, "two workers parked", func() bool { return w.idleCount() == 2 })
+	time.Sleep(20 * time.Millisecond) // a third would show up now
+	if n := w.idleCount(); n > 2 {
+		t.Fatalf("%d workers parked, want at most 2", n)
 	}
 
 	// Idle workers are retired after maxIdle.
