@@ -183,7 +183,6 @@ type frontend struct {
 	key         frontendKey
 	spec        *config.ServicePort
 	bal         *RoundRobin
-	balanced    bool // bal has been given spec's endpoints
 	listen      netip.AddrPort
 	nodePortErr error // the NodePort could not be taken
 	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
@@ -358,7 +357,8 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	var view []Frontend
 	for key, sp := range desired {
 		fe := p.frontends[key]
-		if fe == nil {
+		opened := fe == nil
+		if opened {
 			var err error
 			fe, err = p.open(key, sp)
 			if err != nil {
@@ -368,12 +368,11 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			}
 			p.frontends[key] = fe
 		}
-		if fe.spec != sp || !fe.balanced {
+		if opened || fe.spec != sp {
 			// Sources reuse an unchanged port's pointer: only changed
 			// ports cost anything here.
 			fe.spec = sp
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
-			fe.balanced = true
 		}
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr, fe: fe})

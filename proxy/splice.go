@@ -116,18 +116,25 @@ func readAvailable(fd int, b []byte) (n int, eof bool, err error) {
 	return n, false, nil
 }
 
-// sendAll writes b to the socket, waiting for it to become writable as
-// needed, with send(2) flags.
+// sendAll writes b to the socket with send(2) flags, waiting for it to
+// become writable as needed.
 func sendAll(dstRaw syscall.RawConn, b []byte, flags int) error {
-	for len(b) > 0 {
+	return writeAll(dstRaw, len(b), func(fd, done int) (int, error) {
+		if flags == 0 {
+			return unix.Write(fd, b[done:]) // cheaper than sendmsg
+		}
+		return unix.SendmsgN(fd, b[done:], nil, nil, flags|unix.MSG_NOSIGNAL)
+	})
+}
+
+// writeAll calls write until n bytes are written to the socket, waiting for
+// it to become writable on EAGAIN; write gets the socket and the bytes done.
+func writeAll(dstRaw syscall.RawConn, n int, write func(fd, done int) (int, error)) error {
+	for done := 0; done < n; {
 		var m int
 		var serr error
 		err := dstRaw.Write(func(fd uintptr) bool {
-			if flags == 0 {
-				m, serr = unix.Write(int(fd), b) // cheaper than sendmsg
-			} else {
-				m, serr = unix.SendmsgN(int(fd), b, nil, nil, flags|unix.MSG_NOSIGNAL)
-			}
+			m, serr = write(int(fd), done)
 			return serr != unix.EAGAIN
 		})
 		if err != nil {
@@ -139,7 +146,10 @@ func sendAll(dstRaw syscall.RawConn, b []byte, flags int) error {
 		if serr != nil {
 			return &net.OpError{Op: "write", Net: "tcp", Err: serr}
 		}
-		b = b[m:]
+		if m == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		done += m
 	}
 	return nil
 }
@@ -189,28 +199,10 @@ func spliceBurst(dstRaw syscall.RawConn, srcFd int) (moved int64, eof bool, err 
 // pump writes exactly n bytes from the pipe to the socket, waiting for the
 // socket to become writable as needed.
 func pump(dstRaw syscall.RawConn, pipeR int, n int) error {
-	for n > 0 {
-		var m int64
-		var serr error
-		err := dstRaw.Write(func(fd uintptr) bool {
-			m, serr = unix.Splice(pipeR, nil, int(fd), nil, n, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
-			return serr != unix.EAGAIN
-		})
-		if err != nil {
-			return err
-		}
-		if serr == unix.EINTR {
-			continue
-		}
-		if serr != nil {
-			return &net.OpError{Op: "write", Net: "tcp", Err: serr}
-		}
-		if m == 0 {
-			return io.ErrUnexpectedEOF
-		}
-		n -= int(m)
-	}
-	return nil
+	return writeAll(dstRaw, n, func(fd, done int) (int, error) {
+		m, err := unix.Splice(pipeR, nil, fd, nil, n-done, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+		return int(m), err
+	})
 }
 
 // pipe is a non-blocking pipe pair used by one burst at a time.

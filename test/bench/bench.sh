@@ -103,31 +103,31 @@ proxypid() { # the process serving a path, for CPU and memory
   esac
 }
 cputicks() { awk '{print $14+$15}' "/proc/$1/stat"; }
+HZ=$(getconf CLK_TCK)
+cpusince() { awk -v t=$(($(cputicks "$1") - $2)) -v hz="$HZ" 'BEGIN{printf "%.4f", t/hz}'; } # pid ticks0 → CPU seconds since
 
 results="$work/results"
 : >"$results"
 record() { echo "$1 $2 $3" >>"$results"; } # metric path value
 
 iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
-  local p=$1 len=$2 pid t0 t1 out bps bytes
+  local p=$1 len=$2 pid t0 out bps bytes
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
   out=$(N client iperf3 -c "${VIP[$p]}" -p 5201 -t "$DUR" -l "$len" -J 2>/dev/null)
   bps=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
   bytes=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bytes"/{gsub(/[,]/,"");print $2;exit}')
   record "tput_${len}" "$p" "$(awk -v b="${bps:-0}" 'BEGIN{printf "%.2f", b/1e9}')"
   if [ -n "$pid" ] && [ -n "${bytes:-}" ]; then
-    t1=$(cputicks "$pid")
-    record "cpu_per_gb_${len}" "$p" "$(awk -v t=$((t1-t0)) -v b="$bytes" -v hz="$(getconf CLK_TCK)" 'BEGIN{printf "%.2f", (t/hz)/(b/1e9)}')"
+    record "cpu_per_gb_${len}" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v b="$bytes" 'BEGIN{printf "%.2f", c/(b/1e9)}')"
   fi
 }
 rate() { # path mode → operations/s; CPU µs per operation of the proxy process
-  local p=$1 mode=$2 pid t0 t1 out
+  local p=$1 mode=$2 pid t0 out
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
   out=$(N client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
   record "$mode" "$p" "$(echo "$out" | jsonval perSecond)"
   if [ -n "$pid" ]; then
-    t1=$(cputicks "$pid")
-    record "cpu_per_$mode" "$p" "$(awk -v t=$((t1-t0)) -v n="$(echo "$out" | jsonval count)" -v hz="$(getconf CLK_TCK)" 'BEGIN{if(n>0) printf "%.1f", t/hz/n*1e6}')"
+    record "cpu_per_$mode" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v n="$(echo "$out" | jsonval count)" 'BEGIN{if(n>0) printf "%.1f", c/n*1e6}')"
   fi
 }
 jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
@@ -171,8 +171,7 @@ if want udp && case " $PATHS " in *" proxy "*) true ;; *) false ;; esac; then
   for run in $(seq "$RUNS"); do
     pid=$(proxypid proxy); t0=$(cputicks "$pid")
     out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[proxy]}:8081" -d "${DUR}s" -size 64 -flows 1 -rate "${UDP_CPU_RATE:-40000}")
-    t1=$(cputicks "$pid")
-    record udp_per_core proxy "$(awk -v t=$((t1-t0)) -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" -v hz="$(getconf CLK_TCK)" 'BEGIN{if(t>0) printf "%.0f", (s+r)/(t/hz)}')"
+    record udp_per_core proxy "$(awk -v c="$(cpusince "$pid" "$t0")" -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(c>0) printf "%.0f", (s+r)/c}')"
   done
 fi
 
