@@ -330,6 +330,87 @@ func TestTCPEchoAndHalfClose(t *testing.T) {
 	}
 }
 
+// A client that sends its FIN and leaves resets its socket when the reply
+// comes. The proxy must end the pair then, not wait for a backend that keeps
+// its side open: before, every such client kept two descriptors for good.
+func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	backendReset := make(chan error, 10)
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+				// Reply only once the client's FIN came through, so the
+				// reply always finds the client gone; then keep the
+				// connection open and silent until the proxy resets it.
+				// (Reads say EOF even then: the kernel reports the FIN
+				// before the error. The TCP state tells.)
+				if _, err := io.Copy(io.Discard, c); err != nil {
+					backendReset <- err
+					return
+				}
+				_, _ = c.Write([]byte("late reply\n"))
+				raw, _ := c.(*net.TCPConn).SyscallConn()
+				for {
+					var state byte
+					_ = raw.Control(func(fd uintptr) {
+						state, _ = unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+					})
+					if state == tcpClose {
+						backendReset <- nil
+						return
+					}
+					if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+						backendReset <- err // the deadline
+						return
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+			}()
+		}
+	}()
+	h := startProxier(t, Config{})
+	h.apply(svc("late", config.TCP, ln.Addr().(*net.TCPAddr).AddrPort()))
+	const clients = 5
+	for i := 0; i < clients; i++ {
+		c, err := net.Dial("tcp", h.addr("late"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+	}
+	waitFor(t, "every pair ended", func() bool { return len(h.logs.find("Connection closed")) == clients })
+	for _, f := range h.logs.find("Connection closed") {
+		if f["cause"] != CauseClientReset {
+			t.Errorf("cause %v, want %q", f["cause"], CauseClientReset)
+		}
+	}
+	for i := 0; i < clients; i++ {
+		select {
+		case err := <-backendReset:
+			if err != nil {
+				t.Errorf("backend connection: %v, want the reset passed on", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("a backend connection was never reset")
+		}
+	}
+}
+
 // Both sockets of a proxied connection probe a silent peer: the client's
 // inherits keep-alive from the listener, the backend's is set at dial.
 func TestTCPKeepAliveOnBothSockets(t *testing.T) {

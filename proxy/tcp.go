@@ -142,6 +142,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	c.setConns(client, backend)
 	var first sync.Once // the direction that ends first names the cause
 	var ended atomic.Int32
+	lateReset := "" // set by a direction that saw its peer reset after the FIN
 	// copyHalf copies one direction. A FIN is passed on as a half-close and
 	// the other direction finishes on its own (request/response protocols
 	// depend on it); anything else ends both directions, a reset passed on.
@@ -149,9 +150,11 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 		n, err := copyUntilIdle(dst, src, client, backend, idle, count)
 		last := ended.Add(1) == 2
 		why := eofCause
+		watch := false
 		switch {
 		case err == nil && !last:
 			_ = dst.CloseWrite()
+			watch = true
 		case err == nil:
 			// Both directions are done: the Close below sends the FIN,
 			// a shutdown(2) first would only cost a system call.
@@ -164,8 +167,17 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 			_ = dst.SetLinger(0)
 		}
 		first.Do(func() { cause = why })
-		if err != nil {
-			client.Close()
+		if watch && waitPeerReset(src) {
+			// The peer that sent the FIN reset its socket since (a client
+			// that left before the reply came back): no one will read the
+			// other direction, so end the pair now, a reset passed on, or
+			// it would wait for the other peer to close.
+			_ = dst.SetLinger(0)
+			err = errPeerReset
+			lateReset = resetCause
+		}
+		if err != nil || last {
+			client.Close() // wakes a direction still watching for a reset
 			backend.Close()
 		}
 		return n
@@ -178,6 +190,9 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	down = <-downDone
 	client.Close()
 	backend.Close()
+	if lateReset != "" {
+		cause = lateReset // the reset, not the FIN before it, ended the pair
+	}
 	return up, down, cause
 }
 
@@ -204,6 +219,33 @@ func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration, c
 		return total, err
 	}
 }
+
+var errPeerReset = errors.New("peer reset after its FIN")
+
+// waitPeerReset waits on c, whose peer has sent its FIN, until the peer
+// resets it (true) or c is closed (false). After the FIN nothing but the
+// reset makes c readable again; other wake-ups are checked and ignored.
+func waitPeerReset(c *net.TCPConn) bool {
+	_ = c.SetReadDeadline(time.Time{}) // the other direction owns idleness now
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return false
+	}
+	reset := false
+	// The first call checks at once: a reset that came between the EOF
+	// and this call woke no one.
+	_ = raw.Read(func(fd uintptr) bool {
+		// tcpi_state is the first byte of struct tcp_info; the socket is
+		// in CLOSE_WAIT until the reset moves it to CLOSE.
+		state, err := unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		reset = err == nil && state == tcpClose
+		return reset
+	})
+	return reset
+}
+
+// tcpClose is TCP_CLOSE of the kernel's TCP states (include/net/tcp_states.h).
+const tcpClose = 7
 
 // sinceLastRecv reads how long ago the kernel last received data on c.
 func sinceLastRecv(c *net.TCPConn) time.Duration {

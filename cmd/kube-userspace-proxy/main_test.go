@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -149,23 +150,34 @@ func TestRecoversFromFileLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer backend.Close()
+	// The backend greets, then holds the connection until the client's FIN
+	// arrives, as servers do. (One that never closed would keep every pair
+	// whose client left before the greeting reached it: the client's reset
+	// then lands on a socket the proxy no longer reads.)
 	var mu sync.Mutex
-	var held []net.Conn
+	held := map[net.Conn]bool{}
 	go func() {
 		for {
 			c, err := backend.Accept()
 			if err != nil {
 				return
 			}
-			c.Write([]byte("ok"))
 			mu.Lock()
-			held = append(held, c)
+			held[c] = true
 			mu.Unlock()
+			go func() {
+				c.Write([]byte("ok"))
+				io.Copy(io.Discard, c)
+				c.Close()
+				mu.Lock()
+				delete(held, c)
+				mu.Unlock()
+			}()
 		}
 	}()
 	defer func() {
 		mu.Lock()
-		for _, c := range held {
+		for c := range held {
 			c.Close()
 		}
 		mu.Unlock()
