@@ -330,6 +330,41 @@ func TestTCPEchoAndHalfClose(t *testing.T) {
 	}
 }
 
+// A conversation (reads with TCP_CM_INQ from the second message on) must
+// still see a FIN that comes right behind, or with, the last message: the
+// read that took the data may have taken the FIN too, and no new wake-up
+// would follow.
+func TestTCPConversationFINAfterLastMessage(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("talk", config.TCP, tcpBackend(t, "a")))
+	for conn := 0; conn < 20; conn++ {
+		c, err := net.Dial("tcp", h.addr("talk"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		r := bufio.NewReader(c)
+		if _, err := r.ReadString('\n'); err != nil { // the name line
+			t.Fatal(err)
+		}
+		for i := 0; i < 4; i++ {
+			fmt.Fprintf(c, "ping %d\n", i)
+			if line, err := r.ReadString('\n'); err != nil || line != fmt.Sprintf("ping %d\n", i) {
+				t.Fatalf("connection %d round %d: %q %v", conn, i, line, err)
+			}
+		}
+		// The last message and the FIN back to back; the backend echoes
+		// it and closes on our FIN, so its reply is followed by its FIN.
+		fmt.Fprintf(c, "last\n")
+		_ = c.(*net.TCPConn).CloseWrite()
+		rest, err := io.ReadAll(r)
+		c.Close()
+		if err != nil || string(rest) != "last\n" {
+			t.Fatalf("connection %d: after the last message got %q, %v; want the echo, then EOF", conn, rest, err)
+		}
+	}
+}
+
 // A client that sends its FIN and leaves resets its socket when the reply
 // comes. The proxy must end the pair then, not wait for a backend that keeps
 // its side open: before, every such client kept two descriptors for good.

@@ -5,6 +5,7 @@ import (
 	"net"
 	"sync"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -45,6 +46,13 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 	// bulk: the last wake-up moved more than a buffer, so this one starts
 	// with splice(2) instead of copying the first 32 KiB through user space.
 	bulk := false
+	// inq is set once src carried a second message: a conversation, where
+	// reading with TCP_CM_INQ saves the read that finds the socket empty
+	// on every message (three system calls per message become two). A
+	// connection that carries one request and one reply never pays the
+	// setsockopt.
+	var inq *inqReader
+	messages := 0
 	burst := func(fd int) bool {
 		m, eof, err := spliceBurst(dstRaw, fd)
 		if m > 0 {
@@ -62,8 +70,11 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 			return burst(int(fd))
 		}
 		b := bufs.Get().(*[]byte)
-		n, eof, rerr := readAvailable(int(fd), *b)
+		n, eof, rerr := readAvailable(int(fd), *b, inq)
 		if n > 0 {
+			if messages++; messages == 2 && inq == nil {
+				inq = newInqReader(int(fd))
+			}
 			flags := 0
 			if eof {
 				flags = unix.MSG_MORE // the caller's FIN follows at once
@@ -95,12 +106,18 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 }
 
 // readAvailable reads from the non-blocking socket fd into b until b is
-// full, the socket has nothing more (EAGAIN), EOF or an error. It returns the
-// bytes read; eof and err describe what ended the reading (neither: EAGAIN
-// or full).
-func readAvailable(fd int, b []byte) (n int, eof bool, err error) {
+// full, the socket has nothing more (EAGAIN, or inq says nothing is left),
+// EOF or an error. It returns the bytes read; eof and err describe what ended
+// the reading (neither: drained or full). inq may be nil: plain read(2).
+func readAvailable(fd int, b []byte, inq *inqReader) (n int, eof bool, err error) {
 	for n < len(b) {
-		m, err := unix.Read(fd, b[n:])
+		var m, left int
+		if inq != nil {
+			m, left, err = inq.read(fd, b[n:])
+		} else {
+			m, err = unix.Read(fd, b[n:])
+			left = -1
+		}
 		switch {
 		case err == unix.EINTR:
 			continue
@@ -112,8 +129,55 @@ func readAvailable(fd int, b []byte) (n int, eof bool, err error) {
 			return n, true, nil
 		}
 		n += m
+		if left == 0 {
+			return n, false, nil // drained, and no FIN waiting
+		}
 	}
 	return n, false, nil
+}
+
+// inqReader reads with recvmsg(2) on a socket with TCP_INQ set: each read
+// comes with a TCP_CM_INQ control message saying how many bytes are left
+// to read, a received FIN counted as one (tcp_inq_hint in the kernel), so
+// "0 left" means the socket is drained and the next wake-up will tell of
+// new data or the FIN.
+type inqReader struct {
+	hdr unix.Msghdr
+	iov unix.Iovec
+	oob [unix.SizeofCmsghdr + 8]byte // one cmsg with an int, aligned
+}
+
+// newInqReader sets TCP_INQ on fd and returns a reader for it, or nil when
+// the kernel refuses (before Linux 4.18): plain reads then.
+func newInqReader(fd int) *inqReader {
+	if unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) != nil {
+		return nil
+	}
+	return &inqReader{}
+}
+
+// read reads once into b. left is what the kernel says remains, or -1 when
+// no TCP_CM_INQ came back (the caller reads on until EAGAIN).
+func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
+	r.iov.Base = &b[0]
+	r.iov.SetLen(len(b))
+	r.hdr.Iov = &r.iov
+	r.hdr.SetIovlen(1)
+	r.hdr.Control = &r.oob[0]
+	r.hdr.SetControllen(len(r.oob))
+	m, _, errno := unix.Syscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdr)), 0)
+	r.iov.Base, r.hdr.Iov, r.hdr.Control = nil, nil, nil // hold no buffer between reads
+	if errno != 0 {
+		return 0, -1, errno
+	}
+	left = -1
+	if r.hdr.Controllen >= unix.SizeofCmsghdr+4 {
+		h := (*unix.Cmsghdr)(unsafe.Pointer(&r.oob[0]))
+		if h.Level == unix.IPPROTO_TCP && h.Type == unix.TCP_CM_INQ {
+			left = int(*(*int32)(unsafe.Pointer(&r.oob[unix.SizeofCmsghdr])))
+		}
+	}
+	return int(m), left, nil
 }
 
 // sendAll writes b to the socket with send(2) flags, waiting for it to
