@@ -37,6 +37,7 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	out := newSink(dstRaw)
 	var total int64
 	var cerr error // what ended the copy inside the callback; nil at EOF
 	moved := func(n int64) {
@@ -54,7 +55,7 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 	var inq *inqReader
 	messages := 0
 	burst := func(fd int) bool {
-		m, eof, err := spliceBurst(dstRaw, fd)
+		m, eof, err := spliceBurst(out, fd)
 		if m > 0 {
 			moved(m)
 		}
@@ -79,7 +80,7 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 			if eof {
 				flags = unix.MSG_MORE // the caller's FIN follows at once
 			}
-			if werr := sendAll(dstRaw, (*b)[:n], flags); werr != nil {
+			if werr := out.send((*b)[:n], flags); werr != nil {
 				bufs.Put(b)
 				cerr = werr
 				return true
@@ -180,42 +181,83 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 	return int(m), left, nil
 }
 
-// sendAll writes b to the socket with send(2) flags, waiting for it to
-// become writable as needed.
-func sendAll(dstRaw syscall.RawConn, b []byte, flags int) error {
-	return writeAll(dstRaw, len(b), func(fd, done int) (int, error) {
-		if flags == 0 {
-			return unix.Write(fd, b[done:]) // cheaper than sendmsg
-		}
-		return unix.SendmsgN(fd, b[done:], nil, nil, flags|unix.MSG_NOSIGNAL)
-	})
+// sink writes to the destination socket of one copy. It lives as long as the
+// copy, with its wait callback bound once, so that a message costs no
+// allocation (closures per write cost six per message).
+type sink struct {
+	raw syscall.RawConn
+	try func(fd uintptr) bool // s.attempt
+	// The write in progress: from buf with send(2) flags, or, when buf is
+	// nil, n bytes spliced from the pipe pipeR.
+	buf        []byte
+	flags      int
+	pipeR      int
+	n, done, m int
+	err        error
 }
 
-// writeAll calls write until n bytes are written to the socket, waiting for
-// it to become writable on EAGAIN; write gets the socket and the bytes done.
-func writeAll(dstRaw syscall.RawConn, n int, write func(fd, done int) (int, error)) error {
-	for done := 0; done < n; {
-		var m int
-		var serr error
-		err := dstRaw.Write(func(fd uintptr) bool {
-			m, serr = write(int(fd), done)
-			return serr != unix.EAGAIN
-		})
-		if err != nil {
+func newSink(raw syscall.RawConn) *sink {
+	s := &sink{raw: raw}
+	s.try = s.attempt
+	return s
+}
+
+// send writes b with send(2) flags, waiting for the socket to become
+// writable as needed.
+func (s *sink) send(b []byte, flags int) error {
+	s.buf, s.flags, s.n = b, flags, len(b)
+	err := s.writeAll()
+	s.buf = nil // hold no buffer between writes
+	return err
+}
+
+// pump writes exactly n bytes from the pipe pipeR, waiting for the socket to
+// become writable as needed.
+func (s *sink) pump(pipeR, n int) error {
+	s.pipeR, s.n = pipeR, n
+	return s.writeAll()
+}
+
+// writeAll attempts until n bytes are written, waiting on EAGAIN.
+func (s *sink) writeAll() error {
+	for s.done = 0; s.done < s.n; {
+		if err := s.raw.Write(s.try); err != nil {
 			return err
 		}
-		if serr == unix.EINTR {
+		switch {
+		case s.err == unix.EINTR:
 			continue
-		}
-		if serr != nil {
-			return &net.OpError{Op: "write", Net: "tcp", Err: serr}
-		}
-		if m == 0 {
+		case s.err != nil:
+			return &net.OpError{Op: "write", Net: "tcp", Err: s.err}
+		case s.m == 0:
 			return io.ErrUnexpectedEOF
 		}
-		done += m
+		s.done += s.m
 	}
 	return nil
+}
+
+// attempt is one write; it returns false (wait for writability) on EAGAIN.
+func (s *sink) attempt(fd uintptr) bool {
+	var m uintptr
+	var errno syscall.Errno
+	switch {
+	case s.buf == nil:
+		var n int64
+		n, s.err = unix.Splice(s.pipeR, nil, int(fd), nil, s.n-s.done, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+		s.m = int(n)
+		return s.err != unix.EAGAIN
+	case s.flags == 0:
+		m, _, errno = unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&s.buf[s.done])), uintptr(s.n-s.done))
+	default:
+		m, _, errno = unix.Syscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(&s.buf[s.done])), uintptr(s.n-s.done),
+			uintptr(s.flags|unix.MSG_NOSIGNAL), 0, 0)
+	}
+	s.m, s.err = int(m), nil
+	if errno != 0 {
+		s.m, s.err = 0, errno
+	}
+	return s.err != unix.EAGAIN
 }
 
 // bufs holds the read buffers of small messages, shared by all connections.
@@ -229,7 +271,7 @@ const maxSplice = 1 << 20
 // spliceBurst moves what the socket srcFd has now to dst through a pooled
 // pipe, and returns the pipe when srcFd would block. eof reports that srcFd
 // is at EOF.
-func spliceBurst(dstRaw syscall.RawConn, srcFd int) (moved int64, eof bool, err error) {
+func spliceBurst(dst *sink, srcFd int) (moved int64, eof bool, err error) {
 	p, err := pipes.get()
 	if err != nil {
 		return 0, false, err
@@ -253,20 +295,11 @@ func spliceBurst(dstRaw syscall.RawConn, srcFd int) (moved int64, eof bool, err 
 		case n == 0:
 			return moved, true, nil
 		}
-		if err := pump(dstRaw, p.r, int(n)); err != nil {
+		if err := dst.pump(p.r, int(n)); err != nil {
 			return moved, false, err
 		}
 		moved += n
 	}
-}
-
-// pump writes exactly n bytes from the pipe to the socket, waiting for the
-// socket to become writable as needed.
-func pump(dstRaw syscall.RawConn, pipeR int, n int) error {
-	return writeAll(dstRaw, n, func(fd, done int) (int, error) {
-		m, err := unix.Splice(pipeR, nil, fd, nil, n-done, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
-		return int(m), err
-	})
 }
 
 // pipe is a non-blocking pipe pair used by one burst at a time.
