@@ -338,11 +338,22 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 func (p *Proxier) sync(st *config.State, verify bool) error {
 	log := p.cfg.log()
 	start := time.Now()
-	desired := desiredFrontends(st)
+	// No map of the desired frontends is built: at 10k service ports it
+	// was most of a sync's allocations, and the garbage collector's work
+	// on it (scanning the 10k accept goroutines' stacks) most of its time.
+	var keys []frontendKey
+	wanted := func(key frontendKey, sp *config.ServicePort) bool {
+		keys = frontendKeys(keys[:0], key.Name, sp)
+		return slices.Contains(keys, key)
+	}
 	var stale []*frontend
 	var closed []config.ServicePortName
 	for key, fe := range p.frontends {
-		if sp, ok := desired[key]; !ok || (sp != fe.spec && !fe.spec.SameFrontend(sp)) {
+		sp := st.Ports[key.Name]
+		if sp == fe.spec {
+			continue // sources hand on an unchanged port as the same pointer
+		}
+		if sp == nil || !wanted(key, sp) || !fe.spec.SameFrontend(sp) {
 			delete(p.frontends, key)
 			if fe.onNodePort() {
 				// Its successor may need the same NodePort: close it now
@@ -354,8 +365,39 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			stale = append(stale, fe)
 		}
 	}
-	var view []Frontend
-	for key, sp := range desired {
+	view := make([]Frontend, 0, max(len(p.frontends), len(st.Ports))+8)
+	for name, sp := range st.Ports {
+		keys = frontendKeys(keys[:0], name, sp)
+		view = p.serve(view, st, sp, keys)
+	}
+	p.viewMu.Lock()
+	p.view, p.sorted = view, nil // sorted when first read: sorting 10k costs ms
+	p.viewMu.Unlock()
+
+	var err error
+	if p.cfg.Rules != nil {
+		if err = p.cfg.Rules.Sync(p.ctx, view, verify); err != nil {
+			log.WithError(err).Error("Rule sync failed; will retry")
+		}
+	}
+	for _, fe := range stale {
+		fe.close()
+		closed = append(closed, fe.key.Name)
+	}
+	for _, name := range closed {
+		if sp := st.Ports[name]; sp == nil || len(frontendKeys(nil, name, sp)) == 0 {
+			deleteServiceMetrics(name.String()) // else churn would grow /metrics forever
+		}
+	}
+	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(stale), "took": time.Since(start).String()}).Debug("Synced")
+	return err
+}
+
+// serve makes sure a frontend serves sp for each of keys (opening the ones
+// missing) and appends them to view.
+func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey) []Frontend {
+	log := p.cfg.log()
+	for _, key := range keys {
 		fe := p.frontends[key]
 		opened := fe == nil
 		if opened {
@@ -377,39 +419,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr, fe: fe})
 	}
-	p.viewMu.Lock()
-	p.view, p.sorted = view, nil // sorted when first read: sorting 10k costs ms
-	p.viewMu.Unlock()
-
-	var err error
-	if p.cfg.Rules != nil {
-		if err = p.cfg.Rules.Sync(p.ctx, view, verify); err != nil {
-			log.WithError(err).Error("Rule sync failed; will retry")
-		}
-	}
-	for _, fe := range stale {
-		fe.close()
-		closed = append(closed, fe.key.Name)
-	}
-	for _, name := range closed {
-		if !served(desired, name) {
-			deleteServiceMetrics(name.String()) // else churn would grow /metrics forever
-		}
-	}
-	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(stale), "took": time.Since(start).String()}).Debug("Synced")
-	return err
-}
-
-// served reports whether desired has a frontend for name, of any kind and family.
-func served(desired map[frontendKey]*config.ServicePort, name config.ServicePortName) bool {
-	for _, k := range []Kind{KindAll, KindInternal, KindExternal} {
-		for _, fam := range []int{4, 6} {
-			if desired[frontendKey{Name: name, Kind: k, Family: fam}] != nil {
-				return true
-			}
-		}
-	}
-	return false
+	return view
 }
 
 func lessFrontend(a, b Frontend) bool {
@@ -439,18 +449,34 @@ func (k frontendKey) localOnly(sp *config.ServicePort) bool {
 // was sent to once redirected).
 func desiredFrontends(st *config.State) map[frontendKey]*config.ServicePort {
 	out := make(map[frontendKey]*config.ServicePort, len(st.Ports))
+	var keys []frontendKey
 	for name, sp := range st.Ports {
-		kinds := []Kind{KindAll}
-		if sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal {
-			kinds = []Kind{KindInternal, KindExternal}
-		}
-		for _, fam := range sp.Families() {
-			for _, k := range kinds {
-				out[frontendKey{Name: name, Kind: k, Family: fam}] = sp
-			}
+		keys = frontendKeys(keys[:0], name, sp)
+		for _, key := range keys {
+			out[key] = sp
 		}
 	}
 	return out
+}
+
+// frontendKeys appends the keys of the listeners sp needs (see
+// desiredFrontends) to keys, without allocating when keys has room.
+func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort) []frontendKey {
+	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
+	var seen [2]bool // IPv4, IPv6
+	for _, ip := range sp.ClusterIPs {
+		fam := config.Family(ip)
+		if seen[fam/6] {
+			continue
+		}
+		seen[fam/6] = true
+		if split {
+			keys = append(keys, frontendKey{Name: name, Kind: KindInternal, Family: fam}, frontendKey{Name: name, Kind: KindExternal, Family: fam})
+		} else {
+			keys = append(keys, frontendKey{Name: name, Kind: KindAll, Family: fam})
+		}
+	}
+	return keys
 }
 
 // bindFor returns the address listeners of a family bind to.

@@ -1,0 +1,74 @@
+package proxy
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+)
+
+// With no --proxy-port-range the allocator picks from the kernel's local
+// port range itself, skipping the reserved ports, as the kernel would.
+func TestKernelRangeAllocation(t *testing.T) {
+	dir := t.TempDir()
+	rangeFile, resvFile := filepath.Join(dir, "range"), filepath.Join(dir, "reserved")
+	base := int(closedPort(t).Port()) &^ 63
+	if base < 1024 {
+		base = 40000
+	}
+	// 64 ports, of which all but base+5 … base+8 are reserved.
+	os.WriteFile(rangeFile, []byte(strconv.Itoa(base)+"\t"+strconv.Itoa(base+63)+"\n"), 0o644)
+	os.WriteFile(resvFile, []byte(strconv.Itoa(base)+"-"+strconv.Itoa(base+4)+","+strconv.Itoa(base+9)+"-"+strconv.Itoa(base+63)+"\n"), 0o644)
+	defer func(r, v string) { localPortRangeFile, localReservedPortFile = r, v }(localPortRangeFile, localReservedPortFile)
+	localPortRangeFile, localReservedPortFile = rangeFile, resvFile
+
+	var a portAllocator
+	seen := map[int]bool{}
+	for i := 0; i < 4; i++ {
+		ln, port, release, err := a.listen("tcp", loopback)
+		if err != nil {
+			// Another process may hold one of the four ports.
+			t.Logf("listener %d: %v", i, err)
+			continue
+		}
+		defer func() { ln.(*net.TCPListener).Close(); release() }()
+		if port < base+5 || port > base+8 || seen[port] {
+			t.Fatalf("port %d: want one of %d-%d, each once (got %v before)", port, base+5, base+8, seen)
+		}
+		seen[port] = true
+	}
+	if len(seen) == 0 {
+		t.Fatal("no listener opened")
+	}
+	if _, _, _, err := a.listen("tcp", loopback); err == nil {
+		t.Fatal("a fifth listener opened: reserved ports were used")
+	}
+}
+
+// When the kernel's range cannot be read, the kernel chooses (port 0).
+func TestKernelRangeUnreadable(t *testing.T) {
+	defer func(r string) { localPortRangeFile = r }(localPortRangeFile)
+	localPortRangeFile = filepath.Join(t.TempDir(), "missing")
+	var a portAllocator
+	ln, port, release, err := a.listen("tcp", loopback)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	defer ln.(*net.TCPListener).Close()
+	if port == 0 || a.kernelErr == nil {
+		t.Fatalf("port %d, kernelErr %v: want a kernel-chosen port and the read error kept", port, a.kernelErr)
+	}
+}
+
+func TestLoadKernelRangeRejectsGarbage(t *testing.T) {
+	defer func(r string) { localPortRangeFile = r }(localPortRangeFile)
+	localPortRangeFile = filepath.Join(t.TempDir(), "range")
+	for _, bad := range []string{"", "32768", "x y", "60999 32768"} {
+		os.WriteFile(localPortRangeFile, []byte(bad), 0o644)
+		if _, _, err := loadKernelRange(); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+}

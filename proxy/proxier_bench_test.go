@@ -1,0 +1,57 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/netip"
+	"testing"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// BenchmarkSyncOneAddedAt10k is the proxier's part of "one Service added at
+// 10k service ports" (make bench's programming table): the source hands on
+// a state with one more port (Update) and the sync goroutine opens its
+// listener. Each op adds the port and removes it again: two syncs.
+func BenchmarkSyncOneAddedAt10k(b *testing.B) {
+	if _, err := RaiseFileLimit(); err != nil {
+		b.Skip(err)
+	}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	p := New(Config{BindAddress: loopback, Log: log})
+	p.ctx = context.Background()
+	base := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
+	mk := func(i int) *config.ServicePort {
+		sp := svc(fmt.Sprintf("s%d", i), config.TCP, netip.MustParseAddrPort("10.1.0.1:8080"))
+		sp.ClusterIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})}
+		return sp
+	}
+	for i := 0; i < 10000; i++ {
+		sp := mk(i)
+		base.Ports[sp.Name] = sp
+	}
+	added := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
+	for k, v := range base.Ports {
+		added.Ports[k] = v
+	}
+	extra := mk(10000)
+	added.Ports[extra.Name] = extra
+	p.Update(base)
+	if err := p.sync(base, false); err != nil {
+		b.Fatal(err)
+	}
+	defer p.shutdown(0)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for _, st := range []*config.State{added, base} {
+			p.Update(st)
+			if err := p.sync(st, false); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+}
