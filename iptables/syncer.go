@@ -383,7 +383,13 @@ func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) (map[fe
 		k := feKey{fe.Service.Name, fe.Kind}
 		old := f.installed[k]
 		if old != nil && sameRules(old.fe, fe) {
-			next[k] = &feRules{fe: fe, rules: old.rules}
+			if old.fe.Service == fe.Service {
+				// Unchanged: kept as it is (a new record per unchanged
+				// frontend cost 10k allocations a sync at 10k).
+				next[k] = old
+			} else {
+				next[k] = &feRules{fe: fe, rules: old.rules}
+			}
 			continue
 		}
 		fr := &feRules{fe: fe, rules: renderFrontend(fe, opts)}

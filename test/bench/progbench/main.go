@@ -1,6 +1,6 @@
 // Command progbench measures rule and listener programming: how long the
 // daemon takes from an empty manifests directory to serving N service ports
-// (each ClusterIP + NodePort), and how long one Service added or removed at
+// (ClusterIP Services, and NodePort Services: ClusterIP + NodePort), and how long one Service added or removed at
 // N takes, as wall time until a connection through the ClusterIP succeeds
 // (or fails, for a removal).
 //
@@ -26,6 +26,7 @@ import (
 )
 
 type result struct {
+	Type       string  `json:"type"`
 	Ports      int     `json:"ports"`
 	EmptyToAll float64 `json:"emptyToServingSeconds"`
 	AddOne     float64 `json:"addOneSeconds"`
@@ -36,6 +37,7 @@ func main() {
 	sizes := flag.String("n", "1000,10000", "comma-separated service port counts")
 	daemon := flag.String("daemon", "bin/kube-userspace-proxy", "the daemon binary")
 	runs := flag.Int("runs", 3, "runs per size; the median is reported")
+	types := flag.String("types", "ClusterIP,NodePort", "comma-separated Service types to measure: ClusterIP (a listener on a port the daemon picks), NodePort (the listener on the NodePort, plus NodePort rules)")
 	inner := flag.Bool("inner", false, "internal: already inside the namespace")
 	jsonOut := flag.String("json", "", "also write the results as JSON to this file")
 	flag.StringVar(&logLevel, "log-level", "info", "the daemon's --log-level (its log goes to $TMPDIR/progbench-N.log)")
@@ -44,26 +46,32 @@ func main() {
 		os.Exit(outer())
 	}
 	var results []result
-	for _, f := range strings.Split(*sizes, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil {
-			fatal(err)
+	for _, typ := range strings.Split(*types, ",") {
+		typ = strings.TrimSpace(typ)
+		if typ != "ClusterIP" && typ != "NodePort" {
+			fatal(fmt.Errorf("-types: %q is neither ClusterIP nor NodePort", typ))
 		}
-		var all []result
-		for r := 0; r < *runs; r++ {
-			res, err := measure(*daemon, n)
+		for _, f := range strings.Split(*sizes, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
 			if err != nil {
 				fatal(err)
 			}
-			fmt.Fprintf(os.Stderr, "n=%d run %d: empty→serving %.3fs, add one %.1fms, remove one %.1fms\n",
-				n, r+1, res.EmptyToAll, res.AddOne*1000, res.RemoveOne*1000)
-			all = append(all, res)
+			var all []result
+			for r := 0; r < *runs; r++ {
+				res, err := measure(*daemon, typ, n)
+				if err != nil {
+					fatal(err)
+				}
+				fmt.Fprintf(os.Stderr, "%s n=%d run %d: empty→serving %.3fs, add one %.1fms, remove one %.1fms\n",
+					typ, n, r+1, res.EmptyToAll, res.AddOne*1000, res.RemoveOne*1000)
+				all = append(all, res)
+			}
+			results = append(results, median(all))
 		}
-		results = append(results, median(all))
 	}
-	fmt.Printf("| service ports | empty → serving | one Service added | one Service removed |\n|---:|---:|---:|---:|\n")
+	fmt.Printf("| Services | service ports | empty → serving | one Service added | one Service removed |\n|---|---:|---:|---:|---:|\n")
 	for _, r := range results {
-		fmt.Printf("| %d | %.3f s | %.1f ms | %.1f ms |\n", r.Ports, r.EmptyToAll, r.AddOne*1000, r.RemoveOne*1000)
+		fmt.Printf("| %s | %d | %.3f s | %.1f ms | %.1f ms |\n", r.Type, r.Ports, r.EmptyToAll, r.AddOne*1000, r.RemoveOne*1000)
 	}
 	if *jsonOut != "" {
 		data, _ := json.MarshalIndent(results, "", "  ")
@@ -130,12 +138,16 @@ func outer() int {
 	}
 }
 
-func svcYAML(i int) string {
+func svcYAML(typ string, i int) string {
+	spec := fmt.Sprintf("{clusterIP: %s, ports: [{port: 80}]}", clusterIP(i))
+	if typ == "NodePort" {
+		spec = fmt.Sprintf("{type: NodePort, clusterIP: %s, ports: [{port: 80, nodePort: %d}]}", clusterIP(i), 10000+i)
+	}
 	return fmt.Sprintf(`---
 apiVersion: v1
 kind: Service
 metadata: {name: s%[1]d, namespace: bench}
-spec: {type: NodePort, clusterIP: %[2]s, ports: [{port: 80, nodePort: %[3]d}]}
+spec: %[2]s
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -143,7 +155,7 @@ metadata: {name: s%[1]d, namespace: bench, labels: {kubernetes.io/service-name: 
 addressType: IPv4
 ports: [{port: 9000}]
 endpoints: [{addresses: [127.0.0.1]}]
-`, i, clusterIP(i), 10000+i)
+`, i, spec)
 }
 
 func clusterIP(i int) string { return fmt.Sprintf("10.96.%d.%d", i/250, i%250+1) }
@@ -183,8 +195,8 @@ func waitUntil(deadline time.Duration, cond func() bool) (time.Duration, error) 
 // logLevel of the daemon under test; debug logs every sync's timing.
 var logLevel = "info"
 
-func measure(daemon string, n int) (result, error) {
-	res := result{Ports: n}
+func measure(daemon, typ string, n int) (result, error) {
+	res := result{Type: typ, Ports: n}
 	// The backend every endpoint points at.
 	ln, err := net.Listen("tcp4", "127.0.0.1:9000")
 	if err != nil {
@@ -209,7 +221,7 @@ func measure(daemon string, n int) (result, error) {
 	defer os.RemoveAll(dir)
 	var bulk strings.Builder
 	for i := 0; i < n; i++ {
-		bulk.WriteString(svcYAML(i))
+		bulk.WriteString(svcYAML(typ, i))
 	}
 	if err := writeAtomic(filepath.Join(dir, "extra.yaml"), "# nothing yet\n"); err != nil {
 		return res, err
@@ -245,7 +257,7 @@ func measure(daemon string, n int) (result, error) {
 
 	// One more Service, in its own file.
 	start = time.Now()
-	if err := writeAtomic(filepath.Join(dir, "extra.yaml"), svcYAML(n)); err != nil {
+	if err := writeAtomic(filepath.Join(dir, "extra.yaml"), svcYAML(typ, n)); err != nil {
 		return res, err
 	}
 	if _, err := waitUntil(60*time.Second, func() bool { return reachable(clusterIP(n)) }); err != nil {
@@ -276,6 +288,7 @@ func median(rs []result) result {
 		return v[len(v)/2]
 	}
 	return result{
+		Type:       rs[0].Type,
 		Ports:      rs[0].Ports,
 		EmptyToAll: pick(func(r result) float64 { return r.EmptyToAll }),
 		AddOne:     pick(func(r result) float64 { return r.AddOne }),
