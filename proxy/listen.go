@@ -24,7 +24,7 @@ type PortRange struct {
 }
 
 // ParsePortRange parses "begin-end", "begin+offset" or a single port; "" and
-// "0-0" mean the kernel chooses.
+// "0-0" mean the kernel's own range (see portAllocator).
 func ParsePortRange(s string) (PortRange, error) {
 	s = strings.TrimSpace(s)
 	if s == "" || s == "0-0" || s == "0" {
@@ -127,7 +127,7 @@ func loadKernelRange() (PortRange, map[int]bool, error) {
 var ErrPortsExhausted = errors.New("no free port left in --proxy-port-range")
 
 // listen opens a listener (TCP) or packet socket (UDP) on ip with a port from
-// the range, or a kernel-chosen port when the range is empty. release gives the
+// the range (the kernel's local port range when empty). release gives the
 // port back; it must be called once the socket is closed.
 func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, release func(), err error) {
 	a.mu.Lock()
