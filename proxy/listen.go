@@ -83,6 +83,7 @@ type portAllocator struct {
 	kernelResv   map[int]bool
 	kernelErr    error
 	kernelLoaded bool
+	warn         func(error) // told once when the kernel's range cannot be read
 }
 
 // Where the kernel keeps its ephemeral port range (per network namespace).
@@ -139,6 +140,8 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 			var kr PortRange
 			if kr, a.kernelResv, a.kernelErr = loadKernelRange(); a.kernelErr == nil {
 				a.kernel = &kr
+			} else if a.warn != nil {
+				a.warn(a.kernelErr)
 			}
 		}
 		if a.kernel == nil {

@@ -225,8 +225,10 @@ type Proxier struct {
 // New returns a Proxier; nothing happens until Run.
 func New(cfg Config) *Proxier {
 	return &Proxier{
-		cfg:       cfg,
-		alloc:     portAllocator{r: cfg.PortRange},
+		cfg: cfg,
+		alloc: portAllocator{r: cfg.PortRange, warn: func(err error) {
+			cfg.log().WithError(err).Warn("Cannot read the kernel's local port range; listeners take a port from bind(0), slow beyond ~7000 listeners")
+		}},
 		kick:      make(chan struct{}, 1),
 		frontends: make(map[frontendKey]*frontend),
 		workers:   workers{maxIdle: 10 * time.Second, maxParked: 1024},
