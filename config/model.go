@@ -84,17 +84,39 @@ func (sp *ServicePort) HasExternal() bool {
 	return sp.NodePort != 0 || len(sp.ExternalIPs) > 0 || len(sp.LoadBalancerIPs) > 0
 }
 
-// Families returns the IP families (4 and/or 6) of the port's ClusterIPs, primary first.
+// Families returns the IP families (4 and/or 6) of the port's ClusterIPs,
+// primary first. The slice is shared: callers must not modify it (the
+// proxier asks for every port on every sync, and allocating cost 10k
+// allocations a sync at 10k service ports).
 func (sp *ServicePort) Families() []int {
-	var fams []int
+	first, second := 0, 0
 	for _, ip := range sp.ClusterIPs {
-		f := Family(ip)
-		if len(fams) == 0 || fams[0] != f {
-			fams = append(fams, f)
+		switch f := Family(ip); {
+		case first == 0:
+			first = f
+		case f != first:
+			second = f
 		}
 	}
-	return fams
+	switch {
+	case first == 0:
+		return nil
+	case second != 0 && first == 4:
+		return families46
+	case second != 0:
+		return families64
+	case first == 4:
+		return families4
+	}
+	return families6
 }
+
+var (
+	families4  = []int{4}
+	families6  = []int{6}
+	families46 = []int{4, 6}
+	families64 = []int{6, 4}
+)
 
 // Family returns 4 or 6.
 func Family(ip netip.Addr) int {

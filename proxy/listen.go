@@ -78,10 +78,9 @@ type portAllocator struct {
 	mu   sync.Mutex
 	used map[int]bool
 	// The kernel's range and reserved ports, read at first use when r is
-	// empty; kernelErr when they could not be read (port 0 then).
+	// empty; kernel stays nil when they could not be read (port 0 then).
 	kernel       *PortRange
 	kernelResv   map[int]bool
-	kernelErr    error
 	kernelLoaded bool
 	warn         func(error) // told once when the kernel's range cannot be read
 }
@@ -137,11 +136,12 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 	if r.Size == 0 {
 		if !a.kernelLoaded {
 			a.kernelLoaded = true
-			var kr PortRange
-			if kr, a.kernelResv, a.kernelErr = loadKernelRange(); a.kernelErr == nil {
-				a.kernel = &kr
-			} else if a.warn != nil {
-				a.warn(a.kernelErr)
+			kr, resv, err := loadKernelRange()
+			switch {
+			case err == nil:
+				a.kernel, a.kernelResv = &kr, resv
+			case a.warn != nil:
+				a.warn(err)
 			}
 		}
 		if a.kernel == nil {

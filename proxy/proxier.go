@@ -465,13 +465,7 @@ func desiredFrontends(st *config.State) map[frontendKey]*config.ServicePort {
 // desiredFrontends) to keys, without allocating when keys has room.
 func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort) []frontendKey {
 	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
-	var seen [2]bool // IPv4, IPv6
-	for _, ip := range sp.ClusterIPs {
-		fam := config.Family(ip)
-		if seen[fam/6] {
-			continue
-		}
-		seen[fam/6] = true
+	for _, fam := range sp.Families() {
 		if split {
 			keys = append(keys, frontendKey{Name: name, Kind: KindInternal, Family: fam}, frontendKey{Name: name, Kind: KindExternal, Family: fam})
 		} else {
