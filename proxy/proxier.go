@@ -335,8 +335,14 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 }
 
 // sync makes listeners and rules match st: open what is new (before the
-// rules point at it), update balancers, write rules, then close what is gone
-// (after the rules stopped pointing at it).
+// rules point at it), stop the listeners of removed frontends, update
+// balancers, write rules, then close what was replaced (after the rules
+// point at its successor).
+//
+// A removed frontend stops accepting before the rules change, so its Service
+// is refused at once instead of after the rule transaction (30-45 ms at 10k
+// service ports); its port goes back to the allocator only after the rules
+// stopped pointing at it, so no new listener can inherit its traffic.
 func (p *Proxier) sync(st *config.State, verify bool) error {
 	log := p.cfg.log()
 	start := time.Now()
@@ -348,22 +354,27 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		keys = frontendKeys(keys[:0], key.Name, sp)
 		return slices.Contains(keys, key)
 	}
-	var stale []*frontend
+	var gone, stale []*frontend
 	var closed []config.ServicePortName
 	for key, fe := range p.frontends {
 		sp := st.Ports[key.Name]
 		if sp == fe.spec {
 			continue // sources hand on an unchanged port as the same pointer
 		}
-		if sp == nil || !wanted(key, sp) || !fe.spec.SameFrontend(sp) {
-			delete(p.frontends, key)
-			if fe.onNodePort() {
-				// Its successor may need the same NodePort: close it now
-				// (the one case that is break-before-make).
-				fe.close()
-				closed = append(closed, key.Name)
-				continue
-			}
+		removed := sp == nil || !wanted(key, sp)
+		if !removed && fe.spec.SameFrontend(sp) {
+			continue
+		}
+		delete(p.frontends, key)
+		closed = append(closed, key.Name)
+		switch {
+		case fe.onNodePort():
+			// Its successor may need the same NodePort: close it now
+			// (the one case of a replacement that is break-before-make).
+			fe.close()
+		case removed:
+			gone = append(gone, fe)
+		default:
 			stale = append(stale, fe)
 		}
 	}
@@ -371,6 +382,10 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	for name, sp := range st.Ports {
 		keys = frontendKeys(keys[:0], name, sp)
 		view = p.serve(view, st, sp, keys)
+	}
+	// After serve, so that a port freed here cannot go to a new frontend.
+	for _, fe := range gone {
+		fe.stop()
 	}
 	p.viewMu.Lock()
 	p.view, p.sorted = view, nil // sorted when first read: sorting 10k costs ms
@@ -382,16 +397,18 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			log.WithError(err).Error("Rule sync failed; will retry")
 		}
 	}
+	for _, fe := range gone {
+		fe.release()
+	}
 	for _, fe := range stale {
 		fe.close()
-		closed = append(closed, fe.key.Name)
 	}
 	for _, name := range closed {
 		if sp := st.Ports[name]; sp == nil || len(frontendKeys(nil, name, sp)) == 0 {
 			deleteServiceMetrics(name.String()) // else churn would grow /metrics forever
 		}
 	}
-	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(stale), "took": time.Since(start).String()}).Debug("Synced")
+	log.WithFields(logrus.Fields{"frontends": len(p.frontends), "closed": len(closed), "took": time.Since(start).String()}).Debug("Synced")
 	return err
 }
 
@@ -559,9 +576,16 @@ func (fe *frontend) onNodePort() bool {
 	return fe.holdFD >= 0 || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
 }
 
-// close stops accepting; established TCP connections go on (they belong to
-// the connection table), UDP flows end with the socket.
+// close stops the frontend and gives its port back.
 func (fe *frontend) close() {
+	fe.stop()
+	fe.release()
+}
+
+// stop stops accepting; established TCP connections go on (they belong to
+// the connection table), UDP flows end with the socket. The port stays
+// taken in the allocator until release.
+func (fe *frontend) stop() {
 	if fe.tcp != nil {
 		fe.tcp.Close()
 	}
@@ -573,7 +597,6 @@ func (fe *frontend) close() {
 		fe.closeFlows()
 	}
 	closeHold(fe.holdFD)
-	fe.release()
 	fe.log.Info("Listener closed")
 }
 

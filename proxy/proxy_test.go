@@ -665,6 +665,71 @@ func TestUpdateDeleteUpdate(t *testing.T) {
 	}
 }
 
+// probeRules records, when each Sync runs, whether the probed addresses
+// accept a connection: it sees the listeners exactly as the kernel rules
+// change.
+type probeRules struct {
+	mu      sync.Mutex
+	probe   []string
+	accepts map[string]bool // as of the last Sync
+}
+
+func (r *probeRules) Sync(_ context.Context, _ []Frontend, _ bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.accepts = map[string]bool{}
+	for _, a := range r.probe {
+		c, err := net.DialTimeout("tcp", a, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		r.accepts[a] = err == nil
+	}
+	return nil
+}
+
+func (r *probeRules) set(probe ...string) {
+	r.mu.Lock()
+	r.probe, r.accepts = probe, nil
+	r.mu.Unlock()
+}
+
+func (r *probeRules) accepted(a string) (accepts, synced bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	accepts, synced = r.accepts[a]
+	return accepts, synced
+}
+
+// A removed Service is refused before its rules go (the rule transaction
+// takes tens of ms at 10k service ports); a replaced one keeps serving until
+// the rules point at its successor.
+func TestRemovedListenerStopsBeforeRulesReplacedOneAfter(t *testing.T) {
+	rules := &probeRules{}
+	h := startProxier(t, Config{Rules: rules})
+	a := tcpBackend(t, "a")
+	h.apply(svc("gone", config.TCP, a), svc("moved", config.TCP, a))
+	gone, moved := h.addr("gone"), h.addr("moved")
+
+	rules.set(gone, moved)
+	next := svc("moved", config.TCP, a)
+	next.Port = 8080
+	h.apply(next)
+	accepts, synced := rules.accepted(gone)
+	if !synced {
+		t.Fatal("rules were not synced")
+	}
+	if accepts {
+		t.Fatal("the removed Service's listener still accepted while its rules were being removed")
+	}
+	if accepts, _ := rules.accepted(moved); !accepts {
+		t.Fatal("the replaced listener was closed before the rules pointed at its successor")
+	}
+	if _, err := net.DialTimeout("tcp", moved, time.Second); err == nil {
+		t.Fatal("the replaced listener still accepts after the sync")
+	}
+}
+
 func TestEndpointChangeKeepsListenerPortChangeReplacesIt(t *testing.T) {
 	h := startProxier(t, Config{})
 	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
