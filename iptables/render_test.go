@@ -153,11 +153,14 @@ func TestPartialTouchesOnlyChangedFrontends(t *testing.T) {
 	fes := withPorts(proxy.Plan(st, netip.IPv4Unspecified(), true), 40000)
 	opts := RenderOptions{Family: 4, Features: allFeatures, AllLocal: true}
 	f := &family{fam: 4, features: allFeatures, installed: map[feKey]*feRules{}}
-	next, in, _ := f.partial(fes, opts)
+	changes, in, _ := f.partial(fes, opts)
 	if strings.Count(in, "-A ") != 10 { // 2 services × (2 portal + 2 NodePort + 1 guard)
 		t.Fatalf("first partial:\n%s", in)
 	}
-	f.installed = next
+	f.apply(changes)
+	if f.nat != 8 || f.filter != 2 {
+		t.Fatalf("counted nat %d, filter %d rules; want 8 and 2", f.nat, f.filter)
+	}
 	if _, in, _ := f.partial(fes, opts); in != "" {
 		t.Fatalf("unchanged frontends produced:\n%s", in)
 	}
@@ -176,6 +179,16 @@ func TestPartialTouchesOnlyChangedFrontends(t *testing.T) {
 	_, in, _ = f.partial(moved[:1], opts)
 	if strings.Count(in, "-D ") != 5 || strings.Count(in, "-A ") != 0 {
 		t.Fatalf("removing a service:\n%s", in)
+	}
+	// Nothing above was applied: the removal is still computed against the
+	// first state, and applying it leaves one service's rules.
+	changes, in, _ = f.partial(fes[:1], opts)
+	if strings.Count(in, "-D ") != 5 || strings.Count(in, "-A ") != 0 {
+		t.Fatalf("removing a service after unapplied partials:\n%s", in)
+	}
+	f.apply(changes)
+	if nat, filter := f.counts(); len(f.installed) != 1 || f.nat != nat || f.filter != filter || nat != 4 || filter != 1 {
+		t.Fatalf("after the removal: %d frontends, counted nat %d filter %d, recount nat %d filter %d", len(f.installed), f.nat, f.filter, nat, filter)
 	}
 }
 

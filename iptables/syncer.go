@@ -71,6 +71,11 @@ type family struct {
 	installed map[feKey]*feRules
 	opts      RenderOptions // what installed was rendered with
 	jumpsOK   bool
+	// nat and filter count the rules in installed.
+	nat, filter int
+	// gen numbers partial updates; a record not marked with the current one
+	// belongs to a frontend that is gone.
+	gen uint64
 }
 
 type feKey struct {
@@ -81,6 +86,14 @@ type feKey struct {
 type feRules struct {
 	fe    proxy.Frontend
 	rules []chainRule
+	seen  uint64 // the last partial update that found this frontend
+}
+
+// feChange is a frontend whose rules a partial update changes: rec is its
+// new record, nil when the frontend is gone.
+type feChange struct {
+	key feKey
+	rec *feRules
 }
 
 // sameRules reports whether a and b render the same rules.
@@ -192,12 +205,7 @@ func (f *family) run(bin string, args []string, stdin string) error {
 func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify bool) error {
 	var errs *multierror.Error
 	for _, f := range r.families {
-		var mine []proxy.Frontend
-		for _, fe := range frontends {
-			if fe.Family == f.fam && fe.Err == nil {
-				mine = append(mine, fe)
-			}
-		}
+		mine := ofFamily(frontends, f.fam)
 		opts := f.renderOptions(r.cfg.NodePortAddresses, len(mine))
 		nat, filter, err := f.sync(mine, opts, verify, r.log)
 		if err != nil {
@@ -221,6 +229,31 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		}
 	}
 	return nil
+}
+
+// ofFamily returns the frontends of family fam that have a listener: the
+// given slice itself when that is all of them (never modified: it is the
+// proxier's view, and copying 10k frontends was a megabyte per sync).
+func ofFamily(frontends []proxy.Frontend, fam int) []proxy.Frontend {
+	all := true
+	n := 0
+	for _, fe := range frontends {
+		if fe.Family == fam && fe.Err == nil {
+			n++
+		} else {
+			all = false
+		}
+	}
+	if all {
+		return frontends
+	}
+	mine := make([]proxy.Frontend, 0, n)
+	for _, fe := range frontends {
+		if fe.Family == fam && fe.Err == nil {
+			mine = append(mine, fe)
+		}
+	}
+	return mine
 }
 
 // Installed returns the rules last written per family as iptables-restore
@@ -309,24 +342,21 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 	}
 	if f.installed != nil {
 		start := time.Now()
-		next, in, dels := f.partial(frontends, opts)
-		if dels > maxPartialDeletes {
-			// iptables-nft finds each -D's rule by a linear search of the
-			// chain: 20k deletions at 10k services took 50 s, a rewrite 0.5 s.
-			in, next = "", nil
-		}
-		if next != nil && in == "" {
-			f.installed = next
-			return f.counts()
-		}
-		if next != nil {
+		changes, in, dels := f.partial(frontends, opts)
+		// iptables-nft finds each -D's rule by a linear search of the
+		// chain: 20k deletions at 10k services took 50 s, a rewrite 0.5 s.
+		if dels <= maxPartialDeletes {
+			if in == "" {
+				f.apply(changes)
+				return f.nat, f.filter, nil
+			}
 			restoreStart := time.Now()
 			err := f.run(f.restore, []string{"-w", "--noflush"}, in)
 			if err == nil {
-				f.installed = next
+				f.apply(changes)
 				log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(),
 					"restore": time.Since(restoreStart).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
-				return f.counts()
+				return f.nat, f.filter, nil
 			}
 			log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
 		}
@@ -345,66 +375,92 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 		return 0, 0, err
 	}
 	f.installed, f.opts = next, opts
+	f.nat, f.filter = f.counts()
 	if !f.jumpsOK {
 		if err := f.ensureJumps(); err != nil {
 			return 0, 0, err
 		}
 		f.jumpsOK = true
 	}
-	nat, filter, _ = f.counts()
-	log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": nat, "filter": filter}).Debug("Rules written")
-	return nat, filter, nil
+	log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": f.nat, "filter": f.filter}).Debug("Rules written")
+	return f.nat, f.filter, nil
 }
 
-func (f *family) counts() (nat, filter int, err error) {
+// counts counts the rules in installed.
+func (f *family) counts() (nat, filter int) {
 	for _, fr := range f.installed {
-		for _, r := range fr.rules {
-			if r.table == "nat" {
-				nat++
-			} else {
-				filter++
-			}
+		n, fl := fr.counts()
+		nat, filter = nat+n, filter+fl
+	}
+	return nat, filter
+}
+
+func (fr *feRules) counts() (nat, filter int) {
+	for _, r := range fr.rules {
+		if r.table == "nat" {
+			nat++
+		} else {
+			filter++
 		}
 	}
-	return nat, filter, nil
+	return nat, filter
 }
 
-// partial returns the new installed state and the restore input that gets
-// there from the current one ("" when nothing changed). Only frontends whose
-// rules differ are rendered.
+// apply records changes, written to the kernel, in installed.
+func (f *family) apply(changes []feChange) {
+	for _, c := range changes {
+		if old := f.installed[c.key]; old != nil {
+			n, fl := old.counts()
+			f.nat, f.filter = f.nat-n, f.filter-fl
+		}
+		if c.rec == nil {
+			delete(f.installed, c.key)
+			continue
+		}
+		f.installed[c.key] = c.rec
+		n, fl := c.rec.counts()
+		f.nat, f.filter = f.nat+n, f.filter+fl
+	}
+}
+
 // maxPartialDeletes is the most -D lines a partial update may hold; beyond
 // it a full rewrite is cheaper.
 const maxPartialDeletes = 100
 
-func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) (map[feKey]*feRules, string, int) {
-	next := make(map[feKey]*feRules, len(frontends))
+// partial returns the changes to installed and the restore input that makes
+// them ("" when no rule changes), and the number of -D lines in it. Only the
+// frontends whose rules differ are rendered; installed itself is changed (by
+// apply) only once the input is written, and no map of all frontends is
+// built (at 10k service ports that was most of a sync's garbage).
+func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) ([]feChange, string, int) {
+	f.gen++
+	var changes []feChange
 	var dels, adds []chainRule
 	for _, fe := range frontends {
 		k := feKey{fe.Service.Name, fe.Kind}
 		old := f.installed[k]
-		if old != nil && sameRules(old.fe, fe) {
-			if old.fe.Service == fe.Service {
-				// Unchanged: kept as it is (a new record per unchanged
-				// frontend cost 10k allocations a sync at 10k).
-				next[k] = old
-			} else {
-				next[k] = &feRules{fe: fe, rules: old.rules}
-			}
-			continue
-		}
-		fr := &feRules{fe: fe, rules: renderFrontend(fe, opts)}
-		next[k] = fr
-		adds = append(adds, fr.rules...)
 		if old != nil {
+			old.seen = f.gen
+			if sameRules(old.fe, fe) {
+				// Same rules: the newest Service keeps the comparison
+				// above on its pointer fast path; safe to record even if
+				// the write below fails.
+				old.fe = fe
+				continue
+			}
 			dels = append(dels, old.rules...)
 		}
+		fr := &feRules{fe: fe, rules: renderFrontend(fe, opts), seen: f.gen}
+		changes = append(changes, feChange{k, fr})
+		adds = append(adds, fr.rules...)
 	}
 	for k, old := range f.installed {
-		if next[k] == nil {
+		if old.seen != f.gen {
+			changes = append(changes, feChange{k, nil})
 			dels = append(dels, old.rules...)
 		}
 	}
-	return next, partialInput(dels, adds), len(dels)
+	return changes, partialInput(dels, adds), len(dels)
 }
 
 // installedSets returns installed as table/chain → rule set, the form live
