@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A reload joins only the Services in changed files again; after any
@@ -64,5 +65,65 @@ func TestIncrementalReloadMatchesFullLoad(t *testing.T) {
 	}
 	if compared < 100 {
 		t.Fatalf("only %d of 400 steps loaded without error: the generator makes too many bad sets", compared)
+	}
+}
+
+// A file whose stamp is unchanged since a read made well after its last
+// change is not read again; any edit is still seen.
+func TestSettledFileIsNotReadAgain(t *testing.T) {
+	dir := t.TempDir()
+	bulk, small := filepath.Join(dir, "bulk.yaml"), filepath.Join(dir, "small.yaml")
+	svcYAML := func(name string, port int) string {
+		return fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: %s}\nspec: {clusterIP: 10.96.0.1, ports: [{port: %d}]}\n", name, port)
+	}
+	write := func(path, content string) {
+		t.Helper()
+		if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(bulk, svcYAML("bulk", 80))
+	write(small, svcYAML("small", 80))
+	c := newManifestCache()
+	reads := map[string]int{}
+	c.read = func(p string) ([]byte, error) { reads[filepath.Base(p)]++; return os.ReadFile(p) }
+	port := func(st *State, name string) int {
+		for n, sp := range st.Ports {
+			if n.Name == name {
+				return sp.Port
+			}
+		}
+		return 0
+	}
+	load := func() *State {
+		t.Helper()
+		st, _, err := c.load(dir, "node-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	// Within the racy window every load reads the file again.
+	c.racy = time.Hour
+	load()
+	load()
+	if reads["bulk.yaml"] != 2 {
+		t.Fatalf("a file read within the racy window was not read again: %d reads", reads["bulk.yaml"])
+	}
+	c.racy = 20 * time.Millisecond
+	time.Sleep(3 * c.racy)
+	load() // read now, well after its last change: settled
+	n := reads["bulk.yaml"]
+	write(small, svcYAML("small", 81)) // same size, in place
+	st := load()
+	if reads["bulk.yaml"] != n {
+		t.Fatalf("a settled, unchanged file was read again: %d reads, want %d", reads["bulk.yaml"], n)
+	}
+	if port(st, "small") != 81 {
+		t.Fatalf("the edit was not seen: port %d", port(st, "small"))
+	}
+	write(bulk, svcYAML("bulk", 81))
+	if st := load(); port(st, "bulk") != 81 || reads["bulk.yaml"] != n+1 {
+		t.Fatalf("an edit of the settled file: port %d after %d reads, want %d", port(st, "bulk"), reads["bulk.yaml"], n+1)
 	}
 }
