@@ -116,7 +116,7 @@ func readAvailable(fd int, b []byte, inq *inqReader) (n int, eof bool, err error
 		if inq != nil {
 			m, left, err = inq.read(fd, b[n:])
 		} else {
-			m, err = unix.Read(fd, b[n:])
+			m, err = rawRead(fd, b[n:])
 			left = -1
 		}
 		switch {
@@ -166,7 +166,7 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 	r.hdr.SetIovlen(1)
 	r.hdr.Control = &r.oob[0]
 	r.hdr.SetControllen(len(r.oob))
-	m, _, errno := unix.Syscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdr)), 0)
+	m, _, errno := unix.RawSyscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdr)), 0)
 	r.iov.Base, r.hdr.Iov, r.hdr.Control = nil, nil, nil // hold no buffer between reads
 	if errno != 0 {
 		return 0, -1, errno
@@ -243,14 +243,12 @@ func (s *sink) attempt(fd uintptr) bool {
 	var errno syscall.Errno
 	switch {
 	case s.buf == nil:
-		var n int64
-		n, s.err = unix.Splice(s.pipeR, nil, int(fd), nil, s.n-s.done, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
-		s.m = int(n)
+		s.m, s.err = rawSplice(s.pipeR, int(fd), s.n-s.done)
 		return s.err != unix.EAGAIN
 	case s.flags == 0:
-		m, _, errno = unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&s.buf[s.done])), uintptr(s.n-s.done))
+		m, _, errno = unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(&s.buf[s.done])), uintptr(s.n-s.done))
 	default:
-		m, _, errno = unix.Syscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(&s.buf[s.done])), uintptr(s.n-s.done),
+		m, _, errno = unix.RawSyscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(&s.buf[s.done])), uintptr(s.n-s.done),
 			uintptr(s.flags|unix.MSG_NOSIGNAL), 0, 0)
 	}
 	s.m, s.err = int(m), nil
@@ -284,7 +282,7 @@ func spliceBurst(dst *sink, srcFd int) (moved int64, eof bool, err error) {
 		pipes.put(p)
 	}()
 	for {
-		n, serr := unix.Splice(srcFd, nil, p.w, nil, maxSplice, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+		n, serr := rawSplice(srcFd, p.w, maxSplice)
 		switch {
 		case serr == unix.EAGAIN:
 			return moved, false, nil // drained: give the pipe back, wait again
@@ -298,7 +296,7 @@ func spliceBurst(dst *sink, srcFd int) (moved int64, eof bool, err error) {
 		if err := dst.pump(p.r, int(n)); err != nil {
 			return moved, false, err
 		}
-		moved += n
+		moved += int64(n)
 	}
 }
 
@@ -349,4 +347,34 @@ func (pp *pipePool) put(p *pipe) {
 	if p != nil {
 		p.close()
 	}
+}
+
+// The copy's system calls go through RawSyscall, not Syscall: on
+// non-blocking sockets and pipes they never block, and Syscall's
+// entersyscall lets the runtime's monitor thread take the P away from a
+// call that runs for over ~20 µs, which a write carrying the TCP transmit
+// path (and the receiver's softirq) often does. With every copy doing that,
+// the monitor polled every 20 µs and handed Ps between threads: at 4 KiB
+// writes a quarter of the proxy's samples were those wake-ups.
+
+// rawRead is read(2) on a non-blocking descriptor.
+func rawRead(fd int, b []byte) (int, error) {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	n, _, errno := unix.RawSyscall(unix.SYS_READ, uintptr(fd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(n), nil
+}
+
+// rawSplice moves up to n bytes from in to out, both non-blocking.
+func rawSplice(in, out, n int) (int, error) {
+	m, _, errno := unix.RawSyscall6(unix.SYS_SPLICE, uintptr(in), 0, uintptr(out), 0, uintptr(n),
+		unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(m), nil
 }

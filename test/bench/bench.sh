@@ -229,6 +229,7 @@ table="$work/table.md"
 tput_128K TCP throughput, 128 KiB writes (Gbit/s)
 tput_4K TCP throughput, 4 KiB writes (Gbit/s)
 cpu_per_gb_128K proxy CPU seconds per GB, 128 KiB writes
+cpu_per_gb_4K proxy CPU seconds per GB, 4 KiB writes
 cps new connections/s (HTTP, Connection: close, 32 clients)
 cpu_per_cps proxy CPU µs per connection
 rps keep-alive requests/s (32 connections)
