@@ -216,6 +216,10 @@ type Proxier struct {
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
+	// unreleased are closed frontends whose ports the rules may still
+	// point at (the rule sync after their closing failed); their ports go
+	// back to the allocator after the next successful one.
+	unreleased []*frontend
 
 	viewMu sync.Mutex // guards view, the frontends as last synced, for readers
 	view   []Frontend // also handed to Rules.Sync: never reordered
@@ -341,8 +345,9 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 //
 // A removed frontend stops accepting before the rules change, so its Service
 // is refused at once instead of after the rule transaction (30-45 ms at 10k
-// service ports); its port goes back to the allocator only after the rules
-// stopped pointing at it, so no new listener can inherit its traffic.
+// service ports). The port of a closed frontend goes back to the allocator
+// only after a rule sync succeeded without it, so no new listener can
+// inherit its traffic.
 func (p *Proxier) sync(st *config.State, verify bool) error {
 	log := p.cfg.log()
 	start := time.Now()
@@ -369,9 +374,10 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		closed = append(closed, key.Name)
 		switch {
 		case fe.onNodePort():
-			// Its successor may need the same NodePort: close it now
+			// Its successor may need the same NodePort: stop it now
 			// (the one case of a replacement that is break-before-make).
-			fe.close()
+			fe.stop()
+			p.unreleased = append(p.unreleased, fe)
 		case removed:
 			gone = append(gone, fe)
 		default:
@@ -397,11 +403,16 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			log.WithError(err).Error("Rule sync failed; will retry")
 		}
 	}
-	for _, fe := range gone {
-		fe.release()
-	}
 	for _, fe := range stale {
-		fe.close()
+		fe.stop()
+	}
+	p.unreleased = append(append(p.unreleased, gone...), stale...)
+	if err == nil {
+		for _, fe := range p.unreleased {
+			fe.release()
+		}
+		clear(p.unreleased)
+		p.unreleased = p.unreleased[:0]
 	}
 	for _, name := range closed {
 		if sp := st.Ports[name]; sp == nil || len(frontendKeys(nil, name, sp)) == 0 {
@@ -576,7 +587,8 @@ func (fe *frontend) onNodePort() bool {
 	return fe.holdFD >= 0 || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
 }
 
-// close stops the frontend and gives its port back.
+// close stops the frontend and gives its port back: for a frontend no
+// rule points at.
 func (fe *frontend) close() {
 	fe.stop()
 	fe.release()

@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -823,6 +824,48 @@ func TestPortRangeReleasedAndReused(t *testing.T) {
 	// ...until the first one goes and gives its port back.
 	h.apply(svc("two", config.TCP, a))
 	waitFor(t, "port reuse", func() bool {
+		h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "two"}: svc("two", config.TCP, a)}})
+		return h.port("two") == int(base)
+	})
+}
+
+// failingRules fails every Sync while fail is set.
+type failingRules struct{ fail atomic.Bool }
+
+func (r *failingRules) Sync(context.Context, []Frontend, bool) error {
+	if r.fail.Load() {
+		return errors.New("injected rule failure")
+	}
+	return nil
+}
+
+// A closed listener's port is not handed to another Service while the rules
+// may still send the old Service's traffic there: not before a rule sync
+// succeeded without it.
+func TestPortHeldUntilRulesSyncedWithoutIt(t *testing.T) {
+	base := closedPort(t).Port()
+	rules := &failingRules{}
+	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}, Rules: rules})
+	a := tcpBackend(t, "a")
+	h.apply(svc("one", config.TCP, a))
+	if h.port("one") != int(base) {
+		t.Fatalf("listener on %d, want %d", h.port("one"), base)
+	}
+	rules.fail.Store(true)
+	// One's rules could not be removed, in this sync nor in the next.
+	for range 2 {
+		h.apply(svc("two", config.TCP, a))
+		for _, fe := range h.p.Frontends() {
+			if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ErrPortsExhausted) {
+				t.Fatalf("service two got a port (err %v) while the rules may still point one's traffic at it", fe.Err)
+			}
+		}
+	}
+	if _, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", base), time.Second); err == nil {
+		t.Fatal("the removed Service's listener still accepts")
+	}
+	rules.fail.Store(false)
+	waitFor(t, "the port after a successful rule sync", func() bool {
 		h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "two"}: svc("two", config.TCP, a)}})
 		return h.port("two") == int(base)
 	})
