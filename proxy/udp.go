@@ -21,9 +21,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/sirupsen/logrus"
-	"golang.org/x/net/ipv4"
-	"golang.org/x/net/ipv6"
 	"golang.org/x/sys/unix"
 )
 
@@ -70,65 +69,31 @@ func setUDPBuffers(c *net.UDPConn, size int) {
 	})
 }
 
-// udpSocket wraps the frontend socket with control messages for one family.
+// udpSocket is a frontend socket that reports the local address each
+// datagram arrived on.
 type udpSocket struct {
-	conn *net.UDPConn
-	v4   *ipv4.PacketConn
-	v6   *ipv6.PacketConn
+	conn   *net.UDPConn
+	family int
 }
 
 func newUDPSocket(c *net.UDPConn, family int) (*udpSocket, error) {
-	s := &udpSocket{conn: c}
 	setUDPBuffers(c, udpListenerBuffer)
-	if family == 4 {
-		s.v4 = ipv4.NewPacketConn(c)
-		return s, s.v4.SetControlMessage(ipv4.FlagDst, true)
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
 	}
-	s.v6 = ipv6.NewPacketConn(c)
-	return s, s.v6.SetControlMessage(ipv6.FlagDst, true)
-}
-
-// read returns a datagram, its sender and the local address it was sent to.
-func (s *udpSocket) read(buf []byte) (n int, from netip.AddrPort, to netip.Addr, err error) {
-	var src net.Addr
-	if s.v4 != nil {
-		var cm *ipv4.ControlMessage
-		n, cm, src, err = s.v4.ReadFrom(buf)
-		if cm != nil {
-			to, _ = netip.AddrFromSlice(cm.Dst.To4())
-		}
-	} else {
-		var cm *ipv6.ControlMessage
-		n, cm, src, err = s.v6.ReadFrom(buf)
-		if cm != nil {
-			to, _ = netip.AddrFromSlice(cm.Dst)
-		}
+	level, opt := unix.IPPROTO_IP, unix.IP_PKTINFO
+	if family == 6 {
+		level, opt = unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO
 	}
-	if ua, ok := src.(*net.UDPAddr); ok {
-		from = ua.AddrPort()
-		from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
+	var serr error
+	if err := raw.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), level, opt, 1) }); err != nil {
+		return nil, err
 	}
-	return n, from, to.Unmap(), err
-}
-
-// write sends b to the client from local address src.
-func (s *udpSocket) write(b []byte, src netip.Addr, to netip.AddrPort) error {
-	dst := net.UDPAddrFromAddrPort(to)
-	var err error
-	if s.v4 != nil {
-		var cm *ipv4.ControlMessage
-		if src.IsValid() {
-			cm = &ipv4.ControlMessage{Src: src.AsSlice()}
-		}
-		_, err = s.v4.WriteTo(b, cm, dst)
-	} else {
-		var cm *ipv6.ControlMessage
-		if src.IsValid() {
-			cm = &ipv6.ControlMessage{Src: src.AsSlice()}
-		}
-		_, err = s.v6.WriteTo(b, cm, dst)
+	if serr != nil {
+		return nil, os.NewSyscallError("setsockopt", serr)
 	}
-	return err
+	return &udpSocket{conn: c, family: family}, nil
 }
 
 // udpFlow is one client ip:port talking to one endpoint.
@@ -138,6 +103,7 @@ type udpFlow struct {
 	endpoint netip.AddrPort
 	reason   Reason
 	backend  *net.UDPConn
+	out      *dgramSender  // to backend; used by the frontend's read loop only
 	elem     *list.Element // in udpFlows.lru
 	start    time.Time
 	lastSeen atomic.Int64 // unix nanos of the last datagram either way
@@ -159,9 +125,14 @@ type udpFlows struct {
 // serveUDP reads datagrams until the socket is closed.
 func (f *frontend) serveUDP(s *udpSocket) {
 	buf := make([]byte, maxDatagram)
+	in, err := newDgramReceiver(s.conn, s.family, true)
+	if err != nil {
+		f.log.WithError(err).Error("UDP socket unusable; service port not served")
+		return
+	}
 	var backoff time.Duration
 	for {
-		n, from, to, err := s.read(buf)
+		n, from, to, err := in.receive(buf)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
@@ -181,7 +152,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 			continue // no endpoint: dropped (counted and logged in flowFor)
 		}
 		fl.touch()
-		if _, err := fl.backend.Write(buf[:n]); err != nil {
+		if err := fl.out.send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
 			f.log.WithFields(logrus.Fields{"client": from, "endpoint": fl.endpoint}).WithError(err).Debug("UDP send to endpoint failed")
 			f.endFlow(fl, "send failed: "+err.Error())
 			continue
@@ -213,8 +184,12 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 			return nil
 		}
 		c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
+		var out *dgramSender
 		if err == nil {
 			setUDPBuffers(c, udpFlowBuffer)
+			if out, err = newDgramSender(c, config.Family(ep.Addr())); err != nil {
+				c.Close()
+			}
 		}
 		if err != nil {
 			f.log.WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
@@ -224,7 +199,7 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 			continue
 		}
 		backend = c
-		fl = &udpFlow{client: client, local: local, endpoint: ep, reason: why, backend: c, start: time.Now()}
+		fl = &udpFlow{client: client, local: local, endpoint: ep, reason: why, backend: c, out: out, start: time.Now()}
 		break
 	}
 	if fl == nil {
@@ -285,14 +260,23 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 	defer f.udp.wg.Done()
 	timeout := f.p.cfg.udpTimeout()
 	buf := make([]byte, maxDatagram)
-	for {
+	// This goroutine's own, as they hold the datagram in flight.
+	toClient, serr := newDgramSender(s.conn, s.family)
+	var fromBackend *dgramReceiver
+	if serr == nil {
+		fromBackend, serr = newDgramReceiver(backend, s.family, false)
+	}
+	if serr != nil {
+		f.endFlow(fl, "reply socket: "+serr.Error())
+	}
+	for serr == nil {
 		last := time.Unix(0, fl.lastSeen.Load())
 		if time.Since(last) >= timeout {
 			f.endFlow(fl, CauseIdleTimeout)
 			break
 		}
 		_ = backend.SetReadDeadline(last.Add(timeout))
-		n, err := backend.Read(buf)
+		n, _, _, err := fromBackend.receive(buf)
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				continue // re-check: the client may have sent meanwhile
@@ -305,7 +289,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			break
 		}
 		fl.touch()
-		if err := s.write(buf[:n], fl.local, fl.client); err != nil {
+		if err := toClient.send(buf[:n], fl.local, fl.client); err != nil {
 			f.log.WithField("client", fl.client).WithError(err).Debug("UDP reply to client failed")
 			continue
 		}

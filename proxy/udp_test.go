@@ -171,3 +171,53 @@ func TestUDPSocketBuffers(t *testing.T) {
 		t.Fatalf("SO_RCVBUF went down: %d → %d", before, after)
 	}
 }
+
+// IPv6: the datagram reaches the endpoint over a connected socket and the
+// reply leaves from the address the client sent to (IPV6_PKTINFO).
+func TestUDPIPv6(t *testing.T) {
+	backend, err := net.ListenUDP("udp6", &net.UDPAddr{IP: net.IPv6loopback})
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { backend.Close(); <-done })
+	go func() {
+		defer close(done)
+		buf := make([]byte, 70000)
+		for {
+			n, from, err := backend.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			_, _ = backend.WriteToUDPAddrPort(append([]byte("v6:"), buf[:n]...), from)
+		}
+	}()
+	h := startProxier(t, Config{BindAddress: netip.IPv6Unspecified()})
+	sp := svc("dns6", config.UDP, backend.LocalAddr().(*net.UDPAddr).AddrPort())
+	sp.ClusterIPs = []netip.Addr{netip.MustParseAddr("fd00::10")}
+	h.apply(sp)
+	port := h.p.ListenPort(sp.Name, 6, KindAll)
+	if port == 0 {
+		t.Fatal("no IPv6 listener")
+	}
+	c, err := net.DialUDP("udp6", nil, &net.UDPAddr{IP: net.IPv6loopback, Port: port})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for _, msg := range []string{"q1", "q2", strings.Repeat("x", 9000)} {
+		if reply := udpExchange(t, c, []byte(msg)); string(reply) != "v6:"+msg {
+			t.Fatalf("reply %.20q…, want %.20q…", reply, "v6:"+msg)
+		}
+	}
+}
+
+// An empty datagram is a datagram: it is relayed, and so is its reply.
+func TestUDPEmptyDatagram(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
+	c := dialUDP(t, h.addr("dns"))
+	if reply := udpExchange(t, c, nil); string(reply) != "a:" {
+		t.Fatalf("reply %q, want %q", reply, "a:")
+	}
+}
