@@ -211,17 +211,23 @@ func udpBackend(t *testing.T, name string) netip.AddrPort {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serveUDPEcho(t, c, name)
+}
+
+// serveUDPEcho replies on c to every datagram with "name:" + the datagram
+// until the test ends, and returns c's address.
+func serveUDPEcho(t *testing.T, c *net.UDPConn, name string) netip.AddrPort {
 	done := make(chan struct{})
 	t.Cleanup(func() { c.Close(); <-done })
 	go func() {
 		defer close(done)
 		buf := make([]byte, 70000)
 		for {
-			n, from, err := c.ReadFromUDP(buf)
+			n, from, err := c.ReadFromUDPAddrPort(buf)
 			if err != nil {
 				return
 			}
-			_, _ = c.WriteToUDP(append([]byte(name+":"), buf[:n]...), from)
+			_, _ = c.WriteToUDPAddrPort(append([]byte(name+":"), buf[:n]...), from)
 		}
 	}()
 	return c.LocalAddr().(*net.UDPAddr).AddrPort()

@@ -166,7 +166,7 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 	r.hdr.SetIovlen(1)
 	r.hdr.Control = &r.oob[0]
 	r.hdr.SetControllen(len(r.oob))
-	m, _, errno := unix.RawSyscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&r.hdr)), 0)
+	m, errno := msgCall(unix.SYS_RECVMSG, uintptr(fd), &r.hdr)
 	r.iov.Base, r.hdr.Iov, r.hdr.Control = nil, nil, nil // hold no buffer between reads
 	if errno != 0 {
 		return 0, -1, errno
@@ -178,7 +178,7 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 			left = int(*(*int32)(unsafe.Pointer(&r.oob[unix.SizeofCmsghdr])))
 		}
 	}
-	return int(m), left, nil
+	return m, left, nil
 }
 
 // sink writes to the destination socket of one copy. It lives as long as the
@@ -377,4 +377,14 @@ func rawSplice(in, out, n int) (int, error) {
 		return 0, errno
 	}
 	return int(m), nil
+}
+
+// msgCall is sendmsg(2) or recvmsg(2) (trap) on fd, retried on EINTR.
+func msgCall(trap, fd uintptr, hdr *unix.Msghdr) (int, syscall.Errno) {
+	for {
+		n, _, errno := unix.RawSyscall(trap, fd, uintptr(unsafe.Pointer(hdr)), 0)
+		if errno != unix.EINTR {
+			return int(n), errno
+		}
+	}
 }

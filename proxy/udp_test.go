@@ -175,25 +175,13 @@ func TestUDPSocketBuffers(t *testing.T) {
 // IPv6: the datagram reaches the endpoint over a connected socket and the
 // reply leaves from the address the client sent to (IPV6_PKTINFO).
 func TestUDPIPv6(t *testing.T) {
-	backend, err := net.ListenUDP("udp6", &net.UDPAddr{IP: net.IPv6loopback})
+	c6, err := net.ListenUDP("udp6", &net.UDPAddr{IP: net.IPv6loopback})
 	if err != nil {
 		t.Skipf("no IPv6 loopback here: %v", err)
 	}
-	done := make(chan struct{})
-	t.Cleanup(func() { backend.Close(); <-done })
-	go func() {
-		defer close(done)
-		buf := make([]byte, 70000)
-		for {
-			n, from, err := backend.ReadFromUDPAddrPort(buf)
-			if err != nil {
-				return
-			}
-			_, _ = backend.WriteToUDPAddrPort(append([]byte("v6:"), buf[:n]...), from)
-		}
-	}()
+	backend := serveUDPEcho(t, c6, "v6")
 	h := startProxier(t, Config{BindAddress: netip.IPv6Unspecified()})
-	sp := svc("dns6", config.UDP, backend.LocalAddr().(*net.UDPAddr).AddrPort())
+	sp := svc("dns6", config.UDP, backend)
 	sp.ClusterIPs = []netip.Addr{netip.MustParseAddr("fd00::10")}
 	h.apply(sp)
 	port := h.p.ListenPort(sp.Name, 6, KindAll)

@@ -30,7 +30,7 @@ type dgramSender struct {
 	iov    unix.Iovec
 	name   unix.RawSockaddrInet6 // or an Inet4 one in its first bytes
 	oob    [8]uint64             // one IP_PKTINFO or IPV6_PKTINFO control message, aligned
-	err    error
+	errno  syscall.Errno         // of the last attempt
 }
 
 func newDgramSender(c *net.UDPConn, family int) (*dgramSender, error) {
@@ -66,28 +66,16 @@ func (s *dgramSender) send(b []byte, src netip.Addr, to netip.AddrPort) error {
 	if err != nil {
 		return err
 	}
-	if s.err != nil {
-		return &net.OpError{Op: "write", Net: "udp", Err: os.NewSyscallError("sendmsg", s.err)}
+	if s.errno != 0 {
+		return &net.OpError{Op: "write", Net: "udp", Err: os.NewSyscallError("sendmsg", s.errno)}
 	}
 	return nil
 }
 
 // attempt is one sendmsg; it returns false (wait for writability) on EAGAIN.
 func (s *dgramSender) attempt(fd uintptr) bool {
-	for {
-		_, _, errno := unix.RawSyscall(unix.SYS_SENDMSG, fd, uintptr(unsafe.Pointer(&s.hdr)), 0)
-		switch errno {
-		case unix.EINTR:
-			continue
-		case unix.EAGAIN:
-			return false
-		case 0:
-			s.err = nil
-		default:
-			s.err = errno
-		}
-		return true
-	}
+	_, s.errno = msgCall(unix.SYS_SENDMSG, fd, &s.hdr)
+	return s.errno != unix.EAGAIN
 }
 
 // sockaddr writes to as a sockaddr of the socket's family into s.name and
@@ -136,8 +124,8 @@ type dgramReceiver struct {
 	iov    unix.Iovec
 	name   unix.RawSockaddrInet6 // or an Inet4 one in its first bytes
 	oob    [8]uint64
-	n      int
-	err    error
+	n      int           // of the last attempt
+	errno  syscall.Errno // of the last attempt
 }
 
 func newDgramReceiver(c *net.UDPConn, family int, addrs bool) (*dgramReceiver, error) {
@@ -160,8 +148,8 @@ func (r *dgramReceiver) receive(b []byte) (n int, from netip.AddrPort, to netip.
 	if err != nil {
 		return 0, from, to, err
 	}
-	if r.err != nil {
-		return 0, from, to, &net.OpError{Op: "read", Net: "udp", Err: os.NewSyscallError("recvmsg", r.err)}
+	if r.errno != 0 {
+		return 0, from, to, &net.OpError{Op: "read", Net: "udp", Err: os.NewSyscallError("recvmsg", r.errno)}
 	}
 	if r.addrs {
 		from, to = r.sender(), r.local()
@@ -171,28 +159,16 @@ func (r *dgramReceiver) receive(b []byte) (n int, from netip.AddrPort, to netip.
 
 // attempt is one recvmsg; it returns false (wait for readability) on EAGAIN.
 func (r *dgramReceiver) attempt(fd uintptr) bool {
-	for {
-		r.hdr = unix.Msghdr{Iov: &r.iov}
-		r.hdr.SetIovlen(1)
-		if r.addrs {
-			r.hdr.Name = (*byte)(unsafe.Pointer(&r.name))
-			r.hdr.Namelen = unix.SizeofSockaddrInet6
-			r.hdr.Control = (*byte)(unsafe.Pointer(&r.oob))
-			r.hdr.SetControllen(int(unsafe.Sizeof(r.oob)))
-		}
-		n, _, errno := unix.RawSyscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&r.hdr)), 0)
-		switch errno {
-		case unix.EINTR:
-			continue
-		case unix.EAGAIN:
-			return false
-		case 0:
-			r.n, r.err = int(n), nil
-		default:
-			r.n, r.err = 0, errno
-		}
-		return true
+	r.hdr = unix.Msghdr{Iov: &r.iov}
+	r.hdr.SetIovlen(1)
+	if r.addrs {
+		r.hdr.Name = (*byte)(unsafe.Pointer(&r.name))
+		r.hdr.Namelen = unix.SizeofSockaddrInet6
+		r.hdr.Control = (*byte)(unsafe.Pointer(&r.oob))
+		r.hdr.SetControllen(int(unsafe.Sizeof(r.oob)))
 	}
+	r.n, r.errno = msgCall(unix.SYS_RECVMSG, fd, &r.hdr)
+	return r.errno != unix.EAGAIN
 }
 
 // sender returns the address the last datagram came from.
