@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"net"
 	"net/netip"
 	"sort"
 	"sync"
@@ -32,8 +31,8 @@ type connRecord struct {
 	Attempt     int
 	DialLatency time.Duration
 	shutdown    bool
-	client      *net.TCPConn
-	backend     *net.TCPConn
+	client      *sock
+	backend     *sock
 }
 
 func (c *connRecord) addUp(n int64) {
@@ -85,7 +84,7 @@ func (c *connRecord) setBackend(ep netip.AddrPort, why Reason, attempt int) {
 	c.mu.Unlock()
 }
 
-func (c *connRecord) setConns(client, backend *net.TCPConn) {
+func (c *connRecord) setConns(client, backend *sock) {
 	c.mu.Lock()
 	c.client, c.backend = client, backend
 	shut := c.shutdown
@@ -154,15 +153,14 @@ type connTable struct {
 	conns map[uint64]*connRecord
 }
 
-func (t *connTable) add(f *frontend, client *net.TCPConn) *connRecord {
+func (t *connTable) add(f *frontend, client netip.AddrPort) *connRecord {
 	c := &connRecord{
 		fe:      f,
 		ID:      t.nextID.Add(1),
 		Service: f.key.Name,
-		Client:  client.RemoteAddr().(*net.TCPAddr).AddrPort(),
+		Client:  client,
 		Start:   time.Now(),
 	}
-	c.Client = netip.AddrPortFrom(c.Client.Addr().Unmap(), c.Client.Port())
 	t.wg.Add(1)
 	f.m.get().active.Inc()
 	t.mu.Lock()

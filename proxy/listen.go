@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -188,13 +187,11 @@ func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
 	}
 	switch proto {
 	case "tcp":
-		lc := net.ListenConfig{KeepAlive: -1, Control: setListenerKeepAlive}
-		l, err := lc.Listen(context.Background(), "tcp"+fam, ap.String())
+		ln, err := listenTCP(ap)
 		if err != nil {
 			return nil, 0, fmt.Errorf("listen tcp %s: %w", ap, err)
 		}
-		ln := l.(*net.TCPListener)
-		return ln, ln.Addr().(*net.TCPAddr).Port, nil
+		return ln, int(ln.Addr().Port()), nil
 	case "udp":
 		c, err := net.ListenUDP("udp"+fam, net.UDPAddrFromAddrPort(ap))
 		if err != nil {
@@ -207,36 +204,11 @@ func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
 
 // Keep-alive probing of proxied connections, as Go's defaults: the first
 // probe after 15 s of silence, then every 15 s, the kernel's probe count.
+// Accepted sockets inherit it from their listener (listenTCP).
 const (
 	keepAliveIdle     = 15 * time.Second
 	keepAliveInterval = 15 * time.Second
 )
-
-// setListenerKeepAlive enables keep-alive on a listening socket. Accepted
-// sockets inherit it from the listener, which saves Go's four setsockopt
-// calls on every accepted connection (the listener is opened with
-// KeepAlive: -1 so Go leaves them alone).
-func setListenerKeepAlive(_, _ string, c syscall.RawConn) error {
-	var serr error
-	err := c.Control(func(fd uintptr) {
-		for _, o := range [][3]int{
-			{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle / time.Second)},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
-		} {
-			if serr = unix.SetsockoptInt(int(fd), o[0], o[1], o[2]); serr != nil {
-				return
-			}
-		}
-	})
-	if err != nil {
-		return err
-	}
-	if serr != nil {
-		return fmt.Errorf("keep-alive on listener: %w", serr)
-	}
-	return nil
-}
 
 // RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit: every proxied
 // TCP connection holds two sockets, and the default soft limit of 1024 would

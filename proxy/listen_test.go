@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -32,7 +31,7 @@ func TestKernelRangeAllocation(t *testing.T) {
 			t.Logf("listener %d: %v", i, err)
 			continue
 		}
-		defer func() { ln.(*net.TCPListener).Close(); release() }()
+		defer func() { ln.(*tcpListener).Close(); release() }()
 		if port < base+5 || port > base+8 || seen[port] {
 			t.Fatalf("port %d: want one of %d-%d, each once (got %v before)", port, base+5, base+8, seen)
 		}
@@ -58,7 +57,7 @@ func TestKernelRangeUnreadable(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer release()
-		defer ln.(*net.TCPListener).Close()
+		defer ln.(*tcpListener).Close()
 		if port == 0 {
 			t.Fatal("no port")
 		}

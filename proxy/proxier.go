@@ -191,7 +191,7 @@ type frontend struct {
 
 	m      *feMetrics
 	ctx    context.Context // cancelled when the proxier shuts down
-	tcp    *net.TCPListener
+	tcp    *tcpListener
 	udpSk  *udpSocket
 	udp    udpFlows
 	served sync.WaitGroup
@@ -562,7 +562,7 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		}),
 	}
 	switch s := sock.(type) {
-	case *net.TCPListener:
+	case *tcpListener:
 		fe.tcp = s
 		fe.served.Add(1)
 		go func() { defer fe.served.Done(); fe.serveTCP(s) }()

@@ -455,7 +455,7 @@ func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
 
 // Both sockets of a proxied connection probe a silent peer: the client's
 // inherits keep-alive from the listener, the backend's is set at dial.
-func TestTCPKeepAliveOnBothSockets(t *testing.T) {
+func TestTCPOptionsOnBothSockets(t *testing.T) {
 	h := startProxier(t, Config{})
 	h.apply(svc("ka", config.TCP, tcpBackend(t, "a")))
 	c, err := net.Dial("tcp", h.addr("ka"))
@@ -480,14 +480,10 @@ func TestTCPKeepAliveOnBothSockets(t *testing.T) {
 		return false
 	})
 	rec.mu.Lock()
-	socks := map[string]*net.TCPConn{"client": rec.client, "backend": rec.backend}
+	socks := map[string]*sock{"client": rec.client, "backend": rec.backend}
 	rec.mu.Unlock()
-	for side, sock := range socks {
-		raw, err := sock.SyscallConn()
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = raw.Control(func(fd uintptr) {
+	for side, sk := range socks {
+		_ = sk.control(func(fd int) {
 			for _, o := range []struct {
 				name       string
 				level, opt int
@@ -498,9 +494,17 @@ func TestTCPKeepAliveOnBothSockets(t *testing.T) {
 				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
 				{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
 			} {
-				got, err := unix.GetsockoptInt(int(fd), o.level, o.opt)
+				got, err := unix.GetsockoptInt(fd, o.level, o.opt)
 				if err != nil || got != o.want {
 					t.Errorf("%s socket: %s = %d (%v), want %d", side, o.name, got, err, o.want)
+				}
+			}
+			// The accepted socket inherits TCP_INQ too; the copy relies on
+			// rec.client.inq matching it.
+			if side == "client" {
+				got, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ)
+				if err != nil || (got == 1) != sk.inq {
+					t.Errorf("client socket: TCP_INQ = %d (%v), inq flag %v", got, err, sk.inq)
 				}
 			}
 		})

@@ -28,16 +28,8 @@ import (
 // for readability: RawConn.Read forgets earlier readiness when it begins, so
 // a fresh call would have to try a read first, one more system call per
 // message. Waiting uses Go's poller, so src's read deadline applies.
-func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
-	srcRaw, err := src.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	dstRaw, err := dst.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	out := newSink(dstRaw)
+func spliceCopy(dst, src *sock, count func(int64)) (int64, error) {
+	out := newSink(dst)
 	var total int64
 	var cerr error // what ended the copy inside the callback; nil at EOF
 	moved := func(n int64) {
@@ -47,12 +39,16 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 	// bulk: the last wake-up moved more than a buffer, so this one starts
 	// with splice(2) instead of copying the first 32 KiB through user space.
 	bulk := false
-	// inq is set once src carried a second message: a conversation, where
-	// reading with TCP_CM_INQ saves the read that finds the socket empty
-	// on every message (three system calls per message become two). A
-	// connection that carries one request and one reply never pays the
-	// setsockopt.
+	// inq reads with TCP_CM_INQ, which saves the read that finds the
+	// socket empty after every message (three system calls per message
+	// become two). An accepted socket has TCP_INQ from its listener; a
+	// dialled one gets it once it carried a second message (a
+	// conversation), so that a connection with one request and one reply
+	// never pays the setsockopt.
 	var inq *inqReader
+	if src.inq {
+		inq = &inqReader{}
+	}
 	messages := 0
 	burst := func(fd int) bool {
 		m, eof, err := spliceBurst(out, fd)
@@ -66,7 +62,7 @@ func spliceCopy(dst, src *net.TCPConn, count func(int64)) (int64, error) {
 		bulk = m >= bufSize
 		return eof // drained (the pipe is back in the pool): wait, unless at EOF
 	}
-	err = srcRaw.Read(func(fd uintptr) bool {
+	err := src.read(func(fd uintptr) bool {
 		if bulk {
 			return burst(int(fd))
 		}
@@ -185,7 +181,7 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 // copy, with its wait callback bound once, so that a message costs no
 // allocation (closures per write cost six per message).
 type sink struct {
-	raw syscall.RawConn
+	s   *sock
 	try func(fd uintptr) bool // s.attempt
 	// The write in progress: from buf with send(2) flags, or, when buf is
 	// nil, n bytes spliced from the pipe pipeR.
@@ -196,8 +192,8 @@ type sink struct {
 	err        error
 }
 
-func newSink(raw syscall.RawConn) *sink {
-	s := &sink{raw: raw}
+func newSink(dst *sock) *sink {
+	s := &sink{s: dst}
 	s.try = s.attempt
 	return s
 }
@@ -221,7 +217,7 @@ func (s *sink) pump(pipeR, n int) error {
 // writeAll attempts until n bytes are written, waiting on EAGAIN.
 func (s *sink) writeAll() error {
 	for s.done = 0; s.done < s.n; {
-		if err := s.raw.Write(s.try); err != nil {
+		if err := s.s.write(s.try); err != nil {
 			return err
 		}
 		switch {

@@ -42,27 +42,26 @@ const (
 
 // serveTCP accepts connections until the listener is closed. Accept errors
 // such as EMFILE back off (5 ms doubling to 1 s) instead of spinning or dying.
-func (f *frontend) serveTCP(ln *net.TCPListener) {
+func (f *frontend) serveTCP(ln *tcpListener) {
 	var backoff time.Duration
-	for {
-		client, err := ln.AcceptTCP()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			f.log.WithError(err).WithField("retryIn", backoff).Warn("Accept failed")
-			select {
-			case <-time.After(backoff):
-			case <-f.ctx.Done():
-				return
-			}
-			continue
-		}
+	handle := func(client *sock, from netip.AddrPort) {
 		backoff = 0
 		f.m.get().accepted.Inc()
-		c := f.p.conns.add(f, client)
+		c := f.p.conns.add(f, from)
 		f.p.workers.Go(func() { f.handleTCP(c, client) })
+	}
+	for {
+		err := ln.serve(handle)
+		if errors.Is(err, net.ErrClosed) {
+			return
+		}
+		backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+		f.log.WithError(err).WithField("retryIn", backoff).Warn("Accept failed")
+		select {
+		case <-time.After(backoff):
+		case <-f.ctx.Done():
+			return
+		}
 	}
 }
 
@@ -72,14 +71,14 @@ func (f *frontend) serveTCP(ln *net.TCPListener) {
 // goroutine's stack to 8 KiB or more, and a goroutine keeps its deepest size
 // while it waits, so a copy on the dialling goroutine made every idle
 // connection hold that stack. Dialling goroutines go back to their pool.
-func (f *frontend) handleTCP(c *connRecord, client *net.TCPConn) {
-	c.OrigDst = originalDst(client)
+func (f *frontend) handleTCP(c *connRecord, client *sock) {
+	c.OrigDst = originalDst(client, f.listen)
 
 	backend, err := f.dialBackend(c)
 	if err != nil {
 		// A reset tells the client at once that nothing is there, instead of
 		// an accepted connection that silently closes or hangs.
-		_ = client.SetLinger(0)
+		_ = client.SetResetOnClose()
 		client.Close()
 		c.finish(f, 0, 0, err.Error())
 		f.p.conns.remove(c)
@@ -94,7 +93,7 @@ func (f *frontend) handleTCP(c *connRecord, client *net.TCPConn) {
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own
 // timeout; every retry asks the balancer again, bypassing affinity.
-func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
+func (f *frontend) dialBackend(c *connRecord) (*sock, error) {
 	client := c.Client.Addr()
 	timeouts := f.p.cfg.dialTimeouts()
 	for attempt, timeout := range timeouts {
@@ -108,17 +107,11 @@ func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
 		}
 		c.setBackend(ep, why, attempt)
 		start := time.Now()
-		// Count -1 keeps the kernel's probe count and saves a setsockopt.
-		d := net.Dialer{Timeout: timeout, KeepAliveConfig: net.KeepAliveConfig{
-			Enable: true, Idle: keepAliveIdle, Interval: keepAliveInterval, Count: -1}}
 		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
-		// Not Dialer.DialTCP: its zero local address still binds, and bind
-		// before connect reserves a local port outright, where connect's
-		// own choice shares ports across destinations.
-		conn, err := d.DialContext(f.ctx, "tcp", ep.String())
+		conn, err := dialTCP(f.ctx, ep, timeout)
 		if err == nil {
 			c.setDialLatency(time.Since(start))
-			return conn.(*net.TCPConn), nil
+			return conn, nil
 		}
 		dialFailures.WithLabelValues(f.m.service, ep.String()).Inc()
 		f.log.WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1}).
@@ -137,7 +130,7 @@ func (f *frontend) dialBackend(c *connRecord) (*net.TCPConn, error) {
 // spliceConns copies both ways until both directions end, propagating
 // half-closes, and closes both sockets. It returns the bytes sent to the
 // backend (up) and to the client (down) and why the exchange ended.
-func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up, down int64, cause string) {
+func (f *frontend) spliceConns(c *connRecord, client, backend *sock) (up, down int64, cause string) {
 	idle := f.p.cfg.TCPIdleTimeout
 	c.setConns(client, backend)
 	var first sync.Once // the direction that ends first names the cause
@@ -146,7 +139,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 	// copyHalf copies one direction. A FIN is passed on as a half-close and
 	// the other direction finishes on its own (request/response protocols
 	// depend on it); anything else ends both directions, a reset passed on.
-	copyHalf := func(dst, src *net.TCPConn, eofCause, resetCause string, count func(int64)) int64 {
+	copyHalf := func(dst, src *sock, eofCause, resetCause string, count func(int64)) int64 {
 		n, err := copyUntilIdle(dst, src, client, backend, idle, count)
 		last := ended.Add(1) == 2
 		why := eofCause
@@ -164,7 +157,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 			why = c.closeCause()
 		default:
 			why = resetCause
-			_ = dst.SetLinger(0)
+			_ = dst.SetResetOnClose()
 		}
 		first.Do(func() { cause = why })
 		if watch && waitPeerReset(src) {
@@ -172,7 +165,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 			// that left before the reply came back): no one will read the
 			// other direction, so end the pair now, a reset passed on, or
 			// it would wait for the other peer to close.
-			_ = dst.SetLinger(0)
+			_ = dst.SetResetOnClose()
 			err = errPeerReset
 			lateReset = resetCause
 		}
@@ -201,7 +194,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *net.TCPConn) (up,
 // every idle period, and the copy goes on while the kernel's TCP_INFO says
 // either peer sent data within the period. It returns nil at EOF. count gets
 // the bytes of every burst, so live connections show in the metrics.
-func copyUntilIdle(dst, src, client, backend *net.TCPConn, idle time.Duration, count func(int64)) (int64, error) {
+func copyUntilIdle(dst, src, client, backend *sock, idle time.Duration, count func(int64)) (int64, error) {
 	var total int64
 	for {
 		if idle > 0 {
@@ -225,16 +218,12 @@ var errPeerReset = errors.New("peer reset after its FIN")
 // waitPeerReset waits on c, whose peer has sent its FIN, until the peer
 // resets it (true) or c is closed (false). After the FIN nothing but the
 // reset makes c readable again; other wake-ups are checked and ignored.
-func waitPeerReset(c *net.TCPConn) bool {
+func waitPeerReset(c *sock) bool {
 	_ = c.SetReadDeadline(time.Time{}) // the other direction owns idleness now
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return false
-	}
 	reset := false
 	// The first call checks at once: a reset that came between the EOF
 	// and this call woke no one.
-	_ = raw.Read(func(fd uintptr) bool {
+	_ = c.read(func(fd uintptr) bool {
 		// tcpi_state is the first byte of struct tcp_info; the socket is
 		// in CLOSE_WAIT until the reset moves it to CLOSE.
 		state, err := unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
@@ -248,14 +237,10 @@ func waitPeerReset(c *net.TCPConn) bool {
 const tcpClose = 7
 
 // sinceLastRecv reads how long ago the kernel last received data on c.
-func sinceLastRecv(c *net.TCPConn) time.Duration {
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return 0
-	}
+func sinceLastRecv(c *sock) time.Duration {
 	var info *unix.TCPInfo
-	_ = raw.Control(func(fd uintptr) {
-		info, _ = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+	_ = c.control(func(fd int) {
+		info, _ = unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
 	})
 	if info == nil {
 		return 0 // unknown: treat as active rather than cut a live connection
@@ -265,35 +250,34 @@ func sinceLastRecv(c *net.TCPConn) time.Duration {
 
 // originalDst returns where the client was going before iptables redirected
 // it (SO_ORIGINAL_DST), or the local address when it was not redirected.
-func originalDst(c *net.TCPConn) netip.AddrPort {
-	local := c.LocalAddr().(*net.TCPAddr).AddrPort()
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return local
-	}
-	var dst netip.AddrPort
-	_ = raw.Control(func(fd uintptr) {
-		if local.Addr().Unmap().Is4() {
+// listen is the listener's address; it gives the family and is the answer
+// of last resort.
+func originalDst(c *sock, listen netip.AddrPort) netip.AddrPort {
+	dst := listen
+	_ = c.control(func(fd int) {
+		if listen.Addr().Is4() {
 			// sockaddr_in fits the 16 bytes of an IPv6Mreq.
-			m, err := unix.GetsockoptIPv6Mreq(int(fd), unix.SOL_IP, unix.SO_ORIGINAL_DST)
+			m, err := unix.GetsockoptIPv6Mreq(fd, unix.SOL_IP, unix.SO_ORIGINAL_DST)
 			if err == nil {
 				port := binary.BigEndian.Uint16(m.Multiaddr[2:4])
 				ip := netip.AddrFrom4([4]byte(m.Multiaddr[4:8]))
 				dst = netip.AddrPortFrom(ip, port)
+				return
 			}
-			return
+		} else {
+			// sockaddr_in6 fits the 32 bytes of an IPv6MTUInfo.
+			m, err := unix.GetsockoptIPv6MTUInfo(fd, unix.SOL_IPV6, unix.SO_ORIGINAL_DST)
+			if err == nil {
+				var port [2]byte // Port holds network byte order in host memory
+				binary.NativeEndian.PutUint16(port[:], m.Addr.Port)
+				dst = netip.AddrPortFrom(netip.AddrFrom16(m.Addr.Addr).Unmap(), binary.BigEndian.Uint16(port[:]))
+				return
+			}
 		}
-		// sockaddr_in6 fits the 32 bytes of an IPv6MTUInfo.
-		m, err := unix.GetsockoptIPv6MTUInfo(int(fd), unix.SOL_IPV6, unix.SO_ORIGINAL_DST)
-		if err == nil {
-			var port [2]byte // Port holds network byte order in host memory
-			binary.NativeEndian.PutUint16(port[:], m.Addr.Port)
-			dst = netip.AddrPortFrom(netip.AddrFrom16(m.Addr.Addr).Unmap(), binary.BigEndian.Uint16(port[:]))
+		if local, err := localAddr(fd); err == nil {
+			dst = local // not redirected (no conntrack entry)
 		}
 	})
-	if !dst.IsValid() {
-		return local
-	}
 	return dst
 }
 

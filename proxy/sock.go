@@ -1,0 +1,388 @@
+package proxy
+
+// The proxy's own TCP sockets. Go's net package costs a proxy more per
+// connection than the proxy needs: getsockname on every accepted socket and
+// getsockname + getpeername on every dialled one, TCP_NODELAY set on each,
+// a goroutine and a timer per dial to watch its context, and a park on the
+// poller after every connect even when the handshake finished inside the
+// connect call (over veth or loopback it does). Here the system calls are
+// made directly, with RawSyscall where they cannot block (so that the
+// runtime's monitor is not woken to take a P from a connect or accept that
+// carries the peer's softirq), and Go's poller is reached through os.File:
+// a non-blocking descriptor given to os.NewFile is registered with it, and
+// its RawConn waits for readiness and honours deadlines.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// sock is one TCP socket of a proxied connection.
+type sock struct {
+	f      *os.File
+	raw    syscall.RawConn
+	inq    bool        // TCP_INQ is on (inherited from the listener)
+	closed atomic.Bool // Close was called: errors after it are net.ErrClosed
+}
+
+// newSock hands the non-blocking descriptor fd to Go's poller; on error fd
+// is closed.
+func newSock(fd int) (*sock, error) {
+	f := os.NewFile(uintptr(fd), "tcp")
+	if f == nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("os.NewFile(%d) refused the descriptor", fd)
+	}
+	raw, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return &sock{f: f, raw: raw}, nil
+}
+
+// Close closes the socket; a copy waiting on it returns net.ErrClosed.
+func (s *sock) Close() error {
+	s.closed.Store(true)
+	return s.f.Close()
+}
+
+// read runs a RawConn.Read on the socket, reporting a closed socket as
+// net.ErrClosed, as net.TCPConn would.
+func (s *sock) read(f func(fd uintptr) bool) error {
+	return s.wrap(s.raw.Read(f))
+}
+
+// write is read's counterpart for RawConn.Write.
+func (s *sock) write(f func(fd uintptr) bool) error {
+	return s.wrap(s.raw.Write(f))
+}
+
+func (s *sock) wrap(err error) error {
+	if err != nil && s.closed.Load() && !errors.Is(err, os.ErrDeadlineExceeded) {
+		return net.ErrClosed
+	}
+	return err
+}
+
+// control runs fn on the descriptor while it cannot be closed.
+func (s *sock) control(fn func(fd int)) error {
+	return s.wrap(s.raw.Control(func(fd uintptr) { fn(int(fd)) }))
+}
+
+// CloseWrite sends a FIN: shutdown(SHUT_WR).
+func (s *sock) CloseWrite() error {
+	var errno syscall.Errno
+	if err := s.control(func(fd int) {
+		_, _, errno = unix.RawSyscall(unix.SYS_SHUTDOWN, uintptr(fd), unix.SHUT_WR, 0)
+	}); err != nil {
+		return err
+	}
+	if errno != 0 {
+		return os.NewSyscallError("shutdown", errno)
+	}
+	return nil
+}
+
+// SetResetOnClose makes Close send a reset instead of a FIN (SO_LINGER 0).
+func (s *sock) SetResetOnClose() error {
+	var serr error
+	if err := s.control(func(fd int) {
+		serr = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
+	}); err != nil {
+		return err
+	}
+	return os.NewSyscallError("setsockopt", serr)
+}
+
+// SetReadDeadline sets the deadline of reads that wait (the idle timeout).
+func (s *sock) SetReadDeadline(t time.Time) error { return s.f.SetReadDeadline(t) }
+
+// tcpListener is a listening socket whose accepted sockets inherit keep-alive,
+// TCP_NODELAY and TCP_INQ from it: none of them costs a system call per
+// connection.
+type tcpListener struct {
+	s    *sock
+	addr netip.AddrPort
+}
+
+// listenTCP opens a listener on ap (port 0: the kernel picks one).
+func listenTCP(ap netip.AddrPort) (*tcpListener, error) {
+	domain, sa := sockaddr(ap)
+	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, os.NewSyscallError("socket", err)
+	}
+	opts := [][3]int{
+		{unix.SOL_SOCKET, unix.SO_REUSEADDR, 1}, // as Go: a restart may rebind ports in TIME_WAIT
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle / time.Second)},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
+		{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+	}
+	if domain == unix.AF_INET6 {
+		opts = append(opts, [3]int{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1})
+	}
+	for _, o := range opts {
+		if err := unix.SetsockoptInt(fd, o[0], o[1], o[2]); err != nil {
+			unix.Close(fd)
+			return nil, fmt.Errorf("listener option %d/%d: %w", o[0], o[1], err)
+		}
+	}
+	// TCP_INQ (Linux 4.18) lets a copy learn from each read whether the
+	// socket is drained; without it the copy reads until EAGAIN.
+	inq := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil
+	ptr, n := sa.raw()
+	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(ptr), uintptr(n)); errno != 0 {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("bind", errno)
+	}
+	if err := unix.Listen(fd, listenBacklog()); err != nil {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("listen", err)
+	}
+	if ap.Port() == 0 {
+		got, err := localAddr(fd)
+		if err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+		ap = netip.AddrPortFrom(ap.Addr(), got.Port())
+	}
+	s, err := newSock(fd)
+	if err != nil {
+		return nil, err
+	}
+	s.inq = inq
+	return &tcpListener{s: s, addr: ap}, nil
+}
+
+// Addr is the address the listener is bound to.
+func (l *tcpListener) Addr() netip.AddrPort { return l.addr }
+
+// Close stops the listener; serve returns net.ErrClosed.
+func (l *tcpListener) Close() error { return l.s.Close() }
+
+// serve accepts connections and gives each to handle, until the listener is
+// closed (net.ErrClosed) or accept fails (the error). It waits for new
+// connections inside one RawConn.Read, accepting until the queue is empty
+// before it waits again.
+func (l *tcpListener) serve(handle func(s *sock, client netip.AddrPort)) error {
+	var rsa unix.RawSockaddrAny
+	var aerr error
+	err := l.s.read(func(fd uintptr) bool {
+		for {
+			n := uint32(unix.SizeofSockaddrAny)
+			nfd, _, errno := unix.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)),
+				unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+			switch errno {
+			case 0:
+			case unix.EAGAIN:
+				return false
+			case unix.EINTR, unix.ECONNABORTED:
+				continue // the client gave up while queued: next one
+			default:
+				aerr = os.NewSyscallError("accept4", errno)
+				return true
+			}
+			s, err := newSock(int(nfd))
+			if err != nil {
+				aerr = err
+				return true
+			}
+			s.inq = l.s.inq
+			handle(s, rawAddrPort(&rsa))
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return aerr
+}
+
+// dialTCP connects to ep within timeout, or until ctx is done. The socket
+// gets TCP_NODELAY and keep-alive (the kernel's probe count).
+func dialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*sock, error) {
+	domain, sa := sockaddr(ep)
+	fd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if errno != 0 {
+		return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
+	}
+	for _, o := range [][3]int{
+		{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle / time.Second)},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
+	} {
+		v := int32(o[2])
+		// Options on a fresh socket of our own cannot fail but for ENOMEM.
+		_, _, _ = unix.RawSyscall6(unix.SYS_SETSOCKOPT, fd, uintptr(o[0]), uintptr(o[1]), uintptr(unsafe.Pointer(&v)), 4, 0)
+	}
+	ptr, n := sa.raw()
+	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, fd, uintptr(ptr), uintptr(n))
+	if errno != 0 && errno != unix.EINPROGRESS && errno != unix.EINTR {
+		unix.Close(int(fd))
+		return nil, dialError(ep, errno)
+	}
+	s, err := newSock(int(fd))
+	if err != nil {
+		return nil, err
+	}
+	// The handshake has often finished inside connect: look at the state
+	// before waiting, which saves a park on the poller.
+	if err := s.awaitConnect(ctx, timeout); err != nil {
+		s.Close()
+		return nil, dialError(ep, err)
+	}
+	return s, nil
+}
+
+// awaitConnect waits until the non-blocking connect on s is done.
+func (s *sock) awaitConnect(ctx context.Context, timeout time.Duration) error {
+	var cerr error
+	done := func(fd uintptr) bool {
+		state, err := unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		switch {
+		case err != nil:
+			cerr = err
+		case state == tcpEstablished, state == tcpCloseWait:
+			// Connected (CLOSE_WAIT: and the peer already sent its FIN).
+		case state == tcpSynSent:
+			return false
+		default:
+			// Failed: SO_ERROR says why and clears it.
+			if e, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR); err == nil && e != 0 {
+				cerr = syscall.Errno(e)
+			} else {
+				cerr = fmt.Errorf("connect: socket in TCP state %d", state)
+			}
+		}
+		return true
+	}
+	var stop func() bool // set once the connect had to be waited for
+	err := s.write(func(fd uintptr) bool {
+		if done(fd) {
+			return true
+		}
+		if stop == nil {
+			// Only a connect that did not finish at once pays for the
+			// deadline and the watch on ctx.
+			_ = s.f.SetWriteDeadline(time.Now().Add(timeout))
+			stop = context.AfterFunc(ctx, func() { _ = s.f.SetWriteDeadline(time.Unix(1, 0)) })
+		}
+		return false
+	})
+	if stop != nil {
+		stop()
+		_ = s.f.SetWriteDeadline(time.Time{})
+		if err != nil && ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+	if err != nil {
+		return err
+	}
+	return cerr
+}
+
+func dialError(ep netip.AddrPort, err error) error {
+	if errno, ok := err.(syscall.Errno); ok {
+		err = os.NewSyscallError("connect", errno)
+	}
+	return &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: err}
+}
+
+// Kernel TCP states (include/net/tcp_states.h).
+const (
+	tcpEstablished = 1
+	tcpSynSent     = 2
+	tcpCloseWait   = 8
+)
+
+// rawSockaddr is a socket address laid out for the kernel.
+type rawSockaddr struct {
+	v4  unix.RawSockaddrInet4
+	v6  unix.RawSockaddrInet6
+	is6 bool
+}
+
+// sockaddr returns the socket domain and kernel address of ap.
+func sockaddr(ap netip.AddrPort) (int, *rawSockaddr) {
+	r := &rawSockaddr{}
+	var port *uint16
+	if ap.Addr().Is4() {
+		r.v4.Family = unix.AF_INET
+		r.v4.Addr = ap.Addr().As4()
+		port = &r.v4.Port
+	} else {
+		r.is6 = true
+		r.v6.Family = unix.AF_INET6
+		r.v6.Addr = ap.Addr().As16()
+		port = &r.v6.Port
+	}
+	b := (*[2]byte)(unsafe.Pointer(port)) // network byte order in memory
+	b[0], b[1] = byte(ap.Port()>>8), byte(ap.Port())
+	if r.is6 {
+		return unix.AF_INET6, r
+	}
+	return unix.AF_INET, r
+}
+
+func (r *rawSockaddr) raw() (unsafe.Pointer, int) {
+	if r.is6 {
+		return unsafe.Pointer(&r.v6), unix.SizeofSockaddrInet6
+	}
+	return unsafe.Pointer(&r.v4), unix.SizeofSockaddrInet4
+}
+
+// rawAddrPort reads an IPv4 or IPv6 address the kernel wrote.
+func rawAddrPort(rsa *unix.RawSockaddrAny) netip.AddrPort {
+	switch rsa.Addr.Family {
+	case unix.AF_INET:
+		a := (*unix.RawSockaddrInet4)(unsafe.Pointer(rsa))
+		b := (*[2]byte)(unsafe.Pointer(&a.Port))
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(b[0])<<8|uint16(b[1]))
+	case unix.AF_INET6:
+		a := (*unix.RawSockaddrInet6)(unsafe.Pointer(rsa))
+		b := (*[2]byte)(unsafe.Pointer(&a.Port))
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(b[0])<<8|uint16(b[1]))
+	}
+	return netip.AddrPort{}
+}
+
+// localAddr is getsockname(2) of fd.
+func localAddr(fd int) (netip.AddrPort, error) {
+	var rsa unix.RawSockaddrAny
+	n := uint32(unix.SizeofSockaddrAny)
+	_, _, errno := unix.RawSyscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
+	if errno != 0 {
+		return netip.AddrPort{}, os.NewSyscallError("getsockname", errno)
+	}
+	return rawAddrPort(&rsa), nil
+}
+
+// listenBacklog is the kernel's somaxconn, as Go's net package uses.
+var listenBacklog = sync.OnceValue(func() int {
+	b, err := os.ReadFile("/proc/sys/net/core/somaxconn")
+	if err != nil {
+		return unix.SOMAXCONN
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || n <= 0 {
+		return unix.SOMAXCONN
+	}
+	return min(n, 1<<16-1)
+})

@@ -1,0 +1,111 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func TestDialTCPRefused(t *testing.T) {
+	_, err := dialTCP(context.Background(), closedPort(t), time.Second)
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("got %v, want ECONNREFUSED", err)
+	}
+}
+
+func TestDialTCPTimeout(t *testing.T) {
+	start := time.Now()
+	_, err := dialTCP(context.Background(), blackhole(t), 100*time.Millisecond)
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("got %v, want a timeout", err)
+	}
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("%v is not a net.Error with Timeout()", err)
+	}
+	if d := time.Since(start); d < 100*time.Millisecond {
+		t.Fatalf("gave up after %v, before the timeout", d)
+	}
+}
+
+// A dial waiting on a backend that does not answer ends when the proxier's
+// context does (shutdown), not at its timeout.
+func TestDialTCPCancelled(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	dead := blackhole(t)
+	done := make(chan error, 1)
+	go func() {
+		_, err := dialTCP(ctx, dead, time.Minute)
+		done <- err
+	}()
+	// Usually the dial is waiting on the poller by now; if not, it sees the
+	// cancelled context when it starts to wait. Either way it must end.
+	time.Sleep(50 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("got %v, want context.Canceled", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the dial did not end with its context")
+	}
+}
+
+// serve accepts every queued connection, gives the client's address, and
+// returns net.ErrClosed once the listener is closed.
+func TestListenerServe(t *testing.T) {
+	for _, ip := range []netip.Addr{loopback, netip.IPv6Loopback()} {
+		t.Run(ip.String(), func(t *testing.T) {
+			ln, err := listenTCP(netip.AddrPortFrom(ip, 0))
+			if err != nil {
+				if ip.Is6() {
+					t.Skipf("no IPv6 loopback: %v", err)
+				}
+				t.Fatal(err)
+			}
+			type accepted struct {
+				s    *sock
+				from netip.AddrPort
+			}
+			got := make(chan accepted, 8)
+			served := make(chan error, 1)
+			go func() {
+				served <- ln.serve(func(s *sock, from netip.AddrPort) { got <- accepted{s, from} })
+			}()
+			for i := 0; i < 3; i++ {
+				c, err := net.Dial("tcp", ln.Addr().String())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				select {
+				case a := <-got:
+					if want := c.LocalAddr().(*net.TCPAddr).AddrPort(); a.from != want {
+						t.Errorf("client address %v, want %v", a.from, want)
+					}
+					if dst := originalDst(a.s, ln.Addr()); dst != ln.Addr() {
+						t.Errorf("original destination %v, want the listener's %v", dst, ln.Addr())
+					}
+					a.s.Close()
+				case <-time.After(10 * time.Second):
+					t.Fatal("connection not accepted")
+				}
+			}
+			ln.Close()
+			select {
+			case err := <-served:
+				if !errors.Is(err, net.ErrClosed) {
+					t.Fatalf("serve returned %v, want net.ErrClosed", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("serve did not return after Close")
+			}
+		})
+	}
+}
