@@ -254,7 +254,7 @@ func dialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*so
 func (s *sock) awaitConnect(ctx context.Context, timeout time.Duration) error {
 	var cerr error
 	done := func(fd uintptr) bool {
-		state, err := unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		state, err := tcpState(int(fd))
 		switch {
 		case err != nil:
 			cerr = err
@@ -309,6 +309,7 @@ func dialError(ep netip.AddrPort, err error) error {
 const (
 	tcpEstablished = 1
 	tcpSynSent     = 2
+	tcpClose       = 7
 	tcpCloseWait   = 8
 )
 
@@ -386,3 +387,44 @@ var listenBacklog = sync.OnceValue(func() int {
 	}
 	return min(n, 1<<16-1)
 })
+
+// tcpState is the kernel's TCP state of the socket fd: tcpi_state, the first
+// byte of struct tcp_info.
+func tcpState(fd int) (byte, error) {
+	var state byte
+	n := uint32(1)
+	_, _, errno := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.IPPROTO_TCP, unix.TCP_INFO,
+		uintptr(unsafe.Pointer(&state)), uintptr(unsafe.Pointer(&n)), 0)
+	if errno != 0 {
+		return 0, os.NewSyscallError("getsockopt", errno)
+	}
+	return state, nil
+}
+
+// originalDst returns where the client was going before iptables redirected
+// it (SO_ORIGINAL_DST, from conntrack), or the socket's local address when
+// conntrack has no entry for it. listen, the listener's address, gives the
+// family and is the answer of last resort.
+func originalDst(c *sock, listen netip.AddrPort) netip.AddrPort {
+	dst := listen
+	_ = c.control(func(fd int) {
+		level := unix.SOL_IP // SO_ORIGINAL_DST gives a sockaddr_in …
+		if listen.Addr().Is6() {
+			level = unix.SOL_IPV6 // … or, as IP6T_SO_ORIGINAL_DST, a sockaddr_in6
+		}
+		var rsa unix.RawSockaddrAny
+		n := uint32(unix.SizeofSockaddrAny)
+		_, _, errno := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), unix.SO_ORIGINAL_DST,
+			uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)), 0)
+		if errno == 0 {
+			if ap := rawAddrPort(&rsa); ap.IsValid() {
+				dst = ap
+				return
+			}
+		}
+		if local, err := localAddr(fd); err == nil {
+			dst = local
+		}
+	})
+	return dst
+}

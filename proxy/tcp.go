@@ -10,7 +10,6 @@ package proxy
 // The accept loop never dials: a slow backend delays only its own client.
 
 import (
-	"encoding/binary"
 	"errors"
 	"net"
 	"net/netip"
@@ -224,17 +223,13 @@ func waitPeerReset(c *sock) bool {
 	// The first call checks at once: a reset that came between the EOF
 	// and this call woke no one.
 	_ = c.read(func(fd uintptr) bool {
-		// tcpi_state is the first byte of struct tcp_info; the socket is
-		// in CLOSE_WAIT until the reset moves it to CLOSE.
-		state, err := unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		// The socket is in CLOSE_WAIT until the reset moves it to CLOSE.
+		state, err := tcpState(int(fd))
 		reset = err == nil && state == tcpClose
 		return reset
 	})
 	return reset
 }
-
-// tcpClose is TCP_CLOSE of the kernel's TCP states (include/net/tcp_states.h).
-const tcpClose = 7
 
 // sinceLastRecv reads how long ago the kernel last received data on c.
 func sinceLastRecv(c *sock) time.Duration {
@@ -246,39 +241,6 @@ func sinceLastRecv(c *sock) time.Duration {
 		return 0 // unknown: treat as active rather than cut a live connection
 	}
 	return time.Duration(info.Last_data_recv) * time.Millisecond
-}
-
-// originalDst returns where the client was going before iptables redirected
-// it (SO_ORIGINAL_DST), or the local address when it was not redirected.
-// listen is the listener's address; it gives the family and is the answer
-// of last resort.
-func originalDst(c *sock, listen netip.AddrPort) netip.AddrPort {
-	dst := listen
-	_ = c.control(func(fd int) {
-		if listen.Addr().Is4() {
-			// sockaddr_in fits the 16 bytes of an IPv6Mreq.
-			m, err := unix.GetsockoptIPv6Mreq(fd, unix.SOL_IP, unix.SO_ORIGINAL_DST)
-			if err == nil {
-				port := binary.BigEndian.Uint16(m.Multiaddr[2:4])
-				ip := netip.AddrFrom4([4]byte(m.Multiaddr[4:8]))
-				dst = netip.AddrPortFrom(ip, port)
-				return
-			}
-		} else {
-			// sockaddr_in6 fits the 32 bytes of an IPv6MTUInfo.
-			m, err := unix.GetsockoptIPv6MTUInfo(fd, unix.SOL_IPV6, unix.SO_ORIGINAL_DST)
-			if err == nil {
-				var port [2]byte // Port holds network byte order in host memory
-				binary.NativeEndian.PutUint16(port[:], m.Addr.Port)
-				dst = netip.AddrPortFrom(netip.AddrFrom16(m.Addr.Addr).Unmap(), binary.BigEndian.Uint16(port[:]))
-				return
-			}
-		}
-		if local, err := localAddr(fd); err == nil {
-			dst = local // not redirected (no conntrack entry)
-		}
-	})
-	return dst
 }
 
 func isFileLimit(err error) bool {
