@@ -121,8 +121,8 @@ type tcpListener struct {
 
 // listenTCP opens a listener on ap (port 0: the kernel picks one).
 func listenTCP(ap netip.AddrPort) (*tcpListener, error) {
-	domain, sa := sockaddr(ap)
-	fd, err := unix.Socket(domain, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	family := familyOf(ap)
+	fd, err := unix.Socket(domain(family), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
 	}
@@ -133,7 +133,7 @@ func listenTCP(ap netip.AddrPort) (*tcpListener, error) {
 		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
 		{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
 	}
-	if domain == unix.AF_INET6 {
+	if family == 6 {
 		opts = append(opts, [3]int{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1})
 	}
 	for _, o := range opts {
@@ -145,8 +145,9 @@ func listenTCP(ap netip.AddrPort) (*tcpListener, error) {
 	// TCP_INQ (Linux 4.18) lets a copy learn from each read whether the
 	// socket is drained; without it the copy reads until EAGAIN.
 	inq := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil
-	ptr, n := sa.raw()
-	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(ptr), uintptr(n)); errno != 0 {
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ap, family)
+	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
 		unix.Close(fd)
 		return nil, os.NewSyscallError("bind", errno)
 	}
@@ -181,11 +182,11 @@ func (l *tcpListener) Close() error { return l.s.Close() }
 // connections inside one RawConn.Read, accepting until the queue is empty
 // before it waits again.
 func (l *tcpListener) serve(handle func(s *sock, client netip.AddrPort)) error {
-	var rsa unix.RawSockaddrAny
+	var rsa unix.RawSockaddrInet6
 	var aerr error
 	err := l.s.read(func(fd uintptr) bool {
 		for {
-			n := uint32(unix.SizeofSockaddrAny)
+			n := uint32(unix.SizeofSockaddrInet6)
 			nfd, _, errno := unix.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)),
 				unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
 			switch errno {
@@ -204,7 +205,7 @@ func (l *tcpListener) serve(handle func(s *sock, client netip.AddrPort)) error {
 				return true
 			}
 			s.inq = l.s.inq
-			handle(s, rawAddrPort(&rsa))
+			handle(s, sockaddrAddrPort(&rsa))
 		}
 	})
 	if err != nil {
@@ -216,8 +217,8 @@ func (l *tcpListener) serve(handle func(s *sock, client netip.AddrPort)) error {
 // dialTCP connects to ep within timeout, or until ctx is done. The socket
 // gets TCP_NODELAY and keep-alive (the kernel's probe count).
 func dialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*sock, error) {
-	domain, sa := sockaddr(ep)
-	fd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	family := familyOf(ep)
+	fd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if errno != 0 {
 		return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
 	}
@@ -231,8 +232,9 @@ func dialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*so
 		// Options on a fresh socket of our own cannot fail but for ENOMEM.
 		_, _, _ = unix.RawSyscall6(unix.SYS_SETSOCKOPT, fd, uintptr(o[0]), uintptr(o[1]), uintptr(unsafe.Pointer(&v)), 4, 0)
 	}
-	ptr, n := sa.raw()
-	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, fd, uintptr(ptr), uintptr(n))
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ep, family)
+	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, fd, uintptr(unsafe.Pointer(&sa)), uintptr(n))
 	if errno != 0 && errno != unix.EINPROGRESS && errno != unix.EINTR {
 		unix.Close(int(fd))
 		return nil, dialError(ep, errno)
@@ -313,66 +315,15 @@ const (
 	tcpCloseWait   = 8
 )
 
-// rawSockaddr is a socket address laid out for the kernel.
-type rawSockaddr struct {
-	v4  unix.RawSockaddrInet4
-	v6  unix.RawSockaddrInet6
-	is6 bool
-}
-
-// sockaddr returns the socket domain and kernel address of ap.
-func sockaddr(ap netip.AddrPort) (int, *rawSockaddr) {
-	r := &rawSockaddr{}
-	var port *uint16
-	if ap.Addr().Is4() {
-		r.v4.Family = unix.AF_INET
-		r.v4.Addr = ap.Addr().As4()
-		port = &r.v4.Port
-	} else {
-		r.is6 = true
-		r.v6.Family = unix.AF_INET6
-		r.v6.Addr = ap.Addr().As16()
-		port = &r.v6.Port
-	}
-	b := (*[2]byte)(unsafe.Pointer(port)) // network byte order in memory
-	b[0], b[1] = byte(ap.Port()>>8), byte(ap.Port())
-	if r.is6 {
-		return unix.AF_INET6, r
-	}
-	return unix.AF_INET, r
-}
-
-func (r *rawSockaddr) raw() (unsafe.Pointer, int) {
-	if r.is6 {
-		return unsafe.Pointer(&r.v6), unix.SizeofSockaddrInet6
-	}
-	return unsafe.Pointer(&r.v4), unix.SizeofSockaddrInet4
-}
-
-// rawAddrPort reads an IPv4 or IPv6 address the kernel wrote.
-func rawAddrPort(rsa *unix.RawSockaddrAny) netip.AddrPort {
-	switch rsa.Addr.Family {
-	case unix.AF_INET:
-		a := (*unix.RawSockaddrInet4)(unsafe.Pointer(rsa))
-		b := (*[2]byte)(unsafe.Pointer(&a.Port))
-		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(b[0])<<8|uint16(b[1]))
-	case unix.AF_INET6:
-		a := (*unix.RawSockaddrInet6)(unsafe.Pointer(rsa))
-		b := (*[2]byte)(unsafe.Pointer(&a.Port))
-		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(b[0])<<8|uint16(b[1]))
-	}
-	return netip.AddrPort{}
-}
-
 // localAddr is getsockname(2) of fd.
 func localAddr(fd int) (netip.AddrPort, error) {
-	var rsa unix.RawSockaddrAny
-	n := uint32(unix.SizeofSockaddrAny)
+	var rsa unix.RawSockaddrInet6
+	n := uint32(unix.SizeofSockaddrInet6)
 	_, _, errno := unix.RawSyscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)))
 	if errno != 0 {
 		return netip.AddrPort{}, os.NewSyscallError("getsockname", errno)
 	}
-	return rawAddrPort(&rsa), nil
+	return sockaddrAddrPort(&rsa), nil
 }
 
 // listenBacklog is the kernel's somaxconn, as Go's net package uses.
@@ -412,12 +363,12 @@ func originalDst(c *sock, listen netip.AddrPort) netip.AddrPort {
 		if listen.Addr().Is6() {
 			level = unix.SOL_IPV6 // … or, as IP6T_SO_ORIGINAL_DST, a sockaddr_in6
 		}
-		var rsa unix.RawSockaddrAny
-		n := uint32(unix.SizeofSockaddrAny)
+		var rsa unix.RawSockaddrInet6
+		n := uint32(unix.SizeofSockaddrInet6)
 		_, _, errno := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), unix.SO_ORIGINAL_DST,
 			uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)), 0)
 		if errno == 0 {
-			if ap := rawAddrPort(&rsa); ap.IsValid() {
+			if ap := sockaddrAddrPort(&rsa); ap.IsValid() {
 				dst = ap
 				return
 			}

@@ -14,7 +14,7 @@ import (
 // between two *net.TCPConn it splices bulk data, but it holds no pipe and no
 // buffer while the connection is idle: io.Copy takes a pipe (two
 // descriptors) for its whole call, so an idle proxied connection held six
-// descriptors; here it holds its two sockets.
+// descriptors; here it holds its two sockets (sock.go).
 //
 // Each wake-up reads what src has into a pooled 32 KiB buffer and writes it
 // on in one piece; a full buffer means bulk data and the rest of the burst

@@ -3,8 +3,8 @@ package proxy
 // One TCP connection's path, top to bottom:
 //
 //	serveTCP (accept loop)  →  handleTCP (one goroutine per connection)
-//	  → dialBackend (balancer pick + dial with retry)
-//	  → spliceConns (two copy goroutines, splice(2) between plain *net.TCPConns)
+//	  → dialBackend (balancer pick + dial with retry, sock.go)
+//	  → spliceConns (two copy goroutines, splice(2) between the two sockets)
 //	  → conn record closed and logged
 //
 // The accept loop never dials: a slow backend delays only its own client.
@@ -66,10 +66,11 @@ func (f *frontend) serveTCP(ln *tcpListener) {
 
 // handleTCP owns client: it dials a backend, splices the two and closes both.
 //
-// The copies run on other goroutines than the dial: net.Dial grows a
-// goroutine's stack to 8 KiB or more, and a goroutine keeps its deepest size
-// while it waits, so a copy on the dialling goroutine made every idle
-// connection hold that stack. Dialling goroutines go back to their pool.
+// The copies run on other goroutines than the dial: a goroutine keeps its
+// deepest stack while it waits, and a handler goes deeper than a copy (a
+// failed dial is logged through logrus; with net.Dial every dial grew the
+// stack to 8 KiB), so a copy on it would make idle connections hold that
+// stack. Dialling goroutines go back to their pool.
 func (f *frontend) handleTCP(c *connRecord, client *sock) {
 	c.OrigDst = originalDst(client, f.listen)
 

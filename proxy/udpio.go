@@ -55,7 +55,7 @@ func (s *dgramSender) send(b []byte, src netip.Addr, to netip.AddrPort) error {
 	s.hdr.SetIovlen(1)
 	if to.IsValid() {
 		s.hdr.Name = (*byte)(unsafe.Pointer(&s.name))
-		s.hdr.Namelen = s.sockaddr(to)
+		s.hdr.Namelen = putSockaddr(&s.name, to, s.family)
 	}
 	if src.IsValid() {
 		s.hdr.Control = (*byte)(unsafe.Pointer(&s.oob))
@@ -76,22 +76,6 @@ func (s *dgramSender) send(b []byte, src netip.Addr, to netip.AddrPort) error {
 func (s *dgramSender) attempt(fd uintptr) bool {
 	_, s.errno = msgCall(unix.SYS_SENDMSG, fd, &s.hdr)
 	return s.errno != unix.EAGAIN
-}
-
-// sockaddr writes to as a sockaddr of the socket's family into s.name and
-// returns its length.
-func (s *dgramSender) sockaddr(to netip.AddrPort) uint32 {
-	port := [2]byte{byte(to.Port() >> 8), byte(to.Port())} // network byte order
-	if s.family == 4 {
-		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&s.name))
-		*sa = unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: to.Addr().Unmap().As4()}
-		*(*[2]byte)(unsafe.Pointer(&sa.Port)) = port
-		return unix.SizeofSockaddrInet4
-	}
-	sa := &s.name
-	*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: to.Addr().As16()}
-	*(*[2]byte)(unsafe.Pointer(&sa.Port)) = port
-	return unix.SizeofSockaddrInet6
 }
 
 // pktinfo writes the control message that sets the source address into
@@ -172,17 +156,7 @@ func (r *dgramReceiver) attempt(fd uintptr) bool {
 }
 
 // sender returns the address the last datagram came from.
-func (r *dgramReceiver) sender() netip.AddrPort {
-	port := func(p *uint16) uint16 { b := (*[2]byte)(unsafe.Pointer(p)); return uint16(b[0])<<8 | uint16(b[1]) }
-	switch r.name.Family {
-	case unix.AF_INET:
-		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&r.name))
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), port(&sa.Port))
-	case unix.AF_INET6:
-		return netip.AddrPortFrom(netip.AddrFrom16(r.name.Addr).Unmap(), port(&r.name.Port))
-	}
-	return netip.AddrPort{}
-}
+func (r *dgramReceiver) sender() netip.AddrPort { return sockaddrAddrPort(&r.name) }
 
 // local returns the address the last datagram was sent to, from its
 // IP_PKTINFO or IPV6_PKTINFO control message.
