@@ -202,8 +202,8 @@ type Proxier struct {
 	cfg     Config
 	alloc   portAllocator
 	conns   connTable
-	workers workers // run the connection handlers up to their dial
-	copiers workers // run the two copies of each connection
+	workers workers // run the connection handlers: dial, then the upstream copy
+	copiers workers // run the downstream copy of each connection
 
 	mu          sync.Mutex // guards pending, queuedAt, latest and health
 	pending     *config.State
