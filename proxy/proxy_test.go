@@ -1014,3 +1014,36 @@ func TestServiceMetricsCreatedOnUseDeletedOnRemoval(t *testing.T) {
 	h.apply(svc("stays", config.TCP, backend))
 	waitFor(t, "the removed service's series to go", func() bool { return seriesOf(name) == 0 })
 }
+
+// A bulk sync (≥ bulkSync frontends opened or closed) collects its garbage at
+// once, so that the next small change does not share the CPU with that
+// collection; a small sync does not.
+func TestBulkSyncCollectsGarbage(t *testing.T) {
+	h := startProxier(t, Config{})
+	syncs := func() []logrus.Fields { return h.logs.find("Synced") }
+	many := make([]*config.ServicePort, bulkSync)
+	for i := range many {
+		many[i] = svc(fmt.Sprintf("s%d", i), config.TCP)
+	}
+	h.apply(many...)
+	var bulk logrus.Fields
+	waitFor(t, "the bulk sync's log line", func() bool {
+		for _, f := range syncs() {
+			if f["frontends"] == bulkSync {
+				bulk = f
+			}
+		}
+		return bulk != nil
+	})
+	if _, ok := bulk["gcAfterBulk"]; !ok {
+		t.Fatalf("bulk sync %v: no collection", bulk)
+	}
+	before := len(syncs())
+	h.apply(append(many, svc("one-more", config.TCP))...)
+	waitFor(t, "the small sync's log line", func() bool { return len(syncs()) > before })
+	for _, f := range syncs()[before:] {
+		if _, ok := f["gcAfterBulk"]; ok {
+			t.Fatalf("sync %v opened one frontend and collected", f)
+		}
+	}
+}
