@@ -247,6 +247,13 @@ func closedPort(t *testing.T) netip.AddrPort {
 // blackhole returns a loopback address whose SYNs are dropped, so that a dial
 // times out: a listener with a full accept queue that never accepts.
 func blackhole(t *testing.T) netip.AddrPort {
+	ap, _ := fullListener(t)
+	return ap
+}
+
+// fullListener is blackhole's listener: new SYNs are dropped until one of
+// the queued connections is taken with accept(fd).
+func fullListener(t *testing.T) (netip.AddrPort, int) {
 	t.Helper()
 	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
@@ -271,12 +278,12 @@ func blackhole(t *testing.T) netip.AddrPort {
 	for i := 0; i < 8; i++ {
 		c, err := net.DialTimeout("tcp4", ap.String(), 200*time.Millisecond)
 		if err != nil {
-			return ap
+			return ap, fd
 		}
 		fillers = append(fillers, c)
 	}
 	t.Fatal("could not fill the accept queue of the blackhole listener")
-	return ap
+	return ap, fd
 }
 
 // fetchName connects, reads the backend's name line and closes.

@@ -109,3 +109,47 @@ func TestListenerServe(t *testing.T) {
 		})
 	}
 }
+
+// A connect that is still in SYN_SENT when connect(2) returns (any backend
+// on another host) waits on the poller and succeeds when the handshake does:
+// here the listener's queue is full, so the first SYN is dropped, and a slot
+// is freed for its retransmission.
+func TestDialTCPWaitsForHandshake(t *testing.T) {
+	ap, fd := fullListener(t)
+	type dialed struct {
+		s   *sock
+		err error
+	}
+	done := make(chan dialed, 1)
+	go func() {
+		s, err := dialTCP(context.Background(), ap, 30*time.Second)
+		done <- dialed{s, err}
+	}()
+	// The first SYN goes out at once and is dropped; freeing a slot any time
+	// before its retransmission (1 s later) lets the handshake finish then.
+	time.Sleep(100 * time.Millisecond)
+	select {
+	case d := <-done:
+		t.Fatalf("the dial ended while the listener's queue was full: %v", d.err)
+	default:
+	}
+	nfd, _, err := syscall.Accept(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(nfd)
+	select {
+	case d := <-done:
+		if d.err != nil {
+			t.Fatalf("dial: %v", d.err)
+		}
+		defer d.s.Close()
+		var state byte
+		_ = d.s.control(func(fd int) { state, _ = tcpState(fd) })
+		if state != tcpEstablished {
+			t.Fatalf("TCP state %d after the dial, want ESTABLISHED", state)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the dial did not finish after the listener made room")
+	}
+}
