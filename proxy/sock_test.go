@@ -153,3 +153,26 @@ func TestDialTCPWaitsForHandshake(t *testing.T) {
 		t.Fatal("the dial did not finish after the listener made room")
 	}
 }
+
+func TestDialTCPIPv6(t *testing.T) {
+	ln, err := net.Listen("tcp6", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback: %v", err)
+	}
+	defer ln.Close()
+	s, err := dialTCP(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var local netip.AddrPort
+	_ = s.control(func(fd int) { local, _ = localAddr(fd) })
+	if want := c.RemoteAddr().(*net.TCPAddr).AddrPort(); local != want {
+		t.Fatalf("dialled from %v, the listener saw %v", local, want)
+	}
+}
