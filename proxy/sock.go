@@ -126,25 +126,20 @@ func listenTCP(ap netip.AddrPort) (*tcpListener, error) {
 	if err != nil {
 		return nil, os.NewSyscallError("socket", err)
 	}
-	opts := [][3]int{
-		{unix.SOL_SOCKET, unix.SO_REUSEADDR, 1}, // as Go: a restart may rebind ports in TIME_WAIT
-		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle / time.Second)},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
-		{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
-	}
+	// As Go: SO_REUSEADDR lets a restart rebind ports in TIME_WAIT.
+	opts := append([]sockOpt{{unix.SOL_SOCKET, unix.SO_REUSEADDR, 1}}, connOptions[:]...)
 	if family == 6 {
-		opts = append(opts, [3]int{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1})
+		opts = append(opts, sockOpt{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1})
 	}
 	for _, o := range opts {
-		if err := unix.SetsockoptInt(fd, o[0], o[1], o[2]); err != nil {
+		if errno := o.set(fd); errno != 0 {
 			unix.Close(fd)
-			return nil, fmt.Errorf("listener option %d/%d: %w", o[0], o[1], err)
+			return nil, fmt.Errorf("listener option %d/%d: %w", o.level, o.opt, os.NewSyscallError("setsockopt", errno))
 		}
 	}
 	// TCP_INQ (Linux 4.18) lets a copy learn from each read whether the
 	// socket is drained; without it the copy reads until EAGAIN.
-	inq := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil
+	inq := sockOpt{unix.IPPROTO_TCP, unix.TCP_INQ, 1}.set(fd) == 0
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ap, family)
 	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
@@ -222,15 +217,8 @@ func dialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*so
 	if errno != 0 {
 		return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
 	}
-	for _, o := range [][3]int{
-		{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
-		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(keepAliveIdle / time.Second)},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(keepAliveInterval / time.Second)},
-	} {
-		v := int32(o[2])
-		// Options on a fresh socket of our own cannot fail but for ENOMEM.
-		_, _, _ = unix.RawSyscall6(unix.SYS_SETSOCKOPT, fd, uintptr(o[0]), uintptr(o[1]), uintptr(unsafe.Pointer(&v)), 4, 0)
+	for _, o := range connOptions {
+		_ = o.set(int(fd)) // on a fresh socket of our own they cannot fail but for ENOMEM
 	}
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
@@ -307,6 +295,37 @@ func dialError(ep netip.AddrPort, err error) error {
 	return &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: err}
 }
 
+// connOptions are the options of both sockets of a proxied connection:
+// TCP_NODELAY, and keep-alive with the kernel's probe count. Accepted
+// sockets inherit them from the listener; a dial sets them.
+var connOptions = [...]sockOpt{
+	{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int32(keepAliveIdle / time.Second)},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int32(keepAliveInterval / time.Second)},
+}
+
+// sockOpt is an integer socket option.
+type sockOpt struct {
+	level, opt int
+	value      int32
+}
+
+// set is setsockopt(2) of o on fd.
+func (o sockOpt) set(fd int) syscall.Errno {
+	v := o.value
+	_, _, errno := unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), uintptr(o.level), uintptr(o.opt),
+		uintptr(unsafe.Pointer(&v)), unsafe.Sizeof(v), 0)
+	return errno
+}
+
+// getsockopt(2) of fd into the n bytes at p; n becomes the length written.
+func getsockopt(fd, level, opt int, p unsafe.Pointer, n *uint32) syscall.Errno {
+	_, _, errno := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
+		uintptr(p), uintptr(unsafe.Pointer(n)), 0)
+	return errno
+}
+
 // Kernel TCP states (include/net/tcp_states.h).
 const (
 	tcpEstablished = 1
@@ -344,9 +363,7 @@ var listenBacklog = sync.OnceValue(func() int {
 func tcpState(fd int) (byte, error) {
 	var state byte
 	n := uint32(1)
-	_, _, errno := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.IPPROTO_TCP, unix.TCP_INFO,
-		uintptr(unsafe.Pointer(&state)), uintptr(unsafe.Pointer(&n)), 0)
-	if errno != 0 {
+	if errno := getsockopt(fd, unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&state), &n); errno != 0 {
 		return 0, os.NewSyscallError("getsockopt", errno)
 	}
 	return state, nil
@@ -365,9 +382,7 @@ func originalDst(c *sock, listen netip.AddrPort) netip.AddrPort {
 		}
 		var rsa unix.RawSockaddrInet6
 		n := uint32(unix.SizeofSockaddrInet6)
-		_, _, errno := unix.RawSyscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), unix.SO_ORIGINAL_DST,
-			uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)), 0)
-		if errno == 0 {
+		if getsockopt(fd, level, unix.SO_ORIGINAL_DST, unsafe.Pointer(&rsa), &n) == 0 {
 			if ap := sockaddrAddrPort(&rsa); ap.IsValid() {
 				dst = ap
 				return

@@ -33,24 +33,35 @@ func TestDialTCPTimeout(t *testing.T) {
 	}
 }
 
+// dialed is what a dialTCP run by dialAsync returned.
+type dialed struct {
+	s   *sock
+	err error
+}
+
+// dialAsync runs dialTCP on a goroutine of its own.
+func dialAsync(ctx context.Context, ep netip.AddrPort, timeout time.Duration) <-chan dialed {
+	done := make(chan dialed, 1)
+	go func() {
+		s, err := dialTCP(ctx, ep, timeout)
+		done <- dialed{s, err}
+	}()
+	return done
+}
+
 // A dial waiting on a backend that does not answer ends when the proxier's
 // context does (shutdown), not at its timeout.
 func TestDialTCPCancelled(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
-	dead := blackhole(t)
-	done := make(chan error, 1)
-	go func() {
-		_, err := dialTCP(ctx, dead, time.Minute)
-		done <- err
-	}()
+	done := dialAsync(ctx, blackhole(t), time.Minute)
 	// Usually the dial is waiting on the poller by now; if not, it sees the
 	// cancelled context when it starts to wait. Either way it must end.
 	time.Sleep(50 * time.Millisecond)
 	cancel()
 	select {
-	case err := <-done:
-		if !errors.Is(err, context.Canceled) {
-			t.Fatalf("got %v, want context.Canceled", err)
+	case d := <-done:
+		if !errors.Is(d.err, context.Canceled) {
+			t.Fatalf("got %v, want context.Canceled", d.err)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the dial did not end with its context")
@@ -116,15 +127,7 @@ func TestListenerServe(t *testing.T) {
 // is freed for its retransmission.
 func TestDialTCPWaitsForHandshake(t *testing.T) {
 	ap, fd := fullListener(t)
-	type dialed struct {
-		s   *sock
-		err error
-	}
-	done := make(chan dialed, 1)
-	go func() {
-		s, err := dialTCP(context.Background(), ap, 30*time.Second)
-		done <- dialed{s, err}
-	}()
+	done := dialAsync(context.Background(), ap, 30*time.Second)
 	// The first SYN goes out at once and is dropped; freeing a slot any time
 	// before its retransmission (1 s later) lets the handshake finish then.
 	time.Sleep(100 * time.Millisecond)
