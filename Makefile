@@ -4,7 +4,7 @@ GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
 
-.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-tools
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tools
 
 all: build
 
@@ -61,10 +61,16 @@ image-check:
 
 bench-tools: build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/gofloor ./test/bench/gofloor
 
 # The data path against direct, kernel DNAT, HAProxy and socat; writes docs/benchmarks.md (root, ~15 minutes).
 bench: bench-tools
 	BIN=$(BIN) ./test/bench/bench.sh
+
+# HAProxy, the least a Go program does per connection (test/bench/gofloor)
+# and this proxy, for the TCP figures: what the Go runtime costs (~3 minutes).
+bench-floor: bench-tools
+	PATHS="haproxy gofloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
 
 # The same harness in under a minute, so that it cannot rot (part of make test).
 bench-smoke: bench-tools

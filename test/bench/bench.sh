@@ -7,9 +7,10 @@
 set -u
 cd "$(dirname "$0")/../.."
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; SETTLE=0.2
 else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 75000 100000 150000"}
   UDP_SIZES="64 1400"; UDP_FLOWS="1 64"; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
+LG_DUR=${LG_DUR:-$DUR} # loadgen's runs; iperf3 takes whole seconds only
 RATE=${RATE:-2000}
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
@@ -36,8 +37,13 @@ N pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
 wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
 
 # The paths, each on its own service address.
-declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4)
-PATHS=${PATHS:-"direct dnat haproxy socat proxy"}
+declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5)
+# gofloor (test/bench/gofloor, the least a Go program does per connection) is
+# not in the default set: add it to PATHS to see what the Go runtime costs,
+# e.g. PATHS="haproxy gofloor proxy" TESTS="tput4 cps rps" (make bench-floor).
+DEFAULT_PATHS="direct dnat haproxy socat proxy"
+[ "$SMOKE" = 1 ] && DEFAULT_PATHS="$DEFAULT_PATHS gofloor" # so that it cannot rot
+PATHS=${PATHS:-$DEFAULT_PATHS}
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
 TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog"}
 want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -45,6 +51,7 @@ N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10
 for p in 8080:18080 9000:19000 5201:15201; do
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.2 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "${p#*:}"
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "2${p#*:1}"
+  N node iptables -w -t nat -A PREROUTING -d 10.96.9.5 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "3${p#*:1}"
 done
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
 cat > "$work/haproxy.cfg" <<EOF
@@ -72,6 +79,10 @@ for p in 8080:28080 9000:29000 5201:25201; do
   N node socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
 done
 N node socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
+case " $PATHS " in *" gofloor "*)
+  N node "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 \
+    >"$work/gofloor.log" 2>&1 & ;;
+esac
 cat > "$work/svc.yaml" <<'EOF'
 apiVersion: v1
 kind: Service
@@ -103,6 +114,7 @@ proxypid() { # the process serving a path, for CPU and memory
   case $1 in
     proxy) pgrep -f "kube-userspace-proxy --manifests $work" | head -1 ;;
     haproxy) pgrep -f "haproxy -f $work" | tail -1 ;;
+    gofloor) pgrep -f "$BIN/gofloor -listen :38080" | head -1 ;;
   esac
 }
 cputicks() { awk '{print $14+$15}' "/proc/$1/stat"; }
@@ -127,7 +139,7 @@ iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
 rate() { # path mode → operations/s; CPU µs per operation of the proxy process
   local p=$1 mode=$2 pid t0 out
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
-  out=$(N client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
+  out=$(N client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 32)
   record "$mode" "$p" "$(echo "$out" | jsonval perSecond)"
   if [ -n "$pid" ]; then
     record "cpu_per_$mode" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v n="$(echo "$out" | jsonval count)" 'BEGIN{if(n>0) printf "%.1f", c/n*1e6}')"
@@ -143,7 +155,7 @@ for run in $(seq "$RUNS"); do
     want cps && rate "$p" cps
     want rps && rate "$p" rps
     if want latency; then
-      lat=$(N client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 16 -rate "$RATE")
+      lat=$(N client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
       record p50 "$p" "$(echo "$lat" | jsonval p50us)"
       record p99 "$p" "$(echo "$lat" | jsonval p99us)"
       record p999 "$p" "$(echo "$lat" | jsonval p999us)"
@@ -173,7 +185,7 @@ done
 if want udp && case " $PATHS " in *" proxy "*) true ;; *) false ;; esac; then
   for run in $(seq "$RUNS"); do
     pid=$(proxypid proxy); t0=$(cputicks "$pid")
-    out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[proxy]}:8081" -d "${DUR}s" -size 64 -flows 1 -rate "${UDP_CPU_RATE:-40000}")
+    out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[proxy]}:8081" -d "${LG_DUR}s" -size 64 -flows 1 -rate "${UDP_CPU_RATE:-40000}")
     record udp_per_core proxy "$(awk -v c="$(cpusince "$pid" "$t0")" -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(c>0) printf "%.0f", (s+r)/c}')"
   done
 fi
@@ -204,7 +216,7 @@ for p in haproxy proxy; do
     exec 9>&-
     wait "$lg"
     rm -f "$work/hold"
-    sleep 2
+    sleep "${SETTLE:-2}" # the closed connections leave before the next count
   done
 done
 
@@ -214,15 +226,20 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—
 
 table="$work/table.md"
 {
-  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy")
+  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor")
   head="| metric"; rule="|---"
   for p in $PATHS; do head="$head | ${LABEL[$p]}"; rule="$rule|---:"; done
+  floor=0; case " $PATHS " in *" gofloor "*) floor=1 ;; esac
+  if [ $floor = 1 ]; then head="$head | Go floor ÷ HAProxy | proxy ÷ Go floor"; rule="$rule|---:|---:"; fi
   echo "$head | proxy ÷ direct | proxy ÷ HAProxy |"
   echo "$rule|---:|---:|"
   while read -r m label; do
     grep -q "^$m " "$results" || continue # a figure this run did not measure
     row="| $label"
     for p in $PATHS; do row="$row | $(value "$m" "$p")"; done
+    if [ $floor = 1 ]; then
+      row="$row | $(ratio "$(value "$m" gofloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" proxy)" "$(value "$m" gofloor)")"
+    fi
     row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") |"
     echo "$row"
   done <<EOF
@@ -256,7 +273,7 @@ if want prog; then
 fi
 
 # Only a full run (all paths, all figures) replaces the published table.
-if [ "$SMOKE" != 1 ] && [ "$PATHS" = "direct dnat haproxy socat proxy" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog" ]; then
+if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog" ]; then
   doc=docs/benchmarks.md
   {
     sed '/<!-- bench:start -->/,$d' "$doc"
