@@ -23,6 +23,7 @@ import (
 	"os/signal"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -113,11 +114,13 @@ func main() {
 // so that one loop wakes per new connection) and the connections this loop
 // accepted, edge-triggered.
 type loop struct {
-	ep     int
-	routes map[int]unix.Sockaddr // listener → backend
-	conns  map[int]*conn         // either socket → its connection
-	pipes  []pipe                // empty pipes for reuse
-	events [128]unix.EpollEvent
+	ep      int
+	file    *os.File // ep in Go's poller
+	stopped atomic.Bool
+	routes  map[int]unix.Sockaddr // listener → backend
+	conns   map[int]*conn         // either socket → its connection
+	pipes   []pipe                // empty pipes for reuse
+	events  [128]unix.EpollEvent
 }
 
 func newLoop(routes []route) (*loop, error) {
@@ -129,7 +132,7 @@ func newLoop(routes []route) (*loop, error) {
 	if err := unix.SetNonblock(ep, true); err != nil {
 		return nil, fmt.Errorf("epoll descriptor: %w", err)
 	}
-	l := &loop{ep: ep, routes: map[int]unix.Sockaddr{}, conns: map[int]*conn{}}
+	l := &loop{ep: ep, file: os.NewFile(uintptr(ep), "epoll"), routes: map[int]unix.Sockaddr{}, conns: map[int]*conn{}}
 	for _, r := range routes {
 		ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLEXCLUSIVE, Fd: int32(r.fd)}
 		if err := unix.EpollCtl(ep, unix.EPOLL_CTL_ADD, r.fd, &ev); err != nil {
@@ -140,10 +143,10 @@ func newLoop(routes []route) (*loop, error) {
 	return l, nil
 }
 
-// run waits for events on Go's poller and handles every batch.
+// run waits for events on Go's poller and handles every batch, until the
+// epoll descriptor is closed (stop).
 func (l *loop) run() error {
-	f := os.NewFile(uintptr(l.ep), "epoll")
-	rc, err := f.SyscallConn()
+	rc, err := l.file.SyscallConn()
 	if err != nil {
 		return fmt.Errorf("epoll descriptor: %w", err)
 	}
@@ -160,10 +163,19 @@ func (l *loop) run() error {
 				}
 			}
 		})
+		if l.stopped.Load() {
+			return nil
+		}
 		if err != nil {
 			return fmt.Errorf("waiting for events: %w", err)
 		}
 	}
+}
+
+// stop ends run; the connections' sockets stay as they are (the process exits).
+func (l *loop) stop() error {
+	l.stopped.Store(true)
+	return l.file.Close()
 }
 
 func (l *loop) handle(fd int) {
