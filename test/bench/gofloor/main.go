@@ -130,12 +130,14 @@ func newLoop(routes []route) (*loop, error) {
 	}
 	// Non-blocking, so that os.NewFile gives it to Go's poller.
 	if err := unix.SetNonblock(ep, true); err != nil {
+		unix.Close(ep)
 		return nil, fmt.Errorf("epoll descriptor: %w", err)
 	}
 	l := &loop{ep: ep, file: os.NewFile(uintptr(ep), "epoll"), routes: map[int]unix.Sockaddr{}, conns: map[int]*conn{}}
 	for _, r := range routes {
 		ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLEXCLUSIVE, Fd: int32(r.fd)}
 		if err := unix.EpollCtl(ep, unix.EPOLL_CTL_ADD, r.fd, &ev); err != nil {
+			l.file.Close()
 			return nil, fmt.Errorf("epoll_ctl listener: %w", err)
 		}
 		l.routes[r.fd] = r.backend
