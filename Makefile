@@ -68,7 +68,7 @@ bench: bench-tools
 	BIN=$(BIN) ./test/bench/bench.sh
 
 # HAProxy, the least a Go program does per connection (test/bench/gofloor)
-# and this proxy, for the TCP figures: what the Go runtime costs (~3 minutes).
+# and this proxy, for the TCP figures: what the Go runtime costs (~4 minutes).
 bench-floor: bench-tools
 	PATHS="haproxy gofloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
 

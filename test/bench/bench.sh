@@ -47,6 +47,7 @@ PATHS=${PATHS:-$DEFAULT_PATHS}
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
 TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog"}
 want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
+runs() { case " $PATHS " in *" $1 "*) return 0 ;; esac; return 1; } # path $1 is measured
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
 for p in 8080:18080 9000:19000 5201:15201; do
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.2 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "${p#*:}"
@@ -79,10 +80,10 @@ for p in 8080:28080 9000:29000 5201:25201; do
   N node socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
 done
 N node socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
-case " $PATHS " in *" gofloor "*)
+if runs gofloor; then
   N node "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 \
-    >"$work/gofloor.log" 2>&1 & ;;
-esac
+    >"$work/gofloor.log" 2>&1 &
+fi
 cat > "$work/svc.yaml" <<'EOF'
 apiVersion: v1
 kind: Service
@@ -166,7 +167,7 @@ done
 # UDP: the highest offered rate with < 0.1 % loss, one flow and 64 flows.
 for p in direct dnat socat proxy; do
   want udp || break
-  case " $PATHS " in *" $p "*) ;; *) continue ;; esac
+  runs "$p" || continue
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
       best=0
@@ -182,7 +183,7 @@ done
 
 # UDP cost: proxy CPU per forwarded datagram at a fixed rate (64 B, one flow;
 # requests and replies both count), reported as datagrams per CPU-second.
-if want udp && case " $PATHS " in *" proxy "*) true ;; *) false ;; esac; then
+if want udp && runs proxy; then
   for run in $(seq "$RUNS"); do
     pid=$(proxypid proxy); t0=$(cputicks "$pid")
     out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[proxy]}:8081" -d "${LG_DUR}s" -size 64 -flows 1 -rate "${UDP_CPU_RATE:-40000}")
@@ -193,7 +194,7 @@ fi
 # Idle connections: descriptors and RSS per connection of the serving process.
 for p in haproxy proxy; do
   want idle || break
-  case " $PATHS " in *" $p "*) ;; *) continue ;; esac
+  runs "$p" || continue
   for n in $IDLE_NS; do
     if [ "$p" = proxy ]; then
       # A fresh daemon: the one that ran the throughput tests has a grown heap that the Go runtime may hand back
@@ -229,15 +230,14 @@ table="$work/table.md"
   declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor")
   head="| metric"; rule="|---"
   for p in $PATHS; do head="$head | ${LABEL[$p]}"; rule="$rule|---:"; done
-  floor=0; case " $PATHS " in *" gofloor "*) floor=1 ;; esac
-  if [ $floor = 1 ]; then head="$head | Go floor ÷ HAProxy | proxy ÷ Go floor"; rule="$rule|---:|---:"; fi
+  if runs gofloor; then head="$head | Go floor ÷ HAProxy | proxy ÷ Go floor"; rule="$rule|---:|---:"; fi
   echo "$head | proxy ÷ direct | proxy ÷ HAProxy |"
   echo "$rule|---:|---:|"
   while read -r m label; do
     grep -q "^$m " "$results" || continue # a figure this run did not measure
     row="| $label"
     for p in $PATHS; do row="$row | $(value "$m" "$p")"; done
-    if [ $floor = 1 ]; then
+    if runs gofloor; then
       row="$row | $(ratio "$(value "$m" gofloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" proxy)" "$(value "$m" gofloor)")"
     fi
     row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") |"
