@@ -10,12 +10,6 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// ourChains lists every chain the daemon ever creates, per table.
-var ourChains = map[string][]string{
-	"nat":    append(append([]string(nil), natChains...), chainProbe),
-	"filter": {ChainGuard},
-}
-
 // Cleanup removes every jump, rule and chain the daemon installs, for IPv4
 // and IPv6. A family whose tools are missing is skipped; running it twice is
 // harmless.
@@ -47,21 +41,16 @@ func Cleanup(log logrus.FieldLogger) error {
 func cleanupFamily(ipt *goipt.IPTables, restore string) (int, error) {
 	removed := 0
 	doomed := map[string][]string{}
-	for table, chains := range ourChains {
-		ours := map[string]bool{}
-		for _, c := range chains {
-			ours[c] = true
-		}
-		// Shards are found by name: their number depends on the size the
-		// daemon last served.
+	for _, table := range []string{"nat", "filter"} {
+		// Our chains are found by name: the trees' chains depend on the
+		// Services the daemon last served.
 		all, err := ipt.ListChains(table)
 		if err != nil {
 			continue // the table does not exist: nothing of ours in it
 		}
+		ours := map[string]bool{}
 		for _, c := range all {
-			if isShard(c) {
-				ours[c] = true
-			}
+			ours[c] = isOurs(table, c)
 		}
 		// Jumps first: a chain that is still referenced cannot be deleted.
 		for _, builtin := range []string{"PREROUTING", "INPUT", "OUTPUT", "FORWARD", "POSTROUTING"} {
@@ -94,7 +83,7 @@ func cleanupFamily(ipt *goipt.IPTables, restore string) (int, error) {
 		return removed, nil
 	}
 	// One restore flushes and deletes them all: a chain at a time would be
-	// two iptables runs each, for up to 165 chains.
+	// two iptables runs each, for hundreds of tree chains.
 	cmd := exec.Command(restore, "-w", "--noflush")
 	cmd.Stdin = strings.NewReader(deleteChainsInput(doomed))
 	if out, err := cmd.CombinedOutput(); err != nil {

@@ -14,7 +14,6 @@ package iptables
 
 import (
 	"fmt"
-	"hash/fnv"
 	"net/netip"
 	"sort"
 	"strings"
@@ -37,32 +36,41 @@ const (
 
 var natChains = []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost}
 
-// Shards. With many service ports each of our chains is split into
-// ShardCount sub-chains (KUBE-PORTALS-CONTAINER-00 … -1F) picked by a hash of
-// the service port's name, and the chain itself holds one jump per shard.
-// iptables-nft reads the whole chain a rule is appended to or deleted from:
-// a one-Service change among 20k rules in one chain took 24 ms to append and
-// ~200 ms to delete, in a shard of ~600 rules 5 ms either way. A packet
-// passes at most ShardCount more jumps, next to thousands of rules.
+// Name prefixes of the tree chains below the entry chains (see tree.go).
 const (
-	ShardCount = 32
-	// Sharding starts at shardAbove service ports of a family and stops
-	// below shardBelow, so that a size near the edge does not flip the layout.
-	shardAbove = 1000
-	shardBelow = 500
+	chainPortalTree   = "KUBE-PT-" // + the address prefix in hex
+	chainNodePortTree = "KUBE-NP-" // + TCP-/UDP- + the port prefix in hex
 )
 
-// ShardsFor returns the shard count for n service ports of a family, for a
-// daemon starting without rules.
-func ShardsFor(n int) int {
-	if n >= shardAbove {
-		return ShardCount
+// isOurs reports whether a chain of table is one the daemon creates, this
+// version or an earlier one (whose 32 shard chains, KUBE-PORTALS-HOST-1F and
+// the like, --cleanup and a full rewrite remove).
+func isOurs(table, name string) bool {
+	switch table {
+	case "nat":
+		if name == chainProbe || strings.HasPrefix(name, chainPortalTree) || strings.HasPrefix(name, chainNodePortTree) {
+			return true
+		}
+		for _, c := range natChains {
+			if name == c || isShardOf(name, c) {
+				return true
+			}
+		}
+	case "filter":
+		return name == ChainGuard || isShardOf(name, ChainGuard)
 	}
-	return 0
+	return false
 }
 
-// shardedChains are the chains split into shards, per table.
-func shardedChains(table string, f Features) []string {
+// isShardOf reports whether name is a shard chain of an earlier version.
+func isShardOf(name, chain string) bool {
+	rest, ok := strings.CutPrefix(name, chain+"-")
+	return ok && len(rest) == 2 && strings.Trim(rest, "0123456789ABCDEF") == ""
+}
+
+// entryChains are the chains the built-in chains jump to, per table: they
+// exist whatever the Services.
+func entryChains(table string, f Features) []string {
 	if table == "nat" {
 		return natChains
 	}
@@ -70,56 +78,6 @@ func shardedChains(table string, f Features) []string {
 		return []string{ChainGuard}
 	}
 	return nil
-}
-
-// ShardName names shard i of chain.
-func ShardName(chain string, i int) string { return fmt.Sprintf("%s-%02X", chain, i) }
-
-// chainFor returns the chain that holds name's rules of chain.
-func (o RenderOptions) chainFor(chain string, name config.ServicePortName) string {
-	if o.Shards == 0 {
-		return chain
-	}
-	h := fnv.New32a()
-	h.Write([]byte(name.String()))
-	return ShardName(chain, int(h.Sum32()%uint32(o.Shards)))
-}
-
-// skeleton returns the jumps from our chains into their shards (none when
-// unsharded): the rules that are there whatever the frontends.
-func skeleton(o RenderOptions) []chainRule {
-	var out []chainRule
-	for _, table := range []string{"nat", "filter"} {
-		for _, c := range shardedChains(table, o.Features) {
-			for i := 0; i < o.Shards; i++ {
-				out = append(out, chainRule{table, c, "-j " + ShardName(c, i)})
-			}
-		}
-	}
-	return out
-}
-
-// shardChains returns every shard chain name, by table.
-func shardChains(f Features) map[string][]string {
-	out := map[string][]string{}
-	for _, table := range []string{"nat", "filter"} {
-		for _, c := range shardedChains(table, f) {
-			for i := 0; i < ShardCount; i++ {
-				out[table] = append(out[table], ShardName(c, i))
-			}
-		}
-	}
-	return out
-}
-
-// isShard reports whether name is a shard of one of our chains.
-func isShard(name string) bool {
-	for _, c := range append(append([]string(nil), natChains...), ChainGuard) {
-		if rest, ok := strings.CutPrefix(name, c+"-"); ok && len(rest) == 2 && strings.ToUpper(rest) == rest {
-			return true
-		}
-	}
-	return false
 }
 
 // deleteChainsInput renders an iptables-restore --noflush input that deletes
@@ -141,18 +99,6 @@ func deleteChainsInput(chains map[string][]string) string {
 		b.WriteString("COMMIT\n")
 	}
 	return b.String()
-}
-
-// chainsOf returns our chains in a table for a layout.
-func chainsOf(table string, o RenderOptions) map[string]bool {
-	m := map[string]bool{}
-	for _, c := range shardedChains(table, o.Features) {
-		m[c] = true
-		for i := 0; i < o.Shards; i++ {
-			m[ShardName(c, i)] = true
-		}
-	}
-	return m
 }
 
 // Features are the optional netfilter matches found on this kernel.
@@ -189,7 +135,10 @@ func jumps(f Features) []jump {
 		{"nat", "OUTPUT", append(append([]string(nil), nodeports...), "-j", ChainNodePortHost), false},
 	}
 	if f.Conntrack {
-		js = append(js, jump{"filter", "INPUT", append(comment("keep proxy ports reachable only through service addresses"), "-j", ChainGuard), true})
+		// Only a connection's first packet is looked at: established
+		// traffic passes one rule of ours, however many service ports.
+		guard := append([]string{"-m", "conntrack", "--ctstate", "NEW"}, comment("keep proxy ports reachable only through service addresses")...)
+		js = append(js, jump{"filter", "INPUT", append(guard, "-j", ChainGuard), true})
 	}
 	return js
 }
@@ -212,6 +161,14 @@ func (rs *Ruleset) Count() (nat, filter int) {
 	return nat, filter
 }
 
+// table returns the chains of a table.
+func (rs *Ruleset) table(name string) map[string][]string {
+	if name == "nat" {
+		return rs.Nat
+	}
+	return rs.Filter
+}
+
 // RenderOptions shape the rules.
 type RenderOptions struct {
 	Family   int
@@ -225,45 +182,89 @@ type RenderOptions struct {
 	// Placeholders prints proxy ports as PROXY_PORT(name) (for showing rules
 	// before any listener exists).
 	Placeholders bool
-	// Shards is the number of sub-chains per chain; 0 keeps each chain whole.
-	Shards int
+	// ProxyPorts is the range every listener port off a NodePort is drawn
+	// from (--proxy-port-range): the guard drops new connections to it from
+	// other hosts that were not redirected, with one rule per protocol.
+	ProxyPorts proxy.PortRange
 }
 
 // Render returns our chains' rules for the frontends of one family.
 func Render(frontends []proxy.Frontend, o RenderOptions) *Ruleset {
-	rs := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
-	for c := range chainsOf("nat", o) {
-		rs.Nat[c] = nil
-	}
-	for c := range chainsOf("filter", o) {
-		rs.Filter[c] = nil
-	}
-	add := func(r chainRule) {
-		if r.table == "nat" {
-			rs.Nat[r.chain] = append(rs.Nat[r.chain], r.rule)
-		} else {
-			rs.Filter[r.chain] = append(rs.Filter[r.chain], r.rule)
-		}
-	}
-	for _, r := range skeleton(o) {
-		add(r)
-	}
+	var leaves []leafRule
 	for _, fe := range frontends {
-		for _, r := range renderFrontend(fe, o) {
-			add(r)
+		leaves = append(leaves, renderFrontend(fe, o)...)
+	}
+	return assemble(leaves, o)
+}
+
+// leafRule is one rule of one frontend, placed in a tree by its key.
+type leafRule struct {
+	tree string // treePortals, treeNodePorts+protocol or treeGuard
+	key  treeKey
+	rule string
+}
+
+const (
+	treePortals   = "portals"
+	treeNodePorts = "nodeports/" // + tcp or udp
+	treeGuard     = "guard"      // exceptions to the guard, before its drops
+)
+
+// guardedProtocols are the protocols whose proxy ports the guard covers.
+var guardedProtocols = []string{"tcp", "udp"}
+
+// assemble turns the frontends' rules into our chains: the portal and
+// NodePort trees under their entry chains, and the guard.
+func assemble(leaves []leafRule, o RenderOptions) *Ruleset {
+	rs := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
+	byTree := map[string][]treeItem{}
+	for _, l := range leaves {
+		byTree[l.tree] = append(byTree[l.tree], treeItem{l.key, l.rule})
+	}
+	for tree, items := range byTree {
+		sortItems(items)
+		byTree[tree] = dedupItems(items)
+	}
+	portals := buildTree(portalTree(o.Family), byTree[treePortals], rs.Nat)
+	rs.Nat[ChainPortalsContainer] = portals
+	rs.Nat[ChainPortalsHost] = append([]string(nil), portals...)
+	var nodePorts []string
+	for _, proto := range guardedProtocols {
+		nodePorts = append(nodePorts, buildTree(nodePortTree(proto), byTree[treeNodePorts+proto], rs.Nat)...)
+	}
+	rs.Nat[ChainNodePortContainer] = nodePorts
+	rs.Nat[ChainNodePortHost] = append([]string(nil), nodePorts...)
+	if o.Features.Conntrack {
+		guard := itemRules(byTree[treeGuard])
+		if o.ProxyPorts.Size > 0 {
+			ports := fmt.Sprint(o.ProxyPorts.Base)
+			if o.ProxyPorts.Size > 1 {
+				ports = fmt.Sprintf("%d:%d", o.ProxyPorts.Base, o.ProxyPorts.Base+o.ProxyPorts.Size-1)
+			}
+			for _, proto := range guardedProtocols {
+				guard = append(guard, fmt.Sprintf("! -i lo -p %s -m %s --dport %s -m conntrack ! --ctstate DNAT -j DROP", proto, proto, ports))
+			}
 		}
+		rs.Filter[ChainGuard] = guard
 	}
 	for _, m := range []map[string][]string{rs.Nat, rs.Filter} {
-		for c := range m {
-			m[c] = dedupSorted(m[c])
+		for c, rules := range m {
+			if rules == nil {
+				m[c] = []string{}
+			}
 		}
 	}
 	return rs
 }
 
-// chainRule is one rule of one of our chains.
-type chainRule struct {
-	table, chain, rule string
+func dedupItems(items []treeItem) []treeItem {
+	out := items[:0]
+	for i, it := range items {
+		if i == 0 || it != items[i-1] {
+			out = append(out, it)
+		}
+	}
+	return out
 }
 
 // onNodePort reports whether the frontend's listener sits on the service's
@@ -274,14 +275,14 @@ func onNodePort(fe proxy.Frontend) bool {
 
 // renderFrontend returns the rules that lead one frontend's addresses to its
 // listener (none for a frontend of another family or without listener).
-func renderFrontend(fe proxy.Frontend, o RenderOptions) []chainRule {
+func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 	if fe.Family != o.Family || fe.Err != nil {
 		return nil
 	}
 	sp := fe.Service
 	proto := strings.ToLower(string(fe.Protocol))
 	target := redirectTarget(fe, o.Placeholders)
-	var out []chainRule
+	var out []leafRule
 	rule := func(dst netip.Addr, port int) string {
 		var b strings.Builder
 		if dst.IsValid() {
@@ -294,13 +295,13 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []chainRule {
 		fmt.Fprintf(&b, "-m %s --dport %d %s", proto, port, target)
 		return b.String()
 	}
-	both := func(container, host, r string) {
-		out = append(out, chainRule{"nat", o.chainFor(container, sp.Name), r}, chainRule{"nat", o.chainFor(host, sp.Name), r})
+	portal := func(ip netip.Addr) {
+		out = append(out, leafRule{treePortals, addrKey(ip), rule(ip, sp.Port)})
 	}
 	if fe.Kind != proxy.KindExternal {
 		for _, ip := range sp.ClusterIPs {
 			if config.Family(ip) == o.Family {
-				both(ChainPortalsContainer, ChainPortalsHost, rule(ip, sp.Port))
+				portal(ip)
 			}
 		}
 	}
@@ -308,29 +309,26 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []chainRule {
 		for _, ips := range [][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs} {
 			for _, ip := range ips {
 				if config.Family(ip) == o.Family {
-					both(ChainPortalsContainer, ChainPortalsHost, rule(ip, sp.Port))
+					portal(ip)
 				}
 			}
 		}
 		if sp.NodePort != 0 && fe.NodePortErr == nil && !onNodePort(fe) {
+			tree, key := treeNodePorts+proto, portKey(sp.NodePort)
 			if o.AllLocal {
-				both(ChainNodePortContainer, ChainNodePortHost, rule(netip.Addr{}, sp.NodePort))
+				out = append(out, leafRule{tree, key, rule(netip.Addr{}, sp.NodePort)})
 			} else {
 				for _, ip := range o.NodePortAddresses {
-					both(ChainNodePortContainer, ChainNodePortHost, rule(ip, sp.NodePort))
+					out = append(out, leafRule{tree, key, rule(ip, sp.NodePort)})
 				}
 			}
 		}
 	}
-	// A listener on its NodePort is meant to be reachable from anywhere;
-	// every other proxy port only through a redirect.
-	if o.Features.Conntrack && !onNodePort(fe) {
-		port := fmt.Sprint(fe.Listen.Port())
-		if o.Placeholders {
-			port = placeholder(fe)
-		}
-		out = append(out, chainRule{"filter", o.chainFor(ChainGuard, sp.Name),
-			fmt.Sprintf("! -i lo -p %s -m %s --dport %s -m conntrack ! --ctstate DNAT -j DROP", proto, proto, port)})
+	// A listener on its NodePort is meant to be reachable from anywhere:
+	// where the NodePort falls inside the guarded range it is let through.
+	if o.Features.Conntrack && onNodePort(fe) && o.ProxyPorts.Contains(int(fe.Listen.Port())) {
+		out = append(out, leafRule{treeGuard, portKey(int(fe.Listen.Port())),
+			fmt.Sprintf("-p %s -m %s --dport %d -j RETURN", proto, proto, fe.Listen.Port())})
 	}
 	return out
 }
@@ -360,17 +358,6 @@ func redirectTarget(fe proxy.Frontend, placeholders bool) string {
 		return fmt.Sprintf("-j DNAT --to-destination [%s]:%s", fe.Listen.Addr(), port)
 	}
 	return fmt.Sprintf("-j DNAT --to-destination %s:%s", fe.Listen.Addr(), port)
-}
-
-func dedupSorted(rules []string) []string {
-	sort.Strings(rules)
-	out := rules[:0]
-	for i, r := range rules {
-		if i == 0 || r != rules[i-1] {
-			out = append(out, r)
-		}
-	}
-	return out
 }
 
 // RestoreInput renders a full iptables-restore --noflush input: declaring

@@ -14,14 +14,14 @@ func BenchmarkPartialSyncAt10k(b *testing.B) {
 	log.SetOutput(io.Discard)
 	fes := manyFrontends(10001)
 	f := &family{fam: 4, restore: "true", features: allFeatures, jumpsOK: true}
-	o := RenderOptions{Family: 4, Features: allFeatures, AllLocal: true, Shards: ShardCount}
-	if _, _, err := f.sync(fes[:10000], o, false, log); err != nil {
+	f.installed = &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
+	if _, _, err := f.sync(fes[:10000], all4, false, log); err != nil {
 		b.Fatal(err)
 	}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		n := 10000 + i%2 // add, then remove, the last one
-		if _, _, err := f.sync(fes[:n], o, false, log); err != nil {
+		if _, _, err := f.sync(fes[:n], all4, false, log); err != nil {
 			b.Fatal(err)
 		}
 	}

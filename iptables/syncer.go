@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os/exec"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -33,6 +34,10 @@ type Config struct {
 	RestoreCommand, SaveCommand string
 	// DisableIPv6 skips ip6tables entirely.
 	DisableIPv6 bool
+	// ProxyPorts is --proxy-port-range: every listener port off a NodePort
+	// is in it, so that one rule per protocol keeps them off-node. Required
+	// where the kernel has the conntrack match.
+	ProxyPorts proxy.PortRange
 	// BasicOnly ignores the optional matches even where the kernel has them,
 	// to run (and test) the rules a kernel without netfilter extras gets.
 	BasicOnly bool
@@ -46,15 +51,8 @@ type Rules struct {
 	families []*family
 
 	mu     sync.Mutex // guards shown and counts, for readers of Installed
-	shown  map[int]shownRules
+	shown  map[int]*Ruleset
 	counts map[string]int
-}
-
-// shownRules is what Installed renders on demand: rendering 10k frontends'
-// rules on every sync only for a debug page would cost more than the sync.
-type shownRules struct {
-	frontends []proxy.Frontend
-	opts      RenderOptions
 }
 
 var _ proxy.Rules = (*Rules)(nil)
@@ -66,15 +64,16 @@ type family struct {
 	save     string
 	ipt      *goipt.IPTables
 	features Features
-	// installed is what we believe is in the kernel, per frontend; nil
-	// means unknown, so the next sync rewrites everything.
-	installed map[feKey]*feRules
-	opts      RenderOptions // what installed was rendered with
+	// records are the rules of each frontend, rendered with opts: only a
+	// frontend that changed is rendered again.
+	records map[feKey]*feRules
+	opts    RenderOptions
+	// installed is what we believe is in the kernel (never modified once
+	// built); nil means unknown, so the next sync rewrites everything.
+	installed *Ruleset
 	jumpsOK   bool
-	// nat and filter count the rules in installed.
-	nat, filter int
-	// gen numbers partial updates; a record not marked with the current one
-	// belongs to a frontend that is gone.
+	// gen numbers updates of records; a record not marked with the current
+	// one belongs to a frontend that is gone.
 	gen uint64
 }
 
@@ -85,15 +84,8 @@ type feKey struct {
 
 type feRules struct {
 	fe    proxy.Frontend
-	rules []chainRule
-	seen  uint64 // the last partial update that found this frontend
-}
-
-// feChange is a frontend whose rules a partial update changes: rec is its
-// new record, nil when the frontend is gone.
-type feChange struct {
-	key feKey
-	rec *feRules
+	rules []leafRule
+	seen  uint64 // the last update that found this frontend
 }
 
 // sameRules reports whether a and b render the same rules.
@@ -113,7 +105,7 @@ func New(cfg Config) (*Rules, error) {
 	if log == nil {
 		log = logrus.StandardLogger()
 	}
-	r := &Rules{cfg: cfg, log: log, shown: map[int]shownRules{}, counts: map[string]int{}}
+	r := &Rules{cfg: cfg, log: log, shown: map[int]*Ruleset{}, counts: map[string]int{}}
 	v4, err := newFamily(4, cfg.RestoreCommand, cfg.SaveCommand, cfg.BasicOnly)
 	if err != nil {
 		return nil, err
@@ -122,6 +114,8 @@ func New(cfg Config) (*Rules, error) {
 	log.WithFields(logrus.Fields{"family": 4, "comment": v4.features.Comment, "addrtype": v4.features.Addrtype, "conntrack": v4.features.Conntrack}).Info("iptables probed")
 	if !v4.features.Conntrack {
 		log.Warn("WARNING: the conntrack match is missing: proxy listener ports of ClusterIP-only services can be reached from other hosts by connecting to this node's address and the listener port directly. Firewall the node or load xt_conntrack/nf_conntrack.")
+	} else if cfg.ProxyPorts.Size == 0 {
+		return nil, errors.New("iptables: a proxy port range is required for the guard of proxy ports")
 	}
 	if !cfg.DisableIPv6 {
 		v6, err := newFamily(6, "", "", cfg.BasicOnly)
@@ -206,7 +200,7 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 	var errs *multierror.Error
 	for _, f := range r.families {
 		mine := ofFamily(frontends, f.fam)
-		opts := f.renderOptions(r.cfg.NodePortAddresses, len(mine))
+		opts := f.renderOptions(r.cfg.NodePortAddresses, r.cfg.ProxyPorts)
 		nat, filter, err := f.sync(mine, opts, verify, r.log)
 		if err != nil {
 			errs = multierror.Append(errs, fmt.Errorf("IPv%d: %w", f.fam, err))
@@ -215,7 +209,7 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		ruleCount.WithLabelValues("nat", fmt.Sprint(f.fam)).Set(float64(nat))
 		ruleCount.WithLabelValues("filter", fmt.Sprint(f.fam)).Set(float64(filter))
 		r.mu.Lock()
-		r.shown[f.fam] = shownRules{frontends: mine, opts: opts}
+		r.shown[f.fam] = f.installed
 		r.counts[fmt.Sprintf("nat/%d", f.fam)] = nat
 		r.counts[fmt.Sprintf("filter/%d", f.fam)] = filter
 		r.mu.Unlock()
@@ -260,7 +254,7 @@ func ofFamily(frontends []proxy.Frontend, fam int) []proxy.Frontend {
 // input, and the rule counts per table/family.
 func (r *Rules) Installed() (map[int]string, map[string]int) {
 	r.mu.Lock()
-	shown := make(map[int]shownRules, len(r.shown))
+	shown := make(map[int]*Ruleset, len(r.shown))
 	for k, v := range r.shown {
 		shown[k] = v
 	}
@@ -270,19 +264,18 @@ func (r *Rules) Installed() (map[int]string, map[string]int) {
 	}
 	r.mu.Unlock()
 	text := map[int]string{}
-	for fam, s := range shown {
-		text[fam] = Render(s.frontends, s.opts).RestoreInput()
+	for fam, rs := range shown {
+		if rs != nil {
+			text[fam] = rs.RestoreInput()
+		}
 	}
 	return text, counts
 }
 
-// renderOptions returns the options for n frontends; a change of options
-// (node addresses, shard layout) makes the next sync a full rewrite.
-func (f *family) renderOptions(cidrs []netip.Prefix, n int) RenderOptions {
-	o := RenderOptions{Family: f.fam, Features: f.features}
-	if o.Shards = ShardsFor(n); f.opts.Shards > 0 && n >= shardBelow {
-		o.Shards = f.opts.Shards
-	}
+// renderOptions returns the options of the next sync; a change of options
+// (node addresses) renders every frontend again.
+func (f *family) renderOptions(cidrs []netip.Prefix, ports proxy.PortRange) RenderOptions {
+	o := RenderOptions{Family: f.fam, Features: f.features, ProxyPorts: ports}
 	if len(cidrs) == 0 && f.features.Addrtype {
 		o.AllLocal = true
 		return o
@@ -322,162 +315,150 @@ func LocalAddrs(fam int, cidrs []netip.Prefix) []netip.Addr {
 	return out
 }
 
-// sync writes the rules of frontends: only the rules of frontends that
-// changed (-D/-A lines) when it knows the kernel's state, a full rewrite of our
-// chains otherwise, or when verify finds the live rules differ. It returns
-// the rule counts per table.
+// sync writes the rules of frontends. When it knows the kernel's state it
+// rewrites only the chains whose rules changed (a Service's change touches
+// the few tree chains on its path); otherwise, or when verify finds the live
+// rules differ, it rewrites all of our chains and deletes any other chain of
+// ours. It returns the rule counts per table.
 func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify bool, log logrus.FieldLogger) (nat, filter int, err error) {
-	if f.installed != nil && !reflect.DeepEqual(opts, f.opts) {
-		f.installed = nil // node addresses changed: every NodePort rule may
+	if !reflect.DeepEqual(opts, f.opts) {
+		f.records = nil // node addresses changed: every NodePort rule may
 	}
+	f.opts = opts
+	var live map[string]map[string]bool
 	if verify && f.installed != nil {
-		live, jumps, err := f.live()
-		if err != nil {
+		var jumps bool
+		if live, jumps, err = f.live(); err != nil {
 			return 0, 0, err
 		}
-		if !equalSets(live, f.installedSets()) || !jumps {
+		if !equalSets(live, f.installed.sets()) || !jumps {
 			log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
 			f.installed, f.jumpsOK = nil, jumps
 		}
 	}
+	start := time.Now()
+	changed := f.update(frontends)
+	if f.installed != nil && !changed {
+		nat, filter = f.installed.Count()
+		return nat, filter, nil
+	}
+	want := f.render()
 	if f.installed != nil {
-		start := time.Now()
-		changes, in, dels := f.partial(frontends, opts)
-		// iptables-nft finds each -D's rule by a linear search of the
-		// chain: 20k deletions at 10k services took 50 s, a rewrite 0.5 s.
-		if dels <= maxPartialDeletes {
-			if in == "" {
-				f.apply(changes)
-				return f.nat, f.filter, nil
-			}
-			restoreStart := time.Now()
-			err := f.run(f.restore, []string{"-w", "--noflush"}, in)
-			if err == nil {
-				f.apply(changes)
-				log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(),
-					"restore": time.Since(restoreStart).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
-				return f.nat, f.filter, nil
-			}
-			log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
+		in := diffInput(f.installed, want)
+		if in == "" {
+			f.installed = want
+			nat, filter = want.Count()
+			return nat, filter, nil
+		}
+		restoreStart := time.Now()
+		err := f.run(f.restore, []string{"-w", "--noflush"}, in)
+		if err == nil {
+			f.installed = want
+			log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(),
+				"restore": time.Since(restoreStart).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
+			nat, filter = want.Count()
+			return nat, filter, nil
+		}
+		log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
+	}
+	// A full rewrite: every chain of ours, and the deletion of those of ours
+	// that are not wanted (left by an earlier layout or version).
+	if live == nil {
+		if live, _, err = f.live(); err != nil {
+			f.installed = nil
+			return 0, 0, err
 		}
 	}
-	start := time.Now()
-	next := make(map[feKey]*feRules, len(frontends))
-	for _, fe := range frontends {
-		next[feKey{fe.Service.Name, fe.Kind}] = &feRules{fe: fe, rules: renderFrontend(fe, opts)}
+	stale := map[string][]string{}
+	for tc := range live {
+		table, chain, _ := strings.Cut(tc, "/")
+		if _, ok := want.table(table)[chain]; !ok {
+			stale[table] = append(stale[table], chain)
+		}
 	}
-	in := Render(frontends, opts).RestoreInput()
-	if opts.Shards == 0 && (f.installed == nil || f.opts.Shards != 0) {
-		in += deleteChainsInput(shardChains(opts.Features)) // a sharded layout may be left over
+	for _, c := range stale {
+		sort.Strings(c)
 	}
+	if !f.jumpsOK && len(stale) > 0 {
+		if err := f.pruneJumps(); err != nil {
+			f.installed = nil
+			return 0, 0, err
+		}
+	}
+	in := want.RestoreInput() + deleteChainsInput(stale)
 	if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err != nil {
 		f.installed = nil
 		return 0, 0, err
 	}
-	f.installed, f.opts = next, opts
-	f.nat, f.filter = f.counts()
+	f.installed = want
 	if !f.jumpsOK {
 		if err := f.ensureJumps(); err != nil {
 			return 0, 0, err
 		}
 		f.jumpsOK = true
 	}
-	log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": f.nat, "filter": f.filter}).Debug("Rules written")
-	return f.nat, f.filter, nil
+	nat, filter = want.Count()
+	log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": nat, "filter": filter}).Debug("Rules written")
+	return nat, filter, nil
 }
 
-// counts counts the rules in installed.
-func (f *family) counts() (nat, filter int) {
-	for _, fr := range f.installed {
-		n, fl := fr.counts()
-		nat, filter = nat+n, filter+fl
+// update brings records up to date with frontends, rendering only the
+// frontends whose rules differ, and reports whether any rule changed. No map
+// of all frontends is built (at 10k service ports that was most of a sync's
+// garbage).
+func (f *family) update(frontends []proxy.Frontend) bool {
+	if f.records == nil {
+		f.records = make(map[feKey]*feRules, len(frontends))
 	}
-	return nat, filter
-}
-
-func (fr *feRules) counts() (nat, filter int) {
-	for _, r := range fr.rules {
-		if r.table == "nat" {
-			nat++
-		} else {
-			filter++
-		}
-	}
-	return nat, filter
-}
-
-// apply records changes, written to the kernel, in installed.
-func (f *family) apply(changes []feChange) {
-	for _, c := range changes {
-		if old := f.installed[c.key]; old != nil {
-			n, fl := old.counts()
-			f.nat, f.filter = f.nat-n, f.filter-fl
-		}
-		if c.rec == nil {
-			delete(f.installed, c.key)
-			continue
-		}
-		f.installed[c.key] = c.rec
-		n, fl := c.rec.counts()
-		f.nat, f.filter = f.nat+n, f.filter+fl
-	}
-}
-
-// maxPartialDeletes is the most -D lines a partial update may hold; beyond
-// it a full rewrite is cheaper.
-const maxPartialDeletes = 100
-
-// partial returns the changes to installed and the restore input that makes
-// them ("" when no rule changes), and the number of -D lines in it. Only the
-// frontends whose rules differ are rendered; installed itself is changed (by
-// apply) only once the input is written, and no map of all frontends is
-// built (at 10k service ports that was most of a sync's garbage).
-func (f *family) partial(frontends []proxy.Frontend, opts RenderOptions) ([]feChange, string, int) {
 	f.gen++
-	var changes []feChange
-	var dels, adds []chainRule
+	changed := false
 	for _, fe := range frontends {
 		k := feKey{fe.Service.Name, fe.Kind}
-		old := f.installed[k]
-		if old != nil {
+		if old := f.records[k]; old != nil {
 			old.seen = f.gen
 			if sameRules(old.fe, fe) {
-				// Same rules: the newest Service keeps the comparison
-				// above on its pointer fast path; safe to record even if
-				// the write below fails.
+				// The newest Service keeps the comparison above on its
+				// pointer fast path.
 				old.fe = fe
 				continue
 			}
-			dels = append(dels, old.rules...)
 		}
-		fr := &feRules{fe: fe, rules: renderFrontend(fe, opts), seen: f.gen}
-		changes = append(changes, feChange{k, fr})
-		adds = append(adds, fr.rules...)
+		f.records[k] = &feRules{fe: fe, rules: renderFrontend(fe, f.opts), seen: f.gen}
+		changed = true
 	}
-	for k, old := range f.installed {
-		if old.seen != f.gen {
-			changes = append(changes, feChange{k, nil})
-			dels = append(dels, old.rules...)
+	for k, rec := range f.records {
+		if rec.seen != f.gen {
+			delete(f.records, k)
+			changed = true
 		}
 	}
-	return changes, partialInput(dels, adds), len(dels)
+	return changed
 }
 
-// installedSets returns installed as table/chain → rule set, the form live
-// rules are compared in.
-func (f *family) installedSets() map[string]map[string]bool {
+// render assembles the chains from the records.
+func (f *family) render() *Ruleset {
+	n := 0
+	for _, rec := range f.records {
+		n += len(rec.rules)
+	}
+	leaves := make([]leafRule, 0, n)
+	for _, rec := range f.records {
+		leaves = append(leaves, rec.rules...)
+	}
+	return assemble(leaves, f.opts)
+}
+
+// sets returns rs as table/chain → rule set, the form live rules are
+// compared in.
+func (rs *Ruleset) sets() map[string]map[string]bool {
 	out := map[string]map[string]bool{}
 	for _, table := range []string{"nat", "filter"} {
-		for c := range chainsOf(table, f.opts) {
-			out[table+"/"+c] = map[string]bool{}
-		}
-	}
-	for _, r := range skeleton(f.opts) {
-		out[r.table+"/"+r.chain][r.rule] = true
-	}
-	for _, fr := range f.installed {
-		for _, r := range fr.rules {
-			out[r.table+"/"+r.chain][r.rule] = true
+		for c, rules := range rs.table(table) {
+			set := make(map[string]bool, len(rules))
+			for _, r := range rules {
+				set[r] = true
+			}
+			out[table+"/"+c] = set
 		}
 	}
 	return out
@@ -501,43 +482,54 @@ func equalSets(a, b map[string]map[string]bool) bool {
 	return true
 }
 
-// partialInput renders -D lines for dels and -A lines for adds, by table
-// ("" when both are empty). A rule in both is left alone. Rules of different
-// service ports never overlap, so their order inside a chain does not matter.
-func partialInput(dels, adds []chainRule) string {
-	inAdds := make(map[chainRule]bool, len(adds))
-	for _, r := range adds {
-		inAdds[r] = true
-	}
-	inDels := make(map[chainRule]bool, len(dels))
-	for _, r := range dels {
-		inDels[r] = true
-	}
+// diffInput renders the iptables-restore --noflush input that turns old into
+// want ("" when they are equal): a chain whose rules differ is declared,
+// which flushes it, and written again whole — every chain is small, and
+// iptables-nft finds a -D's rule by a linear search of its chain — and a chain
+// that is gone is flushed and deleted after the chains that jumped to it are
+// rewritten.
+func diffInput(old, want *Ruleset) string {
 	var out strings.Builder
 	for _, table := range []string{"nat", "filter"} {
-		var b strings.Builder
-		for _, r := range dels {
-			if r.table == table && !inAdds[r] {
-				fmt.Fprintf(&b, "-D %s %s\n", r.chain, r.rule)
+		was, now := old.table(table), want.table(table)
+		var changed, gone []string
+		for c, rules := range now {
+			if prev, ok := was[c]; !ok || !slices.Equal(prev, rules) {
+				changed = append(changed, c)
 			}
 		}
-		for _, r := range adds {
-			if r.table == table && !inDels[r] {
-				fmt.Fprintf(&b, "-A %s %s\n", r.chain, r.rule)
+		for c := range was {
+			if _, ok := now[c]; !ok {
+				gone = append(gone, c)
 			}
 		}
-		if b.Len() > 0 {
-			out.WriteString("*" + table + "\n" + b.String() + "COMMIT\n")
+		if len(changed)+len(gone) == 0 {
+			continue
 		}
+		sort.Strings(changed)
+		sort.Strings(gone)
+		out.WriteString("*" + table + "\n")
+		for _, c := range append(append([]string(nil), changed...), gone...) {
+			fmt.Fprintf(&out, ":%s - [0:0]\n", c)
+		}
+		for _, c := range changed {
+			for _, r := range now[c] {
+				fmt.Fprintf(&out, "-A %s %s\n", c, r)
+			}
+		}
+		for _, c := range gone {
+			fmt.Fprintf(&out, "-X %s\n", c)
+		}
+		out.WriteString("COMMIT\n")
 	}
 	return out.String()
 }
 
 // live reads our chains with one iptables-save per table and reports
-// whether every jump rule is present.
+// whether the jump rules into them are exactly the wanted ones.
 func (f *family) live() (map[string]map[string]bool, bool, error) {
 	out := map[string]map[string]bool{}
-	jumpsFound := true
+	jumpsOK := true
 	for _, table := range []string{"nat", "filter"} {
 		cmd := exec.Command(f.save, "-t", table)
 		var stderr bytes.Buffer
@@ -546,12 +538,16 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 		if err != nil {
 			return nil, false, fmt.Errorf("%s -t %s: %w: %s", f.save, table, err, strings.TrimSpace(stderr.String()))
 		}
-		ours := chainsOf(table, f.opts)
-		var builtin []string
+		want := map[string]int{}
+		for _, j := range jumps(f.features) {
+			if j.table == table {
+				want[j.text()] = 0
+			}
+		}
 		for _, line := range strings.Split(string(data), "\n") {
 			if strings.HasPrefix(line, ":") {
 				name, _, _ := strings.Cut(line[1:], " ")
-				if ours[name] {
+				if isOurs(table, name) {
 					out[table+"/"+name] = map[string]bool{}
 				}
 				continue
@@ -561,29 +557,27 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 				continue
 			}
 			chain, rule, _ := strings.Cut(rest, " ")
-			if ours[chain] {
+			switch {
+			case isOurs(table, chain):
 				if out[table+"/"+chain] == nil {
 					out[table+"/"+chain] = map[string]bool{}
 				}
 				out[table+"/"+chain][rule] = true
-			} else {
-				builtin = append(builtin, chain+" "+rule)
+			case isOurs(table, target(splitRule(rule))):
+				n, wanted := want[rest]
+				jumpsOK = jumpsOK && wanted && n == 0
+				want[rest] = n + 1
 			}
 		}
-		for _, j := range jumps(f.features) {
-			if j.table != table {
-				continue
-			}
-			want := j.chain + " " + strings.Join(quoteComment(j.rule), " ")
-			found := false
-			for _, b := range builtin {
-				found = found || b == want
-			}
-			jumpsFound = jumpsFound && found
+		for _, n := range want {
+			jumpsOK = jumpsOK && n == 1
 		}
 	}
-	return out, jumpsFound, nil
+	return out, jumpsOK, nil
 }
+
+// text renders the jump the way iptables-save prints it, without "-A ".
+func (j jump) text() string { return j.chain + " " + strings.Join(quoteComment(j.rule), " ") }
 
 // quoteComment renders a rule's argv the way iptables-save prints it.
 func quoteComment(rule []string) []string {
@@ -594,6 +588,47 @@ func quoteComment(rule []string) []string {
 		}
 	}
 	return out
+}
+
+// builtinChains are where jumps into our chains may sit, this version's or
+// an earlier one's.
+var builtinChains = map[string][]string{
+	"nat":    {"PREROUTING", "OUTPUT"},
+	"filter": {"INPUT"},
+}
+
+// pruneJumps deletes every jump into our chains from a built-in chain that
+// is not a wanted jump, or a second copy of one (an earlier version's guard
+// jump, say), so that the chains it led to can be deleted.
+func (f *family) pruneJumps() error {
+	want := map[string]bool{}
+	for _, j := range jumps(f.features) {
+		want[j.text()] = true
+	}
+	for table, chains := range builtinChains {
+		for _, chain := range chains {
+			lines, err := f.ipt.List(table, chain)
+			if err != nil {
+				return fmt.Errorf("listing %s %s: %w", table, chain, err)
+			}
+			seen := map[string]bool{}
+			for _, line := range lines {
+				rest, ok := strings.CutPrefix(line, "-A ")
+				args := splitRule(line)
+				if !ok || !isOurs(table, target(args)) {
+					continue
+				}
+				if want[rest] && !seen[rest] {
+					seen[rest] = true
+					continue
+				}
+				if err := f.ipt.Delete(table, chain, args[2:]...); err != nil {
+					return fmt.Errorf("deleting %s %s: %w", table, line, err)
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // ensureJumps puts each jump rule in place exactly once: portals first,

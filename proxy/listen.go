@@ -22,6 +22,14 @@ type PortRange struct {
 	Base, Size int
 }
 
+// DefaultPortRange is --proxy-port-range when none is given: inside the
+// kernel's default ephemeral range (32768-60999), away from the NodePort
+// range (30000-32767) and from servers with well-known ports. ReservePorts
+// takes it out of the ephemeral range, which keeps 32768-44999 and
+// 60000-60999 for the node's outgoing connections. TCP and UDP, IPv4 and
+// IPv6 each have the whole range: 15 000 listeners apiece.
+var DefaultPortRange = PortRange{Base: 45000, Size: 15000}
+
 // ParsePortRange parses "begin-end", "begin+offset" or a single port; "" and
 // "0-0" mean the kernel's own range (see portAllocator).
 func ParsePortRange(s string) (PortRange, error) {
@@ -57,6 +65,9 @@ func ParsePortRange(s string) (PortRange, error) {
 	return PortRange{Base: lo, Size: hi - lo + 1}, nil
 }
 
+// Contains reports whether port p is in the range.
+func (r PortRange) Contains(p int) bool { return p >= r.Base && p < r.Base+r.Size }
+
 func (r PortRange) String() string {
 	if r.Size == 0 {
 		return ""
@@ -75,13 +86,21 @@ func (r PortRange) String() string {
 type portAllocator struct {
 	r    PortRange
 	mu   sync.Mutex
-	used map[int]bool
+	used map[usedPort]bool
 	// The kernel's range and reserved ports, read at first use when r is
 	// empty; kernel stays nil when they could not be read (port 0 then).
 	kernel       *PortRange
 	kernelResv   map[int]bool
 	kernelLoaded bool
 	warn         func(error) // told once when the kernel's range cannot be read
+}
+
+// usedPort is a port taken by one of our sockets: TCP and UDP, IPv4 and IPv6
+// (v6-only sockets) are separate port spaces.
+type usedPort struct {
+	proto string
+	is6   bool
+	port  int
 }
 
 // Where the kernel keeps its ephemeral port range (per network namespace).
@@ -150,12 +169,13 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 		r, reserved = *a.kernel, a.kernelResv
 	}
 	if a.used == nil {
-		a.used = make(map[int]bool)
+		a.used = make(map[usedPort]bool)
 	}
 	start := rand.IntN(r.Size)
 	for i := 0; i < r.Size; i++ {
 		p := r.Base + (start+i)%r.Size
-		if a.used[p] || reserved[p] {
+		u := usedPort{proto, ip.Is6() && !ip.Is4In6(), p}
+		if a.used[u] || reserved[p] {
 			continue
 		}
 		ln, port, err = listenOn(proto, netip.AddrPortFrom(ip, uint16(p)))
@@ -165,8 +185,8 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 		if err != nil {
 			return nil, 0, nil, err
 		}
-		a.used[p] = true
-		return ln, p, func() { a.release(p) }, nil
+		a.used[u] = true
+		return ln, p, func() { a.release(u) }, nil
 	}
 	if a.r.Size == 0 {
 		return nil, 0, nil, fmt.Errorf("no free port left in the kernel's local port range %s", r)
@@ -174,10 +194,86 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 	return nil, 0, nil, ErrPortsExhausted
 }
 
-func (a *portAllocator) release(p int) {
+func (a *portAllocator) release(u usedPort) {
 	a.mu.Lock()
-	delete(a.used, p)
+	delete(a.used, u)
 	a.mu.Unlock()
+}
+
+// ReservePorts adds r to the kernel's ip_local_reserved_ports (of this
+// network namespace), so that no outgoing connection or bind(0) of the node
+// takes a port of the range: the proxy ports are guarded by one rule for the
+// whole range, which must not catch anybody else's sockets. Ports already
+// bound are not affected. It reports whether the list changed.
+func ReservePorts(r PortRange) (bool, error) {
+	return editReserved(func(resv []bool) {
+		for p := r.Base; p < r.Base+r.Size; p++ {
+			resv[p] = true
+		}
+	})
+}
+
+// UnreservePorts takes r out of ip_local_reserved_ports (--cleanup).
+func UnreservePorts(r PortRange) (bool, error) {
+	return editReserved(func(resv []bool) {
+		for p := r.Base; p < r.Base+r.Size; p++ {
+			resv[p] = false
+		}
+	})
+}
+
+func editReserved(edit func([]bool)) (bool, error) {
+	b, err := os.ReadFile(localReservedPortFile)
+	if err != nil {
+		return false, fmt.Errorf("reading reserved ports: %w", err)
+	}
+	resv := make([]bool, 65536)
+	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
+		if part == "" {
+			continue
+		}
+		pr, err := ParsePortRange(part)
+		if err != nil {
+			return false, fmt.Errorf("%s: %w", localReservedPortFile, err)
+		}
+		for p := pr.Base; p < pr.Base+pr.Size; p++ {
+			resv[p] = true
+		}
+	}
+	before := formatReserved(resv)
+	edit(resv)
+	after := formatReserved(resv)
+	if after == before {
+		return false, nil
+	}
+	if after == "" {
+		after = "\n" // an empty write is refused; a newline clears the list
+	}
+	if err := os.WriteFile(localReservedPortFile, []byte(after), 0o644); err != nil {
+		return false, fmt.Errorf("writing %s: %w", localReservedPortFile, err)
+	}
+	return true, nil
+}
+
+// formatReserved renders a port set the way the kernel prints it: "a-b,c".
+func formatReserved(resv []bool) string {
+	var parts []string
+	for p := 0; p < len(resv); p++ {
+		if !resv[p] {
+			continue
+		}
+		q := p
+		for q+1 < len(resv) && resv[q+1] {
+			q++
+		}
+		if q == p {
+			parts = append(parts, strconv.Itoa(p))
+		} else {
+			parts = append(parts, fmt.Sprintf("%d-%d", p, q))
+		}
+		p = q
+	}
+	return strings.Join(parts, ",")
 }
 
 func listenOn(proto string, ap netip.AddrPort) (any, int, error) {

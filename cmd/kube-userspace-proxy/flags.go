@@ -70,7 +70,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig).")
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "The name of this node, for traffic policies (default: $NODE_NAME, else the hostname).")
 	fs.StringVar(&bind, "bind-address", "0.0.0.0", "The address the proxy listeners bind to (0.0.0.0: all IPv4 and IPv6 addresses).")
-	fs.StringVar(&portRange, "proxy-port-range", "", "Local ports for the listeners, begin-end or begin+offset (default: any free port of the kernel's ip_local_port_range, minus ip_local_reserved_ports).")
+	fs.StringVar(&portRange, "proxy-port-range", "", "Local ports for the listeners that are not on a NodePort, begin-end or begin+offset (default: 45000-59999). The range is added to ip_local_reserved_ports, and new connections to it from other hosts that were not redirected are dropped.")
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
@@ -115,6 +115,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.portRange, err = proxy.ParsePortRange(portRange); err != nil {
 		return nil, fmt.Errorf("%s: %w", o.name("proxy-port-range"), err)
+	}
+	if o.portRange.Size == 0 { // "", "0" and "0-0", kube-proxy's "pick any"
+		o.portRange = proxy.DefaultPortRange
 	}
 	for _, d := range []struct {
 		flag string

@@ -20,7 +20,13 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	node := o.nodeName()
 	switch {
 	case o.cleanup:
-		return iptables.Cleanup(log)
+		err := iptables.Cleanup(log)
+		if changed, rerr := proxy.UnreservePorts(o.portRange); rerr != nil {
+			log.WithError(rerr).Warn("Cannot take the proxy port range out of ip_local_reserved_ports")
+		} else if changed {
+			log.WithField("range", o.portRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
+		}
+		return err
 	case o.showRules:
 		return showRules(o, node, stdout)
 	}
@@ -55,11 +61,18 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		log.WithField("limit", limit).Debug("Open-file limit")
 	}
 
+	if changed, err := proxy.ReservePorts(o.portRange); err != nil {
+		log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
+			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
+	} else if changed {
+		log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+	}
+
 	var rules proxy.Rules
 	var ipt *iptables.Rules
 	if o.iptables {
 		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
-			RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
+			ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
 		if err != nil {
 			return err
 		}
@@ -142,18 +155,12 @@ func showRules(o *options, node string, w io.Writer) error {
 	}
 	frontends := proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
 	for _, fam := range []int{4, 6} {
-		n := 0
-		for _, fe := range frontends {
-			if fe.Family == fam {
-				n++
-			}
-		}
 		ro := iptables.RenderOptions{
 			Family:       fam,
 			Features:     iptables.Features{Comment: true, Addrtype: true, Conntrack: true},
 			AllLocal:     len(o.nodePortCIDRs) == 0,
 			Placeholders: true,
-			Shards:       iptables.ShardsFor(n),
+			ProxyPorts:   o.portRange,
 		}
 		if !ro.AllLocal {
 			ro.NodePortAddresses = iptables.LocalAddrs(fam, o.nodePortCIDRs)

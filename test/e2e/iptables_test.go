@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -282,6 +283,25 @@ func TestClusterIPOnlyNotReachableViaProxyPort(t *testing.T) {
 	}
 }
 
+func TestClusterIPOnlyUDPNotReachableViaProxyPort(t *testing.T) {
+	internal := service("internal", "ClusterIP", "10.96.0.30", "", `{name: dns, port: 53, protocol: UDP}`) +
+		slices("internal", `{name: dns, port: 8080, protocol: UDP}`, false)
+	l, d, _ := startWeb(t, internal)
+	udpReaches(t, l, "client", "10.96.0.30", "53")
+	m := regexp.MustCompile(`msg=Listening .*listen=(\d+).*service="?lab/internal`).FindStringSubmatch(d.Output())
+	if m == nil {
+		t.Fatalf("no listener port in the log:\n%s", d.Output())
+	}
+	for i := 0; i < 3; i++ {
+		if r := l.UDP("ext", "192.168.50.1", m[1], "ping"); r != "" {
+			t.Fatalf("ClusterIP-only UDP service reached from outside via proxy port %s: %q", m[1], r)
+		}
+	}
+	if r := l.UDP("node", "127.0.0.1", m[1], "ping"); r == "" {
+		t.Fatal("the UDP proxy port is not reachable from the node itself")
+	}
+}
+
 func TestNodePortConflictIsReported(t *testing.T) {
 	taken := service("taken", "NodePort", "10.96.0.40", "", `{name: http, port: 80, protocol: TCP, nodePort: 31999}`) +
 		slices("taken", `{name: http, port: 8080, protocol: TCP}`, false)
@@ -360,18 +380,28 @@ func bulkManifest(n int, skip ...int) string {
 
 func bulkIP(i int) string { return fmt.Sprintf("10.97.%d.%d", i/250, i%250+1) }
 
-// From 1000 service ports the chains are split into shards; traffic, removal,
-// the way back to whole chains and --cleanup all work with them.
-func TestShardedRulesAtScale(t *testing.T) {
+// From leafMax (16) service addresses on, the portal chains are trees of
+// destination-prefix chains: traffic, removal, the way back to flat chains
+// and --cleanup all work with them, and the guard stays two rules.
+func TestRuleTreesAtScale(t *testing.T) {
 	l, d, m := startWeb(t, bulkManifest(1000))
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log (tail):\n%s", tail(d.Output(), 4000))
+		}
+	}()
 	waitFor(t, "the last bulk Service answering", func() bool { return l.Curl("client", "http://"+bulkIP(999)+":80/") != "" })
 	reachesBoth(t, l, "client", "http://"+bulkIP(500)+":80/")
+	reachesBoth(t, l, "node", "http://"+bulkIP(3)+":80/")
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
-	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER -j KUBE-PORTALS-CONTAINER-[0-9A-F]{2}$`); n != 32 {
-		t.Fatalf("%d jumps from KUBE-PORTALS-CONTAINER into shards, want 32", n)
+	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER `); n > 4 {
+		t.Fatalf("%d rules in KUBE-PORTALS-CONTAINER at 1000 services, want a few jumps into the tree", n)
 	}
-	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER-[0-9A-F]{2} -d 10\.97\.0\.8/32 .*"lab/bulk-7:http"`); n != 1 {
-		t.Fatalf("%d rules for lab/bulk-7 in a container shard, want 1", n)
+	if n := countRules(t, l, `^-A KUBE-PT-[0-9A-F]+ -d 10\.97\.0\.8/32 .*"lab/bulk-7:http"`); n != 1 {
+		t.Fatalf("%d rules for lab/bulk-7 in a tree chain, want 1", n)
+	}
+	if n := countRules(t, l, `^-A KUBE-PORTALS-GUARD `); n != 4 { // tcp and udp, IPv4 and IPv6
+		t.Fatalf("%d guard rules at 1000 services, want 4", n)
 	}
 
 	writeManifest(t, m, bulkManifest(1000, 7))
@@ -381,21 +411,89 @@ func TestShardedRulesAtScale(t *testing.T) {
 	}
 	reachesBoth(t, l, "client", "http://"+bulkIP(8)+":80/")
 
-	// Below 500 service ports the chains are whole again and no shard is left.
+	// Few services: flat chains again, and no tree chain is left.
 	writeManifest(t, m, webManifest())
-	waitFor(t, "the shards to go", func() bool { return countRules(t, l, `^:KUBE-[A-Z-]+-[0-9A-F]{2} `) == 0 })
+	waitFor(t, "the tree chains to go", func() bool { return countRules(t, l, `^:KUBE-PT-`) == 0 })
 	if n := countRules(t, l, `^-A KUBE-PORTALS-CONTAINER -d 10\.96\.0\.10/32 .*"lab/web:http"`); n != 1 {
-		t.Fatalf("%d rules for lab/web in the whole KUBE-PORTALS-CONTAINER, want 1", n)
+		t.Fatalf("%d rules for lab/web in the flat KUBE-PORTALS-CONTAINER, want 1", n)
 	}
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	if strings.Contains(d.Output(), "Rules changed behind our back") || strings.Contains(d.Output(), "rewriting all rules") {
+		t.Fatalf("the partial updates did not apply cleanly:\n%s", tail(d.Output(), 4000))
+	}
 
-	// And --cleanup finds shards after a crash.
+	// And --cleanup finds tree chains after a crash.
 	writeManifest(t, m, bulkManifest(1000))
-	waitFor(t, "the shards back", func() bool { return countRules(t, l, `^:KUBE-PORTALS-HOST-1F `) == 1 })
+	waitFor(t, "the tree back", func() bool { return countRules(t, l, `^:KUBE-PT-`) > 10 })
 	_ = d.Cmd.Process.Signal(syscall.SIGKILL)
 	_ = d.Cmd.Wait()
 	l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup")
 	if n := countRules(t, l, `KUBE-`); n != 0 {
 		t.Fatalf("%d lines mention KUBE- after --cleanup", n)
+	}
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+// Rules an earlier version left behind (32 shard chains, a guard jump for
+// every packet) are replaced at start, not kept beside the new ones.
+func TestEarlierLayoutReplaced(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	l.MustExec("node", "iptables", "-w", "-N", "KUBE-PORTALS-GUARD")
+	l.MustExec("node", "iptables", "-w", "-N", "KUBE-PORTALS-GUARD-1F")
+	l.MustExec("node", "iptables", "-w", "-A", "KUBE-PORTALS-GUARD", "-j", "KUBE-PORTALS-GUARD-1F")
+	l.MustExec("node", "iptables", "-w", "-A", "KUBE-PORTALS-GUARD-1F", "!", "-i", "lo", "-p", "tcp", "--dport", "8080", "-j", "DROP")
+	l.MustExec("node", "iptables", "-w", "-I", "INPUT", "-m", "comment", "--comment", "keep proxy ports reachable only through service addresses", "-j", "KUBE-PORTALS-GUARD")
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-N", "KUBE-PORTALS-CONTAINER")
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-N", "KUBE-PORTALS-CONTAINER-00")
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-A", "KUBE-PORTALS-CONTAINER", "-j", "KUBE-PORTALS-CONTAINER-00")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, webManifest())
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	waitFor(t, "the earlier chains gone", func() bool {
+		return countRules(t, l, `KUBE-PORTALS-GUARD-1F|KUBE-PORTALS-CONTAINER-00`) == 0
+	})
+	save := l.MustExec("node", "iptables-save", "-t", "filter")
+	if n := strings.Count(save, "-j KUBE-PORTALS-GUARD"); n != 1 || !strings.Contains(save, "-A INPUT -m conntrack --ctstate NEW ") {
+		t.Fatalf("guard jumps after the upgrade:\n%s\ndaemon log:\n%s", save, d.Output())
+	}
+}
+
+// The proxy port range is taken out of the node's ephemeral ports while the
+// daemon runs, and given back by --cleanup.
+func TestProxyPortRangeReserved(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest(), "--proxy-port-range", "41000-41999")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	if got := strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports")); got != "41000-41999" {
+		t.Fatalf("reserved ports %q, want 41000-41999", got)
+	}
+	if m := regexp.MustCompile(`msg=Listening .*listen=(\d+)`).FindAllStringSubmatch(d.Output(), -1); len(m) == 0 {
+		t.Fatal("no listener in the log")
+	} else {
+		for _, x := range m {
+			if p, _ := strconv.Atoi(x[1]); p != 31341 && (p < 41000 || p > 41999) {
+				t.Fatalf("listener on port %d, outside --proxy-port-range", p)
+			}
+		}
+	}
+	// An outgoing connection of the node does not take a reserved port.
+	out := l.MustExec("node", "bash", "-c", "for i in $(seq 1 50); do curl -s -o /dev/null -w '%{local_port}\n' http://10.251.19.12:8080/; done")
+	for _, f := range strings.Fields(out) {
+		if p, _ := strconv.Atoi(f); p >= 41000 && p <= 41999 {
+			t.Fatalf("an outgoing connection used reserved port %d", p)
+		}
+	}
+	_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = d.Cmd.Wait()
+	l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup", "--proxy-port-range", "41000-41999")
+	if got := strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports")); got != "" {
+		t.Fatalf("reserved ports after --cleanup: %q", got)
 	}
 }
