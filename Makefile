@@ -4,7 +4,7 @@ GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
 
-.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tools
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-tools
 
 all: build
 
@@ -71,6 +71,12 @@ bench: bench-tools
 # and this proxy, for the TCP figures: what the Go runtime costs (~4 minutes).
 bench-floor: bench-tools
 	PATHS="haproxy gofloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
+
+# What our rules cost the node's other traffic: loopback throughput, ping-pong
+# and new connections/s without and with 1, 100, 1000 and 10000 service ports,
+# and connections/s through a ClusterIP at scale (~6 minutes).
+bench-tax: bench-tools
+	BIN=$(BIN) bash test/bench/nodetax.sh
 
 # The same harness in under a minute, so that it cannot rot (part of make test).
 bench-smoke: bench-tools

@@ -1,11 +1,12 @@
 package iptables
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
 	"net/netip"
-	"sort"
+	"slices"
 	"strings"
 )
 
@@ -185,22 +186,10 @@ func itemRules(items []treeItem) []string {
 
 // sortItems orders items by key, then rule.
 func sortItems(items []treeItem) {
-	sort.Slice(items, func(i, j int) bool {
-		if c := compareKeys(items[i].key, items[j].key); c != 0 {
-			return c < 0
+	slices.SortFunc(items, func(a, b treeItem) int {
+		if c := bytes.Compare(a.key[:], b.key[:]); c != 0 {
+			return c
 		}
-		return items[i].rule < items[j].rule
+		return strings.Compare(a.rule, b.rule)
 	})
-}
-
-func compareKeys(a, b treeKey) int {
-	for i := range a {
-		if a[i] != b[i] {
-			if a[i] < b[i] {
-				return -1
-			}
-			return 1
-		}
-	}
-	return 0
 }

@@ -15,7 +15,7 @@ RATE=${RATE:-2000}
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
 need=()
-for c in haproxy:haproxy iperf3:iperf3 socat:socat; do command -v "${c%%:*}" >/dev/null || need+=("${c#*:}"); done
+for c in haproxy:haproxy iperf3:iperf3 socat:socat sockperf:sockperf; do command -v "${c%%:*}" >/dev/null || need+=("${c#*:}"); done
 if [ ${#need[@]} -gt 0 ]; then
   [ -d /var/lib/apt/lists/partial ] && ls /var/lib/apt/lists/ | grep -q _Packages || apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null || { echo "cannot install ${need[*]}" >&2; exit 1; }
@@ -45,7 +45,7 @@ DEFAULT_PATHS="direct dnat haproxy socat proxy"
 [ "$SMOKE" = 1 ] && DEFAULT_PATHS="$DEFAULT_PATHS gofloor" # so that it cannot rot
 PATHS=${PATHS:-$DEFAULT_PATHS}
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
-TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog"}
+TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog tax"}
 want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
 runs() { case " $PATHS " in *" $1 "*) return 0 ;; esac; return 1; } # path $1 is measured
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
@@ -272,8 +272,14 @@ if want prog; then
   cat "$work/prog.md"
 fi
 
+if want tax; then
+  echo "Node tax (test/bench/nodetax.sh):"
+  SMOKE=$SMOKE BIN=$BIN bash test/bench/nodetax.sh >"$work/tax.md" || { echo "nodetax failed" >&2; exit 1; }
+  cat "$work/tax.md"
+fi
+
 # Only a full run (all paths, all figures) replaces the published table.
-if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog" ]; then
+if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog tax" ]; then
   doc=docs/benchmarks.md
   {
     sed '/<!-- bench:start -->/,$d' "$doc"
@@ -290,6 +296,12 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo "Rule programming in the same run:"
     echo
     cat "$work/prog.md"
+    echo
+    echo "Node tax in the same run (test/bench/nodetax.sh): the node's own traffic that is no Service's, in a namespace"
+    echo "without and with the daemon serving N service ports (ClusterIPs at random in 10.96.0.0/12, every fifth a NodePort),"
+    echo "each ratio the median of per-run ratios; and new connections/s through a ClusterIP, against the rate with one service port."
+    echo
+    cat "$work/tax.md"
   } >"$work/doc.md"
   cp "$work/doc.md" "$doc"
   echo "wrote $doc"
