@@ -80,7 +80,8 @@ manifests() {
 start_daemon() { # N: serve N service ports; returns when the first and the last answer
   mkdir -p "$work/m$1"
   manifests "$1" >"$work/m$1/services.yaml"
-  N "$BIN/kube-userspace-proxy" --manifests "$work/m$1" --connection-log none --log-level warn \
+  # Not through N: $! must be the daemon (ip netns exec execs it), not a subshell.
+  ip netns exec "$NS" "$BIN/kube-userspace-proxy" --manifests "$work/m$1" --connection-log none --log-level warn \
     --metrics-bind-address "" --healthz-bind-address "" >>"$work/daemon.log" 2>&1 &
   daemon_pid=$!
   local last; last=$(cat "$work/last-ip")
@@ -92,6 +93,7 @@ start_daemon() { # N: serve N service ports; returns when the first and the last
 
 stop_daemon() {
   kill "$daemon_pid"; wait "$daemon_pid" 2>/dev/null; daemon_pid=
+  if pgrep -f "kube-userspace-proxy --manifests $work" >/dev/null; then echo "the daemon did not stop" >&2; exit 1; fi
   N "$BIN/kube-userspace-proxy" --cleanup >/dev/null 2>&1
   if N iptables-save | grep -q KUBE-; then echo "rules left after the daemon stopped" >&2; exit 1; fi
 }
