@@ -213,10 +213,13 @@ const (
 // guardedProtocols are the protocols whose proxy ports the guard covers.
 var guardedProtocols = []string{"tcp", "udp"}
 
-// assemble turns the frontends' rules into our chains: the portal and
-// NodePort trees under their entry chains, and the guard.
+// assemble turns the frontends' rules into our chains.
 func assemble(leaves []leafRule, o RenderOptions) *Ruleset {
-	rs := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
+	return assembleTrees(sortedTrees(leaves), o)
+}
+
+// sortedTrees groups leaves by tree, each sorted by key and rule.
+func sortedTrees(leaves []leafRule) map[string][]treeItem {
 	byTree := map[string][]treeItem{}
 	for _, l := range leaves {
 		byTree[l.tree] = append(byTree[l.tree], treeItem{l.key, l.rule})
@@ -225,6 +228,13 @@ func assemble(leaves []leafRule, o RenderOptions) *Ruleset {
 		sortItems(items)
 		byTree[tree] = dedupItems(items)
 	}
+	return byTree
+}
+
+// assembleTrees builds our chains from the sorted rules of each tree: the
+// portal and NodePort trees under their entry chains, and the guard.
+func assembleTrees(byTree map[string][]treeItem, o RenderOptions) *Ruleset {
+	rs := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
 	portals := buildTree(portalTree(o.Family), byTree[treePortals], rs.Nat)
 	rs.Nat[ChainPortalsContainer] = portals
 	rs.Nat[ChainPortalsHost] = append([]string(nil), portals...)

@@ -67,7 +67,10 @@ type family struct {
 	// records are the rules of each frontend, rendered with opts: only a
 	// frontend that changed is rendered again.
 	records map[feKey]*feRules
-	opts    RenderOptions
+	// trees are the records' rules by tree, sorted (see sortedTrees), kept
+	// up to date with records so that a change does not sort them all again.
+	trees map[string][]treeItem
+	opts  RenderOptions
 	// installed is what we believe is in the kernel (never modified once
 	// built); nil means unknown, so the next sync rewrites everything.
 	installed *Ruleset
@@ -409,12 +412,15 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 func (f *family) update(frontends []proxy.Frontend) bool {
 	if f.records == nil {
 		f.records = make(map[feKey]*feRules, len(frontends))
+		f.trees = nil
 	}
 	f.gen++
+	var gone, added []leafRule
 	changed := false
 	for _, fe := range frontends {
 		k := feKey{fe.Service.Name, fe.Kind}
-		if old := f.records[k]; old != nil {
+		old := f.records[k]
+		if old != nil {
 			old.seen = f.gen
 			if sameRules(old.fe, fe) {
 				// The newest Service keeps the comparison above on its
@@ -422,31 +428,56 @@ func (f *family) update(frontends []proxy.Frontend) bool {
 				old.fe = fe
 				continue
 			}
+			gone = append(gone, old.rules...)
 		}
-		f.records[k] = &feRules{fe: fe, rules: renderFrontend(fe, f.opts), seen: f.gen}
+		rec := &feRules{fe: fe, rules: renderFrontend(fe, f.opts), seen: f.gen}
+		f.records[k] = rec
+		added = append(added, rec.rules...)
 		changed = true
 	}
 	for k, rec := range f.records {
 		if rec.seen != f.gen {
 			delete(f.records, k)
+			gone = append(gone, rec.rules...)
 			changed = true
 		}
 	}
+	f.updateTrees(gone, added)
 	return changed
 }
 
-// render assembles the chains from the records.
-func (f *family) render() *Ruleset {
-	n := 0
-	for _, rec := range f.records {
-		n += len(rec.rules)
+// maxTreeEdits is the most rules updateTrees moves in place; beyond it,
+// sorting every rule again is cheaper than that many insertions.
+const maxTreeEdits = 64
+
+// updateTrees takes the rules that are gone out of trees and puts the added
+// ones in, keeping each tree sorted.
+func (f *family) updateTrees(gone, added []leafRule) {
+	if f.trees == nil || len(gone)+len(added) > maxTreeEdits {
+		var all []leafRule
+		for _, rec := range f.records {
+			all = append(all, rec.rules...)
+		}
+		f.trees = sortedTrees(all)
+		return
 	}
-	leaves := make([]leafRule, 0, n)
-	for _, rec := range f.records {
-		leaves = append(leaves, rec.rules...)
+	for _, l := range gone {
+		items := f.trees[l.tree]
+		if i, found := slices.BinarySearchFunc(items, treeItem{l.key, l.rule}, compareItems); found {
+			f.trees[l.tree] = slices.Delete(items, i, i+1)
+		}
 	}
-	return assemble(leaves, f.opts)
+	for _, l := range added {
+		items := f.trees[l.tree]
+		it := treeItem{l.key, l.rule}
+		if i, found := slices.BinarySearchFunc(items, it, compareItems); !found {
+			f.trees[l.tree] = slices.Insert(items, i, it)
+		}
+	}
 }
+
+// render assembles the chains from the records.
+func (f *family) render() *Ruleset { return assembleTrees(f.trees, f.opts) }
 
 // sets returns rs as table/chain → rule set, the form live rules are
 // compared in.

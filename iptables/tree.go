@@ -104,13 +104,15 @@ func nodePortTree(proto string) treeSpec {
 // multiple of the stride): the prefix in hex, or a hash where the name would
 // pass iptables' 28 characters (long IPv6 prefixes).
 func (s treeSpec) chainName(k treeKey, plen int) string {
-	var b strings.Builder
-	b.WriteString(s.chainPrefix)
-	for i := 0; i < plen/treeStride; i++ {
-		fmt.Fprintf(&b, "%X", k.nibble(i))
-	}
-	if b.Len() <= maxChainName {
-		return b.String()
+	const hex = "0123456789ABCDEF"
+	n := plen / treeStride
+	if len(s.chainPrefix)+n <= maxChainName {
+		b := make([]byte, 0, len(s.chainPrefix)+n)
+		b = append(b, s.chainPrefix...)
+		for i := 0; i < n; i++ {
+			b = append(b, hex[k.nibble(i)])
+		}
+		return string(b)
 	}
 	h := fnv.New64a()
 	for i := 0; i < plen/treeStride; i++ {
@@ -185,11 +187,11 @@ func itemRules(items []treeItem) []string {
 }
 
 // sortItems orders items by key, then rule.
-func sortItems(items []treeItem) {
-	slices.SortFunc(items, func(a, b treeItem) int {
-		if c := bytes.Compare(a.key[:], b.key[:]); c != 0 {
-			return c
-		}
-		return strings.Compare(a.rule, b.rule)
-	})
+func sortItems(items []treeItem) { slices.SortFunc(items, compareItems) }
+
+func compareItems(a, b treeItem) int {
+	if c := bytes.Compare(a.key[:], b.key[:]); c != 0 {
+		return c
+	}
+	return strings.Compare(a.rule, b.rule)
 }

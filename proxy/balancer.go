@@ -7,6 +7,8 @@ import (
 	"sort"
 	"sync"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // Reason says why a balancer picked an endpoint; it is logged per connection.
@@ -28,7 +30,15 @@ type Balancer interface {
 	Pick(client netip.Addr, attempt int) (ep netip.AddrPort, why Reason, ok bool)
 	// Update replaces the endpoint set and the affinity timeout (0: none).
 	Update(endpoints []netip.AddrPort, affinity time.Duration)
+	// Affinities returns the live session-affinity pins, sorted by client,
+	// for the debug view (none for a balancer without affinity).
+	Affinities() []Affinity
 }
+
+// newBalancer returns the balancer for a new frontend of sp. The frontend
+// holds it only as a Balancer: schedulers and endpoint ejection plug in here
+// without touching the data path.
+func newBalancer(sp *config.ServicePort) Balancer { return NewRoundRobin() }
 
 var _ Balancer = (*RoundRobin)(nil)
 

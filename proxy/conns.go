@@ -96,7 +96,7 @@ func (c *connRecord) setConns(client, backend *sock) {
 }
 
 // closeCause is the cause for a copy that failed because we closed its socket.
-func (c *connRecord) closeCause() string {
+func (c *connRecord) closeCause() Cause {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.shutdown {
@@ -118,7 +118,7 @@ func (c *connRecord) forceClose() {
 }
 
 // finish logs the connection's one line and records its duration.
-func (c *connRecord) finish(f *frontend, up, down int64, cause string) {
+func (c *connRecord) finish(f *frontend, up, down int64, cause Cause) {
 	f.m.get().duration.Observe(time.Since(c.Start).Seconds())
 	if !f.p.cfg.logConn(cause) {
 		return
@@ -132,7 +132,7 @@ func (c *connRecord) finish(f *frontend, up, down int64, cause string) {
 		"bytesUp":     up,
 		"bytesDown":   down,
 		"duration":    time.Since(c.Start).Round(time.Microsecond).String(),
-		"cause":       cause,
+		"cause":       cause.String(),
 		"attempts":    c.Attempt + 1,
 		"dialLatency": c.DialLatency.Round(time.Microsecond).String(),
 	}

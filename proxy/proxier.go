@@ -71,14 +71,14 @@ const (
 	ConnLogNone   ConnLogMode = "none"
 )
 
-func (c *Config) logConn(cause string) bool {
+func (c *Config) logConn(cause Cause) bool {
 	switch c.ConnLogMode {
 	case ConnLogAll:
 		return true
 	case ConnLogNone:
 		return false
 	}
-	return cause != CauseClientClosed && cause != CauseBackendClosed
+	return !cause.Normal()
 }
 
 func (c *Config) dialTimeouts() []time.Duration {
@@ -183,7 +183,7 @@ type frontend struct {
 	p           *Proxier
 	key         frontendKey
 	spec        *config.ServicePort
-	bal         *RoundRobin
+	bal         Balancer
 	listen      netip.AddrPort
 	nodePortErr error // the NodePort could not be taken
 	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
@@ -567,7 +567,7 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		}
 	}
 	fe := &frontend{
-		p: p, key: key, spec: sp, bal: NewRoundRobin(), m: newFEMetrics(key.Name.String(), sp.Protocol),
+		p: p, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(port)),
 		nodePortErr: nodePortErr,
 		holdFD:      holdFD,

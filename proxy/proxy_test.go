@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -32,60 +33,13 @@ var loopback = netip.MustParseAddr("127.0.0.1")
 // waitFor polls cond until it holds or the deadline passes.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// testLog collects log entries so tests can read connection lines.
-type testLog struct {
-	mu  sync.Mutex
-	all []*logrus.Entry
-}
-
-func (h *testLog) Levels() []logrus.Level { return logrus.AllLevels }
-func (h *testLog) Fire(e *logrus.Entry) error {
-	h.mu.Lock()
-	h.all = append(h.all, e)
-	h.mu.Unlock()
-	return nil
-}
-
-// entries returns every entry as "message error", for substring checks.
-func (h *testLog) entries() []string {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	var out []string
-	for _, e := range h.all {
-		s := e.Message
-		if err, ok := e.Data[logrus.ErrorKey].(error); ok {
-			s += " " + err.Error()
-		}
-		out = append(out, s)
-	}
-	return out
-}
-
-func (h *testLog) find(msg string) []logrus.Fields {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	var out []logrus.Fields
-	for _, e := range h.all {
-		if e.Message == msg {
-			out = append(out, e.Data)
-		}
-	}
-	return out
+	testutil.WaitFor(t, what, 10*time.Second, 10*time.Millisecond, cond)
 }
 
 type harness struct {
 	t    *testing.T
 	p    *Proxier
-	logs *testLog
+	logs *testutil.LogHook
 }
 
 // startProxier runs a Proxier on loopback until the test ends.
@@ -94,7 +48,7 @@ func startProxier(t *testing.T, cfg Config) *harness {
 	log := logrus.New()
 	log.SetOutput(io.Discard)
 	log.SetLevel(logrus.DebugLevel)
-	h := &harness{t: t, logs: &testLog{}}
+	h := &harness{t: t, logs: &testutil.LogHook{}}
 	log.AddHook(h.logs)
 	if !cfg.BindAddress.IsValid() {
 		cfg.BindAddress = loopback
@@ -337,9 +291,9 @@ func TestTCPEchoAndHalfClose(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatalf("got %d bytes back, want %d", len(got), len(want))
 	}
-	waitFor(t, "connection log line", func() bool { return len(h.logs.find("Connection closed")) == 1 })
-	f := h.logs.find("Connection closed")[0]
-	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != CauseClientClosed {
+	waitFor(t, "connection log line", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	f := h.logs.Find("Connection closed")[0]
+	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != CauseClientClosed.String() {
 		t.Fatalf("log line %v: want bytesUp=%d bytesDown=%d cause=%q", f, len(payload), len(want), CauseClientClosed)
 	}
 }
@@ -442,9 +396,9 @@ func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
 		}
 		c.Close()
 	}
-	waitFor(t, "every pair ended", func() bool { return len(h.logs.find("Connection closed")) == clients })
-	for _, f := range h.logs.find("Connection closed") {
-		if f["cause"] != CauseClientReset {
+	waitFor(t, "every pair ended", func() bool { return len(h.logs.Find("Connection closed")) == clients })
+	for _, f := range h.logs.Find("Connection closed") {
+		if f["cause"] != CauseClientReset.String() {
 			t.Errorf("cause %v, want %q", f["cause"], CauseClientReset)
 		}
 	}
@@ -537,8 +491,8 @@ func TestTCPNoEndpointsResets(t *testing.T) {
 	h := startProxier(t, Config{})
 	h.apply(svc("empty", config.TCP))
 	expectReset(t, h.addr("empty"))
-	waitFor(t, "log", func() bool { return len(h.logs.find("Connection closed")) == 1 })
-	if f := h.logs.find("Connection closed")[0]; f["cause"] != CauseNoEndpoints {
+	waitFor(t, "log", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseNoEndpoints.String() {
 		t.Fatalf("cause %v", f["cause"])
 	}
 }
@@ -584,9 +538,9 @@ func TestTCPRetryPastDeadEndpoint(t *testing.T) {
 					t.Fatalf("connection %d reached %q", i, got)
 				}
 			}
-			waitFor(t, "logs", func() bool { return len(h.logs.find("Connection closed")) == 4 })
+			waitFor(t, "logs", func() bool { return len(h.logs.Find("Connection closed")) == 4 })
 			retries := 0
-			for _, f := range h.logs.find("Connection closed") {
+			for _, f := range h.logs.Find("Connection closed") {
 				if f["reason"] == string(ReasonRetry) {
 					retries++
 					if f["attempts"] != 2 || f["endpoint"] != good.String() {
@@ -801,8 +755,8 @@ func TestTCPIdleTimeout(t *testing.T) {
 	if _, err := r.ReadString('\n'); err != io.EOF {
 		t.Fatalf("idle connection: read got %v, want EOF", err)
 	}
-	waitFor(t, "log", func() bool { return len(h.logs.find("Connection closed")) == 1 })
-	if f := h.logs.find("Connection closed")[0]; f["cause"] != CauseIdleTimeout {
+	waitFor(t, "log", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseIdleTimeout.String() {
 		t.Fatalf("cause %v", f["cause"])
 	}
 }
@@ -971,9 +925,9 @@ func TestConnLogErrorsOnly(t *testing.T) {
 	h.apply(svc("ok", config.TCP, tcpBackend(t, "a")), svc("empty", config.TCP))
 	fetchName(t, h.addr("ok"))
 	expectReset(t, h.addr("empty"))
-	waitFor(t, "the reset's line", func() bool { return len(h.logs.find("Connection closed")) == 1 })
+	waitFor(t, "the reset's line", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
 	time.Sleep(100 * time.Millisecond) // proving an absence: the normal close's line
-	if lines := h.logs.find("Connection closed"); len(lines) != 1 || lines[0]["cause"] != CauseNoEndpoints {
+	if lines := h.logs.Find("Connection closed"); len(lines) != 1 || lines[0]["cause"] != CauseNoEndpoints.String() {
 		t.Fatalf("lines %v: want only the no-endpoints reset", lines)
 	}
 }
@@ -1027,7 +981,7 @@ func TestServiceMetricsCreatedOnUseDeletedOnRemoval(t *testing.T) {
 // collection; a small sync does not.
 func TestBulkSyncCollectsGarbage(t *testing.T) {
 	h := startProxier(t, Config{})
-	syncs := func() []logrus.Fields { return h.logs.find("Synced") }
+	syncs := func() []logrus.Fields { return h.logs.Find("Synced") }
 	many := make([]*config.ServicePort, bulkSync)
 	for i := range many {
 		many[i] = svc(fmt.Sprintf("s%d", i), config.TCP)

@@ -27,18 +27,6 @@ import (
 // userspace proxier: up to four endpoints are tried before the client is reset.
 var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
 
-// Close causes recorded per connection.
-const (
-	CauseClientClosed  = "client closed"
-	CauseBackendClosed = "backend closed"
-	CauseClientReset   = "client reset"
-	CauseBackendReset  = "backend reset"
-	CauseIdleTimeout   = "idle timeout"
-	CauseShutdown      = "shutdown"
-	CauseNoEndpoints   = "no endpoints"
-	CauseDialFailed    = "dial failed"
-)
-
 // serveTCP accepts connections until the listener is closed. Accept errors
 // such as EMFILE back off (5 ms doubling to 1 s) instead of spinning or dying.
 func (f *frontend) serveTCP(ln *tcpListener) {
@@ -73,13 +61,13 @@ func (f *frontend) serveTCP(ln *tcpListener) {
 func (f *frontend) handleTCP(c *connRecord, client *sock) {
 	c.OrigDst = originalDst(client, f.listen)
 
-	backend, err := f.dialBackend(c)
-	if err != nil {
+	backend, failed := f.dialBackend(c)
+	if backend == nil {
 		// A reset tells the client at once that nothing is there, instead of
 		// an accepted connection that silently closes or hangs.
 		_ = client.SetResetOnClose()
 		client.Close()
-		c.finish(f, 0, 0, err.Error())
+		c.finish(f, 0, 0, failed)
 		f.p.conns.remove(c)
 		return
 	}
@@ -89,15 +77,16 @@ func (f *frontend) handleTCP(c *connRecord, client *sock) {
 }
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own
-// timeout; every retry asks the balancer again, bypassing affinity.
-func (f *frontend) dialBackend(c *connRecord) (*sock, error) {
+// timeout; every retry asks the balancer again, bypassing affinity. Without
+// a backend it says why.
+func (f *frontend) dialBackend(c *connRecord) (*sock, Cause) {
 	client := c.Client.Addr()
 	timeouts := f.p.cfg.dialTimeouts()
 	for attempt, timeout := range timeouts {
 		ep, why, ok := f.bal.Pick(client, attempt)
 		if !ok {
 			f.m.get().noEndpoints.Inc()
-			return nil, errors.New(CauseNoEndpoints)
+			return nil, CauseNoEndpoints
 		}
 		if attempt > 0 {
 			f.m.get().retries.Inc()
@@ -108,35 +97,35 @@ func (f *frontend) dialBackend(c *connRecord) (*sock, error) {
 		conn, err := dialTCP(f.ctx, ep, timeout)
 		if err == nil {
 			c.setDialLatency(time.Since(start))
-			return conn, nil
+			return conn, causeNone
 		}
 		dialFailures.WithLabelValues(f.m.service, ep.String()).Inc()
 		f.log.WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1}).
 			WithError(err).Debug("Dial failed")
 		if f.ctx.Err() != nil {
-			return nil, errors.New(CauseShutdown)
+			return nil, CauseShutdown
 		}
 		if isFileLimit(err) {
 			// Out of descriptors: trying more endpoints only makes it worse.
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
-	return nil, errors.New(CauseDialFailed)
+	return nil, CauseDialFailed
 }
 
 // spliceConns copies both ways until both directions end, propagating
 // half-closes, and closes both sockets. It returns the bytes sent to the
 // backend (up) and to the client (down) and why the exchange ended.
-func (f *frontend) spliceConns(c *connRecord, client, backend *sock) (up, down int64, cause string) {
+func (f *frontend) spliceConns(c *connRecord, client, backend *sock) (up, down int64, cause Cause) {
 	idle := f.p.cfg.TCPIdleTimeout
 	c.setConns(client, backend)
 	var first sync.Once // the direction that ends first names the cause
 	var ended atomic.Int32
-	lateReset := "" // set by a direction that saw its peer reset after the FIN
+	lateReset := causeNone // set by a direction that saw its peer reset after the FIN
 	// copyHalf copies one direction. A FIN is passed on as a half-close and
 	// the other direction finishes on its own (request/response protocols
 	// depend on it); anything else ends both directions, a reset passed on.
-	copyHalf := func(dst, src *sock, eofCause, resetCause string, count func(int64)) int64 {
+	copyHalf := func(dst, src *sock, eofCause, resetCause Cause, count func(int64)) int64 {
 		n, err := copyUntilIdle(dst, src, client, backend, idle, count)
 		last := ended.Add(1) == 2
 		why := eofCause
@@ -180,7 +169,7 @@ func (f *frontend) spliceConns(c *connRecord, client, backend *sock) (up, down i
 	down = <-downDone
 	client.Close()
 	backend.Close()
-	if lateReset != "" {
+	if lateReset != causeNone {
 		cause = lateReset // the reset, not the FIN before it, ended the pair
 	}
 	return up, down, cause

@@ -14,6 +14,7 @@ package proxy
 import (
 	"container/list"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -106,9 +107,10 @@ type udpFlow struct {
 	out      *dgramSender  // to backend; used by the frontend's read loop only
 	elem     *list.Element // in udpFlows.lru
 	start    time.Time
-	lastSeen atomic.Int64 // unix nanos of the last datagram either way
-	up, down atomic.Int64 // bytes
-	cause    atomic.Value // string: why it ended
+	lastSeen atomic.Int64  // unix nanos of the last datagram either way
+	up, down atomic.Int64  // bytes
+	cause    atomic.Uint32 // a Cause: why it ended; the first one set wins
+	err      atomic.Value  // an errBox: the endpoint socket's error, with CauseEndpointError
 }
 
 func (fl *udpFlow) touch() { fl.lastSeen.Store(time.Now().UnixNano()) }
@@ -154,7 +156,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 		fl.touch()
 		if err := fl.out.send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
 			f.log.WithFields(logrus.Fields{"client": from, "endpoint": fl.endpoint}).WithError(err).Debug("UDP send to endpoint failed")
-			f.endFlow(fl, "send failed: "+err.Error())
+			f.failFlow(fl, fmt.Errorf("send: %w", err))
 			continue
 		}
 		fl.up.Add(int64(n))
@@ -227,7 +229,7 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 	t.mu.Unlock()
 
 	if victim != nil {
-		victim.cause.Store("evicted")
+		victim.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEvicted))
 		victim.backend.Close() // its reply goroutine logs and exits
 	}
 	go f.replies(s, fl, backend)
@@ -244,15 +246,25 @@ func (t *udpFlows) removeLocked(fl *udpFlow) bool {
 }
 
 // endFlow removes fl and closes its socket; its reply goroutine then exits.
-func (f *frontend) endFlow(fl *udpFlow, cause string) {
+func (f *frontend) endFlow(fl *udpFlow, cause Cause) {
 	f.udp.mu.Lock()
 	if f.udp.removeLocked(fl) {
 		f.m.get().udpActive.Dec()
 	}
 	f.udp.mu.Unlock()
-	fl.cause.CompareAndSwap(nil, cause)
+	fl.cause.CompareAndSwap(uint32(causeNone), uint32(cause))
 	fl.backend.Close()
 }
+
+// failFlow ends fl because its endpoint socket failed with err.
+func (f *frontend) failFlow(fl *udpFlow, err error) {
+	if fl.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEndpointError)) {
+		fl.err.Store(errBox{err})
+	}
+	f.endFlow(fl, CauseEndpointError)
+}
+
+type errBox struct{ error }
 
 // replies copies the endpoint's datagrams to the client until the flow has
 // been idle for the UDP timeout or its socket is closed.
@@ -267,7 +279,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		fromBackend, serr = newDgramReceiver(backend, s.family, false)
 	}
 	if serr != nil {
-		f.endFlow(fl, "reply socket: "+serr.Error())
+		f.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
 	}
 	for serr == nil {
 		last := time.Unix(0, fl.lastSeen.Load())
@@ -281,11 +293,11 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				continue // re-check: the client may have sent meanwhile
 			}
-			cause := "endpoint error: " + err.Error()
 			if errors.Is(err, net.ErrClosed) {
-				cause = CauseShutdown
+				f.endFlow(fl, CauseShutdown)
+			} else {
+				f.failFlow(fl, err)
 			}
-			f.endFlow(fl, cause)
 			break
 		}
 		fl.touch()
@@ -296,11 +308,15 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		fl.down.Add(int64(n))
 		f.m.get().bytesOut.Add(float64(n))
 	}
-	cause, _ := fl.cause.Load().(string)
+	cause := Cause(fl.cause.Load())
 	if !f.p.cfg.logConn(cause) {
 		return
 	}
-	f.p.cfg.connLog().WithFields(logrus.Fields{
+	log := f.p.cfg.connLog()
+	if e, ok := fl.err.Load().(errBox); ok {
+		log = log.WithError(e.error)
+	}
+	log.WithFields(logrus.Fields{
 		"service":   f.key.Name.String(),
 		"client":    fl.client.String(),
 		"origDst":   fl.local.String(),
@@ -310,7 +326,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		"bytesUp":   fl.up.Load(),
 		"bytesDown": fl.down.Load(),
 		"duration":  time.Since(fl.start).Round(time.Microsecond).String(),
-		"cause":     cause,
+		"cause":     cause.String(),
 	}).Info("UDP flow closed")
 }
 

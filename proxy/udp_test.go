@@ -99,9 +99,9 @@ func TestUDPFlowExpires(t *testing.T) {
 		t.Fatalf("%d flows after one exchange, want 1", n)
 	}
 	waitFor(t, "flow expiry", func() bool { n, _ := h.udpFrontend("dns").UDPFlows(); return n == 0 })
-	waitFor(t, "flow log line", func() bool { return len(h.logs.find("UDP flow closed")) == 1 })
-	f := h.logs.find("UDP flow closed")[0]
-	if f["cause"] != CauseIdleTimeout || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
+	waitFor(t, "flow log line", func() bool { return len(h.logs.Find("UDP flow closed")) == 1 })
+	f := h.logs.Find("UDP flow closed")[0]
+	if f["cause"] != CauseIdleTimeout.String() || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
 		t.Fatalf("flow line %v", f)
 	}
 	// A new datagram from the same client opens a new flow.

@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // TestMain lets tests run the real binary: the test executable re-runs
@@ -90,7 +92,7 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
 	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
 	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
-	var stderr lockedBuffer
+	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -121,24 +123,6 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 	if _, err := net.Dial("tcp", "127.0.0.1:"+port); err == nil {
 		t.Fatal("listener still open after exit")
 	}
-}
-
-// lockedBuffer is a bytes.Buffer safe to read while a child process writes it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // Running out of descriptors must make the daemon back off and recover, not
@@ -187,7 +171,7 @@ func TestRecoversFromFileLimit(t *testing.T) {
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
 	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	cmd.Env = append(cmd.Env, "KUP_NOFILE=48")
-	var stderr lockedBuffer
+	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -238,7 +222,7 @@ func TestRecoversFromFileLimit(t *testing.T) {
 }
 
 // waitListening waits for the daemon's first listener and returns its port.
-func waitListening(t *testing.T, stderr *lockedBuffer) string {
+func waitListening(t *testing.T, stderr *testutil.Buffer) string {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
@@ -261,7 +245,7 @@ func TestSchedulingPolicyBatch(t *testing.T) {
 	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
 	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--scheduling-policy", "batch",
 		"--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
-	var stderr lockedBuffer
+	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 BIN=${BIN:-bin}
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; TAX_SIZES=${TAX_SIZES:-"1 100"}
-else RUNS=${RUNS:-3}; DUR=${DUR:-3}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
+else RUNS=${RUNS:-5}; DUR=${DUR:-3}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
 [ "$(id -u)" = 0 ] || { echo "nodetax needs root (network namespaces)" >&2; exit 1; }
 for c in iperf3 sockperf; do
   command -v "$c" >/dev/null || { echo "nodetax needs $c (apt-get install $c; .ci/run installs it)" >&2; exit 1; }
@@ -47,11 +47,14 @@ N ip link set eth0 up
 N ip link set eth1 up
 N ip route add default via 10.250.0.2
 
-# The Services' one endpoint, and the servers of the node's own traffic.
+# The Services' one endpoint, and the servers of the node's own traffic. The
+# node's own servers run on the first CPU and their clients on the last, so
+# that where the scheduler puts them does not drown what the rules cost.
+srv_cpu=0; cli_cpu=$(($(nproc) - 1))
 N "$BIN/backend" --name ep --tcp 10.250.0.1:9000 --udp "" >/dev/null 2>&1 &
-N "$BIN/backend" --name local --tcp 127.0.0.1:8080 --udp "" >/dev/null 2>&1 &
-N iperf3 -s -B 127.0.0.1 -p 5201 -D >/dev/null 2>&1
-N sockperf server -i 127.0.0.1 -p 11111 --tcp >/dev/null 2>&1 &
+N taskset -c "$srv_cpu" "$BIN/backend" --name local --tcp 127.0.0.1:8080 --udp "" >/dev/null 2>&1 &
+N taskset -c "$srv_cpu" iperf3 -s -B 127.0.0.1 -p 5201 -D >/dev/null 2>&1
+N taskset -c "$srv_cpu" sockperf server -i 127.0.0.1 -p 11111 --tcp >/dev/null 2>&1 &
 wait_until 10 N curl -s --max-time 1 http://127.0.0.1:8080/ >/dev/null || { echo "local server down" >&2; exit 1; }
 wait_until 10 N curl -s --max-time 1 http://10.250.0.1:9000/ >/dev/null || { echo "endpoint down" >&2; exit 1; }
 
@@ -105,12 +108,12 @@ jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 
 measure() { # label: the node's own traffic, not through any Service
   local bps lat cps
-  bps=$(N iperf3 -c 127.0.0.1 -p 5201 -t "$DUR" -J 2>/dev/null | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
+  bps=$(N taskset -c "$cli_cpu" iperf3 -c 127.0.0.1 -p 5201 -t "$DUR" -J 2>/dev/null | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
   record tput "$1" "$(awk -v b="${bps:-0}" 'BEGIN{printf "%.2f", b/1e9}')"
-  lat=$(N sockperf ping-pong -i 127.0.0.1 -p 11111 --tcp -t "$DUR" 2>&1 | awk '/percentile 50.000/{print $NF}')
+  lat=$(N taskset -c "$cli_cpu" sockperf ping-pong -i 127.0.0.1 -p 11111 --tcp -t "$DUR" 2>&1 | awk '/percentile 50.000/{print $NF}')
   record lat "$1" "${lat:-0}"
-  cps=$(N "$BIN/loadgen" -mode cps -addr 127.0.0.1:8080 -d "${DUR}s" -c 32 | jsonval perSecond)
-  record cps "$1" "${cps:-0}"
+  cps=$(N taskset -c "$cli_cpu" "$BIN/loadgen" -mode cps -addr 127.0.0.1:8080 -d "${DUR}s" -c 32 | jsonval perSecond)
+  record cps "$1" "$(printf "%.0f" "${cps:-0}")"
 }
 
 for run in $(seq "$RUNS"); do
@@ -119,7 +122,7 @@ for run in $(seq "$RUNS"); do
     measure "base$n"
     start_daemon "$n"
     measure "with$n"
-    record svc "$n" "$(N "$BIN/loadgen" -mode cps -addr 10.96.0.10:80 -d "${DUR}s" -c 32 | jsonval perSecond)"
+    record svc "$n" "$(printf "%.0f" "$(N "$BIN/loadgen" -mode cps -addr 10.96.0.10:80 -d "${DUR}s" -c 32 | jsonval perSecond)")"
     stop_daemon
   done
 done

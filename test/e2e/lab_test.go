@@ -4,7 +4,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -17,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 var (
@@ -137,7 +138,7 @@ func (l *Lab) MustExec(ns string, args ...string) string {
 // Proc is a background process in a namespace.
 type Proc struct {
 	Cmd *exec.Cmd
-	out *syncBuffer
+	out *testutil.Buffer
 }
 
 func (p *Proc) Output() string { return p.out.String() }
@@ -146,7 +147,7 @@ func (p *Proc) Output() string { return p.out.String() }
 func (l *Lab) Start(ns string, args ...string) *Proc {
 	l.t.Helper()
 	cmd := exec.Command("ip", append([]string{"netns", "exec", l.NS(ns)}, args...)...)
-	buf := &syncBuffer{}
+	buf := &testutil.Buffer{}
 	cmd.Stdout, cmd.Stderr = buf, buf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -201,28 +202,5 @@ func (l *Lab) UDP(ns, host, port, msg string) string {
 // waitFor polls cond until it holds or 20 s pass.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+	testutil.WaitFor(t, what, 20*time.Second, 50*time.Millisecond, cond)
 }

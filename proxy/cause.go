@@ -1,0 +1,44 @@
+package proxy
+
+// Cause is why a TCP connection or a UDP flow ended: the "cause" of its log
+// line.
+type Cause uint32
+
+const (
+	causeNone          Cause = iota // still open
+	CauseClientClosed               // the client sent its FIN first
+	CauseBackendClosed              // the backend sent its FIN first
+	CauseClientReset                // the client reset the connection
+	CauseBackendReset               // the backend reset the connection
+	CauseIdleTimeout                // nothing moved for --tcp-idle-timeout / --udp-timeout
+	CauseShutdown                   // the daemon stopped or the Service went away
+	CauseNoEndpoints                // no endpoint to send it to
+	CauseDialFailed                 // every dial attempt failed
+	CauseEvicted                    // UDP: the flow table was full
+	CauseEndpointError              // UDP: the endpoint's socket failed (an ICMP error, say)
+)
+
+var causeNames = [...]string{
+	causeNone:          "open",
+	CauseClientClosed:  "client closed",
+	CauseBackendClosed: "backend closed",
+	CauseClientReset:   "client reset",
+	CauseBackendReset:  "backend reset",
+	CauseIdleTimeout:   "idle timeout",
+	CauseShutdown:      "shutdown",
+	CauseNoEndpoints:   "no endpoints",
+	CauseDialFailed:    "dial failed",
+	CauseEvicted:       "evicted",
+	CauseEndpointError: "endpoint error",
+}
+
+func (c Cause) String() string {
+	if int(c) < len(causeNames) {
+		return causeNames[c]
+	}
+	return "unknown"
+}
+
+// Normal reports whether c is an ordinary end, one that --connection-log
+// errors does not log.
+func (c Cause) Normal() bool { return c == CauseClientClosed || c == CauseBackendClosed }
