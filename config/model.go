@@ -2,7 +2,7 @@
 //
 // Typical use: a source (the manifests file watcher in this package, or the cluster
 // watcher) builds a *State from v1 Services and discovery/v1 EndpointSlices with
-// BuildState and hands it to a Sink; the proxier is the only Sink and never sees a
+// a Builder (AddService, AddSlice, State) and hands it to a Sink; the proxier is the only Sink and never sees a
 // Kubernetes object.
 //
 //	st, err := config.LoadManifests("docs/examples/devpaasy.yaml", "node-a")

@@ -277,12 +277,6 @@ func dedupItems(items []treeItem) []treeItem {
 	return out
 }
 
-// onNodePort reports whether the frontend's listener sits on the service's
-// NodePort: traffic to the NodePort then reaches it without any rule.
-func onNodePort(fe proxy.Frontend) bool {
-	return fe.Service.NodePort != 0 && int(fe.Listen.Port()) == fe.Service.NodePort
-}
-
 // renderFrontend returns the rules that lead one frontend's addresses to its
 // listener (none for a frontend of another family or without listener).
 func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
@@ -323,7 +317,7 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 				}
 			}
 		}
-		if sp.NodePort != 0 && fe.NodePortErr == nil && !onNodePort(fe) {
+		if sp.NodePort != 0 && fe.NodePortErr == nil && !fe.OnNodePort() {
 			tree, key := treeNodePorts+proto, portKey(sp.NodePort)
 			if o.AllLocal {
 				out = append(out, leafRule{tree, key, rule(netip.Addr{}, sp.NodePort)})
@@ -336,7 +330,7 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 	}
 	// A listener on its NodePort is meant to be reachable from anywhere:
 	// where the NodePort falls inside the guarded range it is let through.
-	if o.Features.Conntrack && onNodePort(fe) && o.ProxyPorts.Contains(int(fe.Listen.Port())) {
+	if o.Features.Conntrack && fe.OnNodePort() && o.ProxyPorts.Contains(int(fe.Listen.Port())) {
 		out = append(out, leafRule{treeGuard, portKey(int(fe.Listen.Port())),
 			fmt.Sprintf("-p %s -m %s --dport %d -j RETURN", proto, proto, fe.Listen.Port())})
 	}
@@ -344,7 +338,7 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 }
 
 func placeholder(fe proxy.Frontend) string {
-	if onNodePort(fe) {
+	if fe.OnNodePort() {
 		return fmt.Sprint(fe.Listen.Port())
 	}
 	return fmt.Sprintf("PROXY_PORT(%s/%s/IPv%d)", fe.Service.Name, fe.Kind, fe.Family)

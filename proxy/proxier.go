@@ -5,19 +5,16 @@
 //
 // Typical use:
 //
-//	p := proxy.New(proxy.Config{Node: "node-a", Rules: rules})
-//	go p.Run(ctx)      // the one goroutine that opens listeners and writes rules
-//	p.Update(state)    // from a config source, any number of times
+//	p := proxy.New(proxy.Config{Rules: rules, PortRange: proxy.DefaultPortRange})
+//	go p.Run(ctx, grace) // the one goroutine that opens listeners and writes rules
+//	p.Update(state)      // from a config source (a config.Sink), any number of times
 package proxy
 
 import (
 	"context"
-	"fmt"
-	"net"
 	"net/netip"
 	"runtime"
 	"slices"
-	"sort"
 	"sync"
 	"time"
 
@@ -124,80 +121,6 @@ type Rules interface {
 	Sync(ctx context.Context, frontends []Frontend, verify bool) error
 }
 
-// Kind says which addresses a frontend answers on.
-type Kind string
-
-const (
-	// KindAll: ClusterIPs and the external addresses share one listener
-	// (internal and external traffic policies select the same endpoints).
-	KindAll Kind = "all"
-	// KindInternal: ClusterIPs only.
-	KindInternal Kind = "internal"
-	// KindExternal: NodePort, externalIPs and LoadBalancer IPs only.
-	KindExternal Kind = "external"
-)
-
-type frontendKey struct {
-	Name   config.ServicePortName
-	Kind   Kind
-	Family int
-}
-
-// Frontend is one listener and what it answers on; Rules receive these.
-type Frontend struct {
-	Service  *config.ServicePort
-	Kind     Kind
-	Family   int
-	Protocol config.Protocol
-	Listen   netip.AddrPort // where the listener is bound (port is the proxy port)
-	// Err is set when the listener could not be opened; Rules skip it.
-	Err error
-	// NodePortErr is set when the NodePort could not be held (another
-	// process has it); Rules skip the NodePort but serve the rest.
-	NodePortErr error
-
-	fe *frontend // nil when Err is set
-}
-
-// UDPFlows returns the live and the evicted flow counts of a UDP frontend.
-func (f Frontend) UDPFlows() (active int, evicted uint64) {
-	if f.fe == nil {
-		return 0, 0
-	}
-	f.fe.udp.mu.Lock()
-	defer f.fe.udp.mu.Unlock()
-	return len(f.fe.udp.flows), f.fe.udp.evicted.Load()
-}
-
-// Affinities returns the frontend's session affinity table.
-func (f Frontend) Affinities() []Affinity {
-	if f.fe == nil {
-		return nil
-	}
-	return f.fe.bal.Affinities()
-}
-
-// frontend is a live listener with its balancer. It is created and closed by
-// the sync goroutine; its serve goroutine and connections belong to it.
-type frontend struct {
-	p           *Proxier
-	key         frontendKey
-	spec        *config.ServicePort
-	bal         Balancer
-	listen      netip.AddrPort
-	nodePortErr error // the NodePort could not be taken
-	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
-	release     func()
-	log         logrus.FieldLogger
-
-	m      *feMetrics
-	ctx    context.Context // cancelled when the proxier shuts down
-	tcp    *tcpListener
-	udpSk  *udpSocket
-	udp    udpFlows
-	served sync.WaitGroup
-}
-
 // Proxier turns States into listeners and rules.
 type Proxier struct {
 	cfg     Config
@@ -222,9 +145,12 @@ type Proxier struct {
 	// back to the allocator after the next successful one.
 	unreleased []*frontend
 
-	viewMu sync.Mutex // guards view, the frontends as last synced, for readers
+	viewMu sync.Mutex // guards view and sorted, the frontends as last synced, for readers
 	view   []Frontend // also handed to Rules.Sync: never reordered
 	sorted []Frontend // a sorted copy of view, made on first read
+	// liveMu orders the sync goroutine's writes to frontends before the
+	// reads of other goroutines (debug views of live listeners).
+	liveMu sync.RWMutex
 }
 
 // New returns a Proxier; nothing happens until Run.
@@ -371,10 +297,12 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		if !removed && fe.spec.SameFrontend(sp) {
 			continue
 		}
+		p.liveMu.Lock()
 		delete(p.frontends, key)
+		p.liveMu.Unlock()
 		closed = append(closed, key.Name)
 		switch {
-		case fe.onNodePort():
+		case fe.holdsNodePort():
 			// Its successor may need the same NodePort: stop it now
 			// (the one case of a replacement that is break-before-make).
 			fe.stop()
@@ -454,7 +382,9 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 				view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
 				continue
 			}
+			p.liveMu.Lock()
 			p.frontends[key] = fe
+			p.liveMu.Unlock()
 		}
 		if opened || fe.spec != sp {
 			// Sources reuse an unchanged port's pointer: only changed
@@ -463,169 +393,9 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
 		}
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
-			NodePortErr: fe.nodePortErr, fe: fe})
+			NodePortErr: fe.nodePortErr})
 	}
 	return view
-}
-
-func lessFrontend(a, b Frontend) bool {
-	if a.Service.Name != b.Service.Name {
-		return a.Service.Name.Less(b.Service.Name)
-	}
-	if a.Family != b.Family {
-		return a.Family < b.Family
-	}
-	return a.Kind < b.Kind
-}
-
-// localOnly says whether the frontend's traffic policy is Local.
-func (k frontendKey) localOnly(sp *config.ServicePort) bool {
-	switch k.Kind {
-	case KindInternal:
-		return sp.InternalLocal
-	case KindExternal:
-		return sp.ExternalLocal
-	}
-	return sp.InternalLocal // KindAll: both policies agree
-}
-
-// desiredFrontends lists the listeners st needs: one per service port and
-// family, or two when internal and external traffic policies differ (they
-// select different endpoints, and a UDP datagram cannot tell which address it
-// was sent to once redirected).
-func desiredFrontends(st *config.State) map[frontendKey]*config.ServicePort {
-	out := make(map[frontendKey]*config.ServicePort, len(st.Ports))
-	var keys []frontendKey
-	for name, sp := range st.Ports {
-		keys = frontendKeys(keys[:0], name, sp)
-		for _, key := range keys {
-			out[key] = sp
-		}
-	}
-	return out
-}
-
-// frontendKeys appends the keys of the listeners sp needs (see
-// desiredFrontends) to keys, without allocating when keys has room.
-func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort) []frontendKey {
-	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
-	for _, fam := range sp.Families() {
-		if split {
-			keys = append(keys, frontendKey{Name: name, Kind: KindInternal, Family: fam}, frontendKey{Name: name, Kind: KindExternal, Family: fam})
-		} else {
-			keys = append(keys, frontendKey{Name: name, Kind: KindAll, Family: fam})
-		}
-	}
-	return keys
-}
-
-// bindFor returns the address listeners of a family bind to.
-func (p *Proxier) bindFor(family int) netip.Addr {
-	b := p.cfg.BindAddress
-	if b.IsValid() && !b.IsUnspecified() && config.Family(b) == family {
-		return b
-	}
-	if family == 6 {
-		return netip.IPv6Unspecified()
-	}
-	return netip.IPv4Unspecified()
-}
-
-// open starts a listener for key. The port goes back to the allocator on
-// every failure path.
-func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, error) {
-	proto := "tcp"
-	if sp.Protocol == config.UDP {
-		proto = "udp"
-	}
-	bind := p.bindFor(key.Family)
-	var sock any
-	var port int
-	var nodePortErr error
-	release := func() {}
-	holdFD := -1
-	if sp.NodePort != 0 && key.Kind != KindInternal {
-		var err error
-		if p.cfg.NodePortsRestricted {
-			holdFD, err = holdPort(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
-		} else {
-			// The listener itself sits on the NodePort: it holds the port
-			// against other processes, costs no extra descriptor, and
-			// serves even a connection that reaches it without a redirect.
-			sock, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
-		}
-		if err != nil {
-			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only", sp.NodePort, sp.Protocol, err)
-			p.cfg.log().WithField("service", key.Name.String()).Error(nodePortErr)
-		}
-	}
-	if sock == nil {
-		var err error
-		if sock, port, release, err = p.alloc.listen(proto, bind); err != nil {
-			closeHold(holdFD)
-			return nil, err
-		}
-	}
-	fe := &frontend{
-		p: p, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
-		listen:      netip.AddrPortFrom(bind, uint16(port)),
-		nodePortErr: nodePortErr,
-		holdFD:      holdFD,
-		release:     release,
-		ctx:         p.ctx,
-		log: p.cfg.log().WithFields(logrus.Fields{
-			"service": key.Name.String(), "protocol": sp.Protocol, "family": key.Family, "kind": key.Kind, "listen": port,
-		}),
-	}
-	switch s := sock.(type) {
-	case *tcpListener:
-		fe.tcp = s
-		fe.served.Add(1)
-		go func() { defer fe.served.Done(); fe.serveTCP(s) }()
-	case *net.UDPConn:
-		us, err := newUDPSocket(s, key.Family)
-		if err != nil {
-			s.Close()
-			release()
-			closeHold(holdFD)
-			return nil, fmt.Errorf("enable IP_PKTINFO: %w", err)
-		}
-		fe.udpSk = us
-		fe.served.Add(1)
-		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
-	}
-	fe.log.Info("Listening")
-	return fe, nil
-}
-
-// onNodePort reports whether the frontend holds the service's NodePort.
-func (fe *frontend) onNodePort() bool {
-	return fe.holdFD >= 0 || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
-}
-
-// close stops the frontend and gives its port back: for a frontend no
-// rule points at.
-func (fe *frontend) close() {
-	fe.stop()
-	fe.release()
-}
-
-// stop stops accepting; established TCP connections go on (they belong to
-// the connection table), UDP flows end with the socket. The port stays
-// taken in the allocator until release.
-func (fe *frontend) stop() {
-	if fe.tcp != nil {
-		fe.tcp.Close()
-	}
-	if fe.udpSk != nil {
-		fe.udpSk.conn.Close()
-	}
-	fe.served.Wait()
-	if fe.udpSk != nil {
-		fe.closeFlows()
-	}
-	closeHold(fe.holdFD)
-	fe.log.Info("Listener closed")
 }
 
 // shutdown stops accepting — the rules still point at the closed ports, so a
@@ -637,7 +407,9 @@ func (fe *frontend) stop() {
 func (p *Proxier) shutdown(grace time.Duration) {
 	for key, fe := range p.frontends {
 		fe.close()
+		p.liveMu.Lock()
 		delete(p.frontends, key)
+		p.liveMu.Unlock()
 	}
 	p.viewMu.Lock()
 	p.view, p.sorted = nil, nil
@@ -648,51 +420,6 @@ func (p *Proxier) shutdown(grace time.Duration) {
 			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
 		}
 	}
-}
-
-// Frontends returns the frontends as of the last sync, sorted by service.
-func (p *Proxier) Frontends() []Frontend {
-	p.viewMu.Lock()
-	defer p.viewMu.Unlock()
-	if p.sorted == nil && p.view != nil {
-		p.sorted = append([]Frontend(nil), p.view...)
-		sort.Slice(p.sorted, func(i, j int) bool { return lessFrontend(p.sorted[i], p.sorted[j]) })
-	}
-	return append([]Frontend(nil), p.sorted...)
-}
-
-// Lookup returns the frontend serving name for family and kind as of the last sync.
-func (p *Proxier) Lookup(name config.ServicePortName, family int, kind Kind) (Frontend, bool) {
-	for _, fe := range p.Frontends() {
-		if fe.Service.Name == name && fe.Family == family && fe.Kind == kind && fe.Err == nil {
-			return fe, true
-		}
-	}
-	return Frontend{}, false
-}
-
-// ListenPort returns the proxy port serving name for family and kind, or 0.
-func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind) int {
-	fe, _ := p.Lookup(name, family, kind)
-	return int(fe.Listen.Port())
-}
-
-// Plan returns the frontends st needs, without opening anything: ports are 0
-// except where the listener would sit on the NodePort. It is what
-// --show-rules renders.
-func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []Frontend {
-	p := &Proxier{cfg: Config{BindAddress: bind}}
-	var out []Frontend
-	for key, sp := range desiredFrontends(st) {
-		port := 0
-		if sp.NodePort != 0 && key.Kind != KindInternal && !nodePortsRestricted {
-			port = sp.NodePort
-		}
-		out = append(out, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
-			Listen: netip.AddrPortFrom(p.bindFor(key.Family), uint16(port))})
-	}
-	sort.Slice(out, func(i, j int) bool { return lessFrontend(out[i], out[j]) })
-	return out
 }
 
 // Health is what /healthz reports.

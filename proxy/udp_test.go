@@ -95,10 +95,10 @@ func TestUDPFlowExpires(t *testing.T) {
 	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
 	c := dialUDP(t, h.addr("dns"))
 	udpExchange(t, c, []byte("q"))
-	if n, _ := h.udpFrontend("dns").UDPFlows(); n != 1 {
+	if n, _ := h.p.UDPFlows(h.udpFrontend("dns")); n != 1 {
 		t.Fatalf("%d flows after one exchange, want 1", n)
 	}
-	waitFor(t, "flow expiry", func() bool { n, _ := h.udpFrontend("dns").UDPFlows(); return n == 0 })
+	waitFor(t, "flow expiry", func() bool { n, _ := h.p.UDPFlows(h.udpFrontend("dns")); return n == 0 })
 	waitFor(t, "flow log line", func() bool { return len(h.logs.Find("UDP flow closed")) == 1 })
 	f := h.logs.Find("UDP flow closed")[0]
 	if f["cause"] != CauseIdleTimeout.String() || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
@@ -119,7 +119,7 @@ func TestUDPFlowTableBounded(t *testing.T) {
 		udpExchange(t, c, []byte("q"))
 		clients = append(clients, c)
 	}
-	active, evicted := h.udpFrontend("dns").UDPFlows()
+	active, evicted := h.p.UDPFlows(h.udpFrontend("dns"))
 	if active != 3 || evicted != 2 {
 		t.Fatalf("active=%d evicted=%d, want 3 and 2", active, evicted)
 	}
@@ -127,7 +127,7 @@ func TestUDPFlowTableBounded(t *testing.T) {
 	if reply := udpExchange(t, clients[0], []byte("back")); string(reply) != "a:back" {
 		t.Fatalf("reply %q", reply)
 	}
-	if _, evicted := h.udpFrontend("dns").UDPFlows(); evicted != 3 {
+	if _, evicted := h.p.UDPFlows(h.udpFrontend("dns")); evicted != 3 {
 		t.Fatalf("evicted=%d after a returning client, want 3", evicted)
 	}
 }

@@ -122,7 +122,7 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	for _, fe := range d.p.Frontends() {
 		sp := fe.Service
 		v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
-			Port: sp.Port, NodePort: sp.NodePort, Pins: fe.Affinities()}
+			Port: sp.Port, NodePort: sp.NodePort, Pins: d.p.Affinities(fe)}
 		if fe.Err != nil {
 			v.Error = fe.Err.Error()
 		} else {
@@ -152,7 +152,7 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 			v.Affinity = sp.AffinityTimeout.String()
 		}
 		if fe.Protocol == "UDP" {
-			n, _ := fe.UDPFlows()
+			n, _ := d.p.UDPFlows(fe)
 			v.UDPFlows = &n
 		}
 		out = append(out, v)

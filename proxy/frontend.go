@@ -1,0 +1,215 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// Kind says which addresses a frontend answers on.
+type Kind string
+
+const (
+	// KindAll: ClusterIPs and the external addresses share one listener
+	// (internal and external traffic policies select the same endpoints).
+	KindAll Kind = "all"
+	// KindInternal: ClusterIPs only.
+	KindInternal Kind = "internal"
+	// KindExternal: NodePort, externalIPs and LoadBalancer IPs only.
+	KindExternal Kind = "external"
+)
+
+type frontendKey struct {
+	Name   config.ServicePortName
+	Kind   Kind
+	Family int
+}
+
+// Frontend is one listener and what it answers on, as plain data: Rules
+// receive these. The live listener behind it is the Proxier's.
+type Frontend struct {
+	Service  *config.ServicePort
+	Kind     Kind
+	Family   int
+	Protocol config.Protocol
+	Listen   netip.AddrPort // where the listener is bound (port is the proxy port)
+	// Err is set when the listener could not be opened; Rules skip it.
+	Err error
+	// NodePortErr is set when the NodePort could not be held (another
+	// process has it); Rules skip the NodePort but serve the rest.
+	NodePortErr error
+}
+
+// OnNodePort reports whether the listener sits on the Service's NodePort:
+// traffic to the NodePort then reaches it without any rule, and it is meant
+// to be reachable from anywhere.
+func (f Frontend) OnNodePort() bool {
+	return f.Service.NodePort != 0 && int(f.Listen.Port()) == f.Service.NodePort
+}
+
+func (f Frontend) key() frontendKey { return frontendKey{f.Service.Name, f.Kind, f.Family} }
+
+// frontend is a live listener with its balancer. It is created and closed by
+// the sync goroutine; its serve goroutine and connections belong to it.
+type frontend struct {
+	p           *Proxier
+	key         frontendKey
+	spec        *config.ServicePort
+	bal         Balancer
+	listen      netip.AddrPort
+	nodePortErr error // the NodePort could not be taken
+	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
+	release     func()
+	log         logrus.FieldLogger
+
+	m      *feMetrics
+	ctx    context.Context // cancelled when the proxier shuts down
+	tcp    *tcpListener
+	udpSk  *udpSocket
+	udp    udpFlows
+	served sync.WaitGroup
+}
+
+// localOnly says whether the frontend's traffic policy is Local.
+func (k frontendKey) localOnly(sp *config.ServicePort) bool {
+	switch k.Kind {
+	case KindInternal:
+		return sp.InternalLocal
+	case KindExternal:
+		return sp.ExternalLocal
+	}
+	return sp.InternalLocal // KindAll: both policies agree
+}
+
+// frontendKeys appends the keys of the listeners sp needs to keys, without
+// allocating when keys has room: one per family, or two when internal and
+// external traffic policies differ (they select different endpoints, and a
+// UDP datagram cannot tell which address it was sent to once redirected).
+// It is the one enumeration of a Service port's frontends.
+func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort) []frontendKey {
+	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
+	for _, fam := range sp.Families() {
+		if split {
+			keys = append(keys, frontendKey{Name: name, Kind: KindInternal, Family: fam}, frontendKey{Name: name, Kind: KindExternal, Family: fam})
+		} else {
+			keys = append(keys, frontendKey{Name: name, Kind: KindAll, Family: fam})
+		}
+	}
+	return keys
+}
+
+// bindFor returns the address listeners of a family bind to, given
+// --bind-address b.
+func bindFor(b netip.Addr, family int) netip.Addr {
+	if b.IsValid() && !b.IsUnspecified() && config.Family(b) == family {
+		return b
+	}
+	if family == 6 {
+		return netip.IPv6Unspecified()
+	}
+	return netip.IPv4Unspecified()
+}
+
+// open starts a listener for key. The port goes back to the allocator on
+// every failure path.
+func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, error) {
+	proto := "tcp"
+	if sp.Protocol == config.UDP {
+		proto = "udp"
+	}
+	bind := bindFor(p.cfg.BindAddress, key.Family)
+	var sock any
+	var port int
+	var nodePortErr error
+	release := func() {}
+	holdFD := -1
+	if sp.NodePort != 0 && key.Kind != KindInternal {
+		var err error
+		if p.cfg.NodePortsRestricted {
+			holdFD, err = holdPort(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		} else {
+			// The listener itself sits on the NodePort: it holds the port
+			// against other processes, costs no extra descriptor, and
+			// serves even a connection that reaches it without a redirect.
+			sock, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		}
+		if err != nil {
+			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only", sp.NodePort, sp.Protocol, err)
+			p.cfg.log().WithField("service", key.Name.String()).Error(nodePortErr)
+		}
+	}
+	if sock == nil {
+		var err error
+		if sock, port, release, err = p.alloc.listen(proto, bind); err != nil {
+			closeHold(holdFD)
+			return nil, err
+		}
+	}
+	fe := &frontend{
+		p: p, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
+		listen:      netip.AddrPortFrom(bind, uint16(port)),
+		nodePortErr: nodePortErr,
+		holdFD:      holdFD,
+		release:     release,
+		ctx:         p.ctx,
+		log: p.cfg.log().WithFields(logrus.Fields{
+			"service": key.Name.String(), "protocol": sp.Protocol, "family": key.Family, "kind": key.Kind, "listen": port,
+		}),
+	}
+	switch s := sock.(type) {
+	case *tcpListener:
+		fe.tcp = s
+		fe.served.Add(1)
+		go func() { defer fe.served.Done(); fe.serveTCP(s) }()
+	case *net.UDPConn:
+		us, err := newUDPSocket(s, key.Family)
+		if err != nil {
+			s.Close()
+			release()
+			closeHold(holdFD)
+			return nil, fmt.Errorf("enable IP_PKTINFO: %w", err)
+		}
+		fe.udpSk = us
+		fe.served.Add(1)
+		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
+	}
+	fe.log.Info("Listening")
+	return fe, nil
+}
+
+// holdsNodePort reports whether the frontend holds the service's NodePort,
+// as its listener or as a socket that only keeps others off it.
+func (fe *frontend) holdsNodePort() bool {
+	return fe.holdFD >= 0 || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
+}
+
+// close stops the frontend and gives its port back: for a frontend no
+// rule points at.
+func (fe *frontend) close() {
+	fe.stop()
+	fe.release()
+}
+
+// stop stops accepting; established TCP connections go on (they belong to
+// the connection table), UDP flows end with the socket. The port stays
+// taken in the allocator until release.
+func (fe *frontend) stop() {
+	if fe.tcp != nil {
+		fe.tcp.Close()
+	}
+	if fe.udpSk != nil {
+		fe.udpSk.conn.Close()
+	}
+	fe.served.Wait()
+	if fe.udpSk != nil {
+		fe.closeFlows()
+	}
+	closeHold(fe.holdFD)
+	fe.log.Info("Listener closed")
+}

@@ -1,0 +1,96 @@
+package proxy
+
+import (
+	"net/netip"
+	"sort"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+func lessFrontend(a, b Frontend) bool {
+	if a.Service.Name != b.Service.Name {
+		return a.Service.Name.Less(b.Service.Name)
+	}
+	if a.Family != b.Family {
+		return a.Family < b.Family
+	}
+	return a.Kind < b.Kind
+}
+
+// Frontends returns the frontends as of the last sync, sorted by service.
+func (p *Proxier) Frontends() []Frontend {
+	p.viewMu.Lock()
+	defer p.viewMu.Unlock()
+	if p.sorted == nil && p.view != nil {
+		p.sorted = append([]Frontend(nil), p.view...)
+		sort.Slice(p.sorted, func(i, j int) bool { return lessFrontend(p.sorted[i], p.sorted[j]) })
+	}
+	return append([]Frontend(nil), p.sorted...)
+}
+
+// Lookup returns the frontend serving name for family and kind as of the last sync.
+func (p *Proxier) Lookup(name config.ServicePortName, family int, kind Kind) (Frontend, bool) {
+	for _, fe := range p.Frontends() {
+		if fe.Service.Name == name && fe.Family == family && fe.Kind == kind && fe.Err == nil {
+			return fe, true
+		}
+	}
+	return Frontend{}, false
+}
+
+// ListenPort returns the proxy port serving name for family and kind, or 0.
+func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind) int {
+	fe, _ := p.Lookup(name, family, kind)
+	return int(fe.Listen.Port())
+}
+
+// Plan returns the frontends st needs, without opening anything: ports are 0
+// except where the listener would sit on the NodePort. It is what
+// --show-rules renders.
+func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []Frontend {
+	var out []Frontend
+	var keys []frontendKey
+	for name, sp := range st.Ports {
+		for _, key := range frontendKeys(keys[:0], name, sp) {
+			port := 0
+			if sp.NodePort != 0 && key.Kind != KindInternal && !nodePortsRestricted {
+				port = sp.NodePort
+			}
+			out = append(out, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
+				Listen: netip.AddrPortFrom(bindFor(bind, key.Family), uint16(port))})
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return lessFrontend(out[i], out[j]) })
+	return out
+}
+
+// Affinities returns the session-affinity pins of the frontend fe names, as
+// of now.
+func (p *Proxier) Affinities(fe Frontend) []Affinity {
+	if live := p.liveFrontend(fe); live != nil {
+		return live.bal.Affinities()
+	}
+	return nil
+}
+
+// UDPFlows returns the live and the evicted flow counts of the UDP frontend
+// fe names.
+func (p *Proxier) UDPFlows(fe Frontend) (active int, evicted uint64) {
+	live := p.liveFrontend(fe)
+	if live == nil {
+		return 0, 0
+	}
+	live.udp.mu.Lock()
+	defer live.udp.mu.Unlock()
+	return len(live.udp.flows), live.udp.evicted.Load()
+}
+
+// liveFrontend returns the listener behind fe, or nil when it is gone.
+func (p *Proxier) liveFrontend(fe Frontend) *frontend {
+	if fe.Err != nil {
+		return nil
+	}
+	p.liveMu.RLock()
+	defer p.liveMu.RUnlock()
+	return p.frontends[fe.key()]
+}
