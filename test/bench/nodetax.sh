@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 BIN=${BIN:-bin}
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; TAX_SIZES=${TAX_SIZES:-"1 100"}
-else RUNS=${RUNS:-5}; DUR=${DUR:-3}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
+else RUNS=${RUNS:-5}; DUR=${DUR:-2}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
 [ "$(id -u)" = 0 ] || { echo "nodetax needs root (network namespaces)" >&2; exit 1; }
 for c in iperf3 sockperf; do
   command -v "$c" >/dev/null || { echo "nodetax needs $c (apt-get install $c; .ci/run installs it)" >&2; exit 1; }
@@ -84,7 +84,9 @@ start_daemon() { # N: serve N service ports; returns when the first and the last
   mkdir -p "$work/m$1"
   manifests "$1" >"$work/m$1/services.yaml"
   # Not through N: $! must be the daemon (ip netns exec execs it), not a subshell.
-  ip netns exec "$NS" "$BIN/kube-userspace-proxy" --manifests "$work/m$1" --connection-log none --log-level warn \
+  # --sync-period: the periodic check must not put back the jumps that
+  # jumps_off takes out.
+  ip netns exec "$NS" "$BIN/kube-userspace-proxy" --manifests "$work/m$1" --connection-log none --log-level warn --sync-period 1h \
     --metrics-bind-address "" --healthz-bind-address "" >>"$work/daemon.log" 2>&1 &
   daemon_pid=$!
   local last; last=$(cat "$work/last-ip")
@@ -99,6 +101,18 @@ stop_daemon() {
   if pgrep -f "kube-userspace-proxy --manifests $work" >/dev/null; then echo "the daemon did not stop" >&2; exit 1; fi
   N "$BIN/kube-userspace-proxy" --cleanup >/dev/null 2>&1
   if N iptables-save | grep -q KUBE-; then echo "rules left after the daemon stopped" >&2; exit 1; fi
+}
+
+# jumps_off takes the jumps into our chains out of the built-in chains, so
+# that traffic meets none of our rules while conntrack and the nat hooks stay
+# as they are; jumps_on puts them back, in their order.
+jumps_off() {
+  N iptables-save | awk '/^\*/{t=substr($1,2)} /^-A (PREROUTING|OUTPUT|INPUT) .*-j KUBE-/{print t" "$0}' >"$work/jumps"
+  while read -r t _ chain rest; do eval "N iptables -w -t $t -D $chain $rest"; done <"$work/jumps"
+  if N iptables-save | grep -qE '^-A (PREROUTING|OUTPUT|INPUT) .*-j KUBE-'; then echo "jumps_off left a jump" >&2; exit 1; fi
+}
+jumps_on() {
+  while read -r t _ chain rest; do eval "N iptables -w -t $t -A $chain $rest"; done <"$work/jumps"
 }
 
 results="$work/results"
@@ -122,6 +136,9 @@ for run in $(seq "$RUNS"); do
     measure "base$n"
     start_daemon "$n"
     measure "with$n"
+    jumps_off
+    measure "off$n"
+    jumps_on
     record svc "$n" "$(printf "%.0f" "$(N "$BIN/loadgen" -mode cps -addr 10.96.0.10:80 -d "${DUR}s" -c 32 | jsonval perSecond)")"
     stop_daemon
   done
@@ -135,13 +152,35 @@ ratios() { # metric with base → median of the per-run ratios (base and with me
 }
 fmt() { awk -v r="$1" 'BEGIN{if(r=="—"){print r}else{printf "%.2f×", r}}'; }
 
-echo "| service ports | loopback throughput, Gbit/s (without → with) | ping-pong p50, µs | new connections/s to a non-service port | connections/s through a ClusterIP | ÷ with 1 service port |"
-echo "|---:|---|---|---|---:|---:|"
 first=$(echo "$TAX_SIZES" | awk '{print $1}')
+rel() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
+echo "Without the daemon → with it serving N service ports (each ratio the median of per-run ratios):"
+echo
+echo "| service ports | loopback throughput, Gbit/s | ping-pong p50, µs | new connections/s to a non-service port | connections/s through a ClusterIP |"
+echo "|---:|---|---|---|---:|"
 for n in $TAX_SIZES; do
-  printf "| %s | %s → %s (%s) | %s → %s (%s) | %s → %s (%s) | %s | %s |\n" "$n" \
+  printf "| %s | %s → %s (%s) | %s → %s (%s) | %s → %s (%s) | %s |\n" "$n" \
     "$(value tput "base$n")" "$(value tput "with$n")" "$(fmt "$(ratios tput "with$n" "base$n")")" \
     "$(value lat "base$n")" "$(value lat "with$n")" "$(fmt "$(ratios lat "with$n" "base$n")")" \
     "$(value cps "base$n")" "$(value cps "with$n")" "$(fmt "$(ratios cps "with$n" "base$n")")" \
-    "$(value svc "$n")" "$(fmt "$(awk -v a="$(value svc "$n")" -v b="$(value svc "$first")" 'BEGIN{if(b>0) printf "%.4f", a/b; else print "—"}')")"
+    "$(value svc "$n")"
+done
+echo
+echo "With our rules in the path ÷ with them taken out of it (the daemon serving N service ports, the jumps into its chains"
+echo "deleted and put back; conntrack and the nat hooks on in both, so this is what our rules cost; median of per-run ratios):"
+echo
+echo "| service ports | loopback throughput | ping-pong p50 | new connections/s to a non-service port |"
+echo "|---:|---:|---:|---:|"
+for n in $TAX_SIZES; do
+  printf "| %s | %s | %s | %s |\n" "$n" "$(fmt "$(ratios tput "with$n" "off$n")")" "$(fmt "$(ratios lat "with$n" "off$n")")" "$(fmt "$(ratios cps "with$n" "off$n")")"
+done
+echo
+echo "With N service ports against with $first:"
+echo
+echo "| service ports | loopback throughput | ping-pong p50 | new connections/s to a non-service port | connections/s through a ClusterIP |"
+echo "|---:|---:|---:|---:|---:|"
+for n in $TAX_SIZES; do
+  printf "| %s | %s | %s | %s | %s |\n" "$n" "$(rel "$(value tput "with$n")" "$(value tput "with$first")")" \
+    "$(rel "$(value lat "with$n")" "$(value lat "with$first")")" "$(rel "$(value cps "with$n")" "$(value cps "with$first")")" \
+    "$(rel "$(value svc "$n")" "$(value svc "$first")")"
 done
