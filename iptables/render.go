@@ -399,15 +399,20 @@ func sortedKeys(m map[string][]string) []string {
 	return out
 }
 
-// JumpRules returns the jump rules into our chains as iptables commands.
-func JumpRules(f Features) []string {
+// JumpRules returns the jump rules into our chains as iptables (family 4)
+// or ip6tables (6) commands.
+func JumpRules(f Features, family int) []string {
+	bin := "iptables"
+	if family == 6 {
+		bin = "ip6tables"
+	}
 	var out []string
 	for _, j := range jumps(f) {
 		op := "-A"
 		if j.insert {
 			op = "-I"
 		}
-		out = append(out, fmt.Sprintf("iptables -t %s %s %s %s", j.table, op, j.chain, strings.Join(quoteComment(j.rule), " ")))
+		out = append(out, fmt.Sprintf("%s -t %s %s %s %s", bin, j.table, op, j.chain, strings.Join(quoteComment(j.rule), " ")))
 	}
 	return out
 }

@@ -168,7 +168,7 @@ func showRules(o *options, node string, w io.Writer) error {
 		bin := map[int]string{4: "iptables-restore", 6: "ip6tables-restore"}[fam]
 		fmt.Fprintf(w, "# IPv%d: %s --noflush input for %s (node %s)\n", fam, bin, o.manifests, node)
 		fmt.Fprint(w, iptables.Render(frontends, ro).RestoreInput())
-		for _, j := range iptables.JumpRules(ro.Features) {
+		for _, j := range iptables.JumpRules(ro.Features, fam) {
 			fmt.Fprintf(w, "# and, once: %s\n", j)
 		}
 	}
