@@ -77,3 +77,33 @@ func TestLoadKernelRangeRejectsGarbage(t *testing.T) {
 		}
 	}
 }
+
+// The proxy port range is merged into the kernel's reserved list and taken
+// out again; the list keeps the kernel's "a-b,c" form and other entries.
+func TestReservePorts(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "reserved")
+	defer func(v string) { localReservedPortFile = v }(localReservedPortFile)
+	localReservedPortFile = file
+	os.WriteFile(file, []byte("1000-1005,2000\n"), 0o644)
+	read := func() string { b, _ := os.ReadFile(file); return string(b) }
+
+	if changed, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err != nil || !changed {
+		t.Fatalf("reserve: changed %v, %v", changed, err)
+	}
+	if got := read(); got != "1000-1010,2000" {
+		t.Fatalf("after reserving 1003-1010: %q", got)
+	}
+	if changed, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err != nil || changed {
+		t.Fatalf("reserving again: changed %v, %v", changed, err)
+	}
+	if changed, err := UnreservePorts(PortRange{Base: 1003, Size: 8}); err != nil || !changed {
+		t.Fatalf("unreserve: changed %v, %v", changed, err)
+	}
+	if got := read(); got != "1000-1002,2000" {
+		t.Fatalf("after unreserving 1003-1010: %q", got)
+	}
+	os.WriteFile(file, []byte("not-a-range\n"), 0o644)
+	if _, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err == nil {
+		t.Fatal("a garbled list was overwritten")
+	}
+}
