@@ -90,7 +90,10 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "m.yaml")
 	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
-	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
+	// --iptables=false: this test runs in the root namespace, whose rules
+	// and settings are not ours (the reserved ports included: checked below).
+	const reservedFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+	reservedBefore, _ := os.ReadFile(reservedFile)
 	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
@@ -122,6 +125,9 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 	}
 	if _, err := net.Dial("tcp", "127.0.0.1:"+port); err == nil {
 		t.Fatal("listener still open after exit")
+	}
+	if after, _ := os.ReadFile(reservedFile); string(after) != string(reservedBefore) {
+		t.Fatalf("--iptables=false changed %s: %q → %q", reservedFile, reservedBefore, after)
 	}
 }
 

@@ -61,16 +61,18 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		log.WithField("limit", limit).Debug("Open-file limit")
 	}
 
-	if changed, err := proxy.ReservePorts(o.portRange); err != nil {
-		log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
-			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
-	} else if changed {
-		log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
-	}
-
 	var rules proxy.Rules
 	var ipt *iptables.Rules
 	if o.iptables {
+		// The guard covers the whole range with one rule: nobody else's
+		// socket may sit in it. Without rules there is no guard, and the
+		// node's settings are left alone.
+		if changed, err := proxy.ReservePorts(o.portRange); err != nil {
+			log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
+				"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
+		} else if changed {
+			log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+		}
 		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
 			ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
 		if err != nil {
