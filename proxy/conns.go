@@ -7,8 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/sirupsen/logrus"
-
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
@@ -120,28 +118,11 @@ func (c *connRecord) forceClose() {
 // finish logs the connection's one line and records its duration.
 func (c *connRecord) finish(f *frontend, up, down int64, cause Cause) {
 	f.m.get().duration.Observe(time.Since(c.Start).Seconds())
-	if !f.p.cfg.logConn(cause) {
-		return
-	}
 	c.mu.Lock()
-	fields := logrus.Fields{
-		"service":     c.Service.String(),
-		"client":      c.Client.String(),
-		"origDst":     c.OrigDst.String(),
-		"protocol":    "TCP",
-		"bytesUp":     up,
-		"bytesDown":   down,
-		"duration":    time.Since(c.Start).Round(time.Microsecond).String(),
-		"cause":       cause.String(),
-		"attempts":    c.Attempt + 1,
-		"dialLatency": c.DialLatency.Round(time.Microsecond).String(),
-	}
-	if c.Endpoint.IsValid() {
-		fields["endpoint"] = c.Endpoint.String()
-		fields["reason"] = string(c.Reason)
-	}
+	l := endLine{protocol: config.TCP, client: c.Client, origDst: c.OrigDst.String(), endpoint: c.Endpoint, reason: c.Reason,
+		up: up, down: down, start: c.Start, cause: cause, attempts: c.Attempt + 1, dialLatency: c.DialLatency}
 	c.mu.Unlock()
-	f.p.cfg.connLog().WithFields(fields).Info("Connection closed")
+	f.logEnd(l)
 }
 
 // connTable holds every live TCP connection of a Proxier.

@@ -308,26 +308,12 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		fl.down.Add(int64(n))
 		f.m.get().bytesOut.Add(float64(n))
 	}
-	cause := Cause(fl.cause.Load())
-	if !f.p.cfg.logConn(cause) {
-		return
-	}
-	log := f.p.cfg.connLog()
+	l := endLine{protocol: config.UDP, client: fl.client, origDst: fl.local.String(), endpoint: fl.endpoint, reason: fl.reason,
+		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load())}
 	if e, ok := fl.err.Load().(errBox); ok {
-		log = log.WithError(e.error)
+		l.err = e.error
 	}
-	log.WithFields(logrus.Fields{
-		"service":   f.key.Name.String(),
-		"client":    fl.client.String(),
-		"origDst":   fl.local.String(),
-		"protocol":  "UDP",
-		"endpoint":  fl.endpoint.String(),
-		"reason":    string(fl.reason),
-		"bytesUp":   fl.up.Load(),
-		"bytesDown": fl.down.Load(),
-		"duration":  time.Since(fl.start).Round(time.Microsecond).String(),
-		"cause":     cause.String(),
-	}).Info("UDP flow closed")
+	f.logEnd(l)
 }
 
 // closeFlows ends every flow (the frontend is going away) and waits for them.
