@@ -1,0 +1,254 @@
+// Shared by the proxy tests: a Proxier on loopback, real backends (TCP, UDP, a
+// closed port, a blackhole, a full accept queue) and waits.
+
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"go.uber.org/goleak"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var loopback = netip.MustParseAddr("127.0.0.1")
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	testutil.WaitFor(t, what, 10*time.Second, 10*time.Millisecond, cond)
+}
+
+type harness struct {
+	t    *testing.T
+	p    *Proxier
+	logs *testutil.LogHook
+}
+
+// startProxier runs a Proxier on loopback until the test ends.
+func startProxier(t *testing.T, cfg Config) *harness {
+	t.Helper()
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	log.SetLevel(logrus.DebugLevel)
+	h := &harness{t: t, logs: &testutil.LogHook{}}
+	log.AddHook(h.logs)
+	if !cfg.BindAddress.IsValid() {
+		cfg.BindAddress = loopback
+	}
+	if cfg.MinSyncPeriod == 0 {
+		cfg.MinSyncPeriod = time.Millisecond
+	}
+	if cfg.ConnLogMode == "" {
+		cfg.ConnLogMode = ConnLogAll
+	}
+	cfg.Log = log
+	h.p = New(cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { h.p.Run(ctx, 0); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return h
+}
+
+// apply hands st to the proxier and waits until it is what the listeners serve.
+func (h *harness) apply(ports ...*config.ServicePort) {
+	h.t.Helper()
+	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
+	for _, sp := range ports {
+		st.Ports[sp.Name] = sp
+	}
+	h.p.Update(st)
+	waitFor(h.t, "sync", func() bool {
+		view := h.p.Frontends()
+		n := 0
+		for _, fe := range view {
+			if sp := st.Ports[fe.Service.Name]; sp == fe.Service {
+				n++
+			}
+		}
+		return n == len(view) && len(view) >= len(ports)
+	})
+}
+
+func (h *harness) port(name string) int {
+	return h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: name}, 4, KindAll)
+}
+
+func (h *harness) addr(name string) string {
+	h.t.Helper()
+	p := h.port(name)
+	if p == 0 {
+		h.t.Fatalf("no listener for %s", name)
+	}
+	return fmt.Sprintf("127.0.0.1:%d", p)
+}
+
+func svc(name string, proto config.Protocol, backends ...netip.AddrPort) *config.ServicePort {
+	sp := &config.ServicePort{
+		Name:       config.ServicePortName{Namespace: "ns", Name: name},
+		Protocol:   proto,
+		Port:       80,
+		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
+	}
+	for _, b := range backends {
+		sp.Endpoints = append(sp.Endpoints, config.Endpoint{Addr: b, Ready: true, Serving: true})
+	}
+	return sp
+}
+
+// tcpBackend answers every connection with its name and a newline, then
+// echoes until the client half-closes, then closes. When the test ends it
+// closes its open connections too, so a failed test cannot hang in cleanup.
+func tcpBackend(t *testing.T, name string) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	open := map[net.Conn]bool{}
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			open[c] = true
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { mu.Lock(); delete(open, c); mu.Unlock(); c.Close() }()
+				fmt.Fprintf(c, "%s\n", name)
+				_, _ = io.Copy(c, c)
+			}()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// udpBackend replies to every datagram with "name:" + the datagram.
+func udpBackend(t *testing.T, name string) netip.AddrPort {
+	t.Helper()
+	c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return serveUDPEcho(t, c, name)
+}
+
+// serveUDPEcho replies on c to every datagram with "name:" + the datagram
+// until the test ends, and returns c's address.
+func serveUDPEcho(t *testing.T, c *net.UDPConn, name string) netip.AddrPort {
+	done := make(chan struct{})
+	t.Cleanup(func() { c.Close(); <-done })
+	go func() {
+		defer close(done)
+		buf := make([]byte, 70000)
+		for {
+			n, from, err := c.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			_, _ = c.WriteToUDPAddrPort(append([]byte(name+":"), buf[:n]...), from)
+		}
+	}()
+	return c.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+// closedPort returns a loopback port nobody listens on (connection refused).
+func closedPort(t *testing.T) netip.AddrPort {
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	ln.Close()
+	return ap
+}
+
+// blackhole returns a loopback address whose SYNs are dropped, so that a dial
+// times out: a listener with a full accept queue that never accepts.
+func blackhole(t *testing.T) netip.AddrPort {
+	ap, _ := fullListener(t)
+	return ap
+}
+
+// fullListener is blackhole's listener: new SYNs are dropped until one of
+// the queued connections is taken with accept(fd).
+func fullListener(t *testing.T) (netip.AddrPort, int) {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, _ := syscall.Getsockname(fd)
+	ap := netip.AddrPortFrom(loopback, uint16(sa.(*syscall.SockaddrInet4).Port))
+	var fillers []net.Conn
+	t.Cleanup(func() {
+		for _, c := range fillers {
+			c.Close()
+		}
+		syscall.Close(fd)
+	})
+	// Fill the accept queue until a dial no longer completes.
+	for i := 0; i < 8; i++ {
+		c, err := net.DialTimeout("tcp4", ap.String(), 200*time.Millisecond)
+		if err != nil {
+			return ap, fd
+		}
+		fillers = append(fillers, c)
+	}
+	t.Fatal("could not fill the accept queue of the blackhole listener")
+	return ap, fd
+}
+
+// fetchName connects, reads the backend's name line and closes.
+func fetchName(t *testing.T, addr string) string {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatalf("dial %s: %v", addr, err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		t.Fatalf("read from %s: %v", addr, err)
+	}
+	return strings.TrimSpace(line)
+}

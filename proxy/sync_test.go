@@ -1,0 +1,320 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+func TestUpdateDeleteUpdate(t *testing.T) {
+	h := startProxier(t, Config{})
+	a := tcpBackend(t, "a")
+	h.apply(svc("svc", config.TCP, a))
+	addr1 := h.addr("svc")
+
+	// An established connection survives its service's removal.
+	c, err := net.Dial("tcp", addr1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := bufio.NewReader(c)
+	if line, _ := r.ReadString('\n'); line != "a\n" {
+		t.Fatalf("got %q", line)
+	}
+	h.apply()
+	if h.port("svc") != 0 {
+		t.Fatal("listener still reported after removal")
+	}
+	if _, err := net.DialTimeout("tcp", addr1, time.Second); err == nil {
+		t.Fatal("removed service's listener still accepts")
+	}
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(c, "still here\n")
+	if line, err := r.ReadString('\n'); err != nil || line != "still here\n" {
+		t.Fatalf("established connection broke with its service: %q %v", line, err)
+	}
+
+	h.apply(svc("svc", config.TCP, a))
+	if got := fetchName(t, h.addr("svc")); got != "a" {
+		t.Fatalf("re-added service reached %q", got)
+	}
+}
+
+// probeRules records, when each Sync runs, whether the probed addresses
+// accept a connection: it sees the listeners exactly as the kernel rules
+// change.
+type probeRules struct {
+	mu      sync.Mutex
+	probe   []string
+	accepts map[string]bool // as of the last Sync
+}
+
+func (r *probeRules) Sync(_ context.Context, _ []Frontend, _ bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.accepts = map[string]bool{}
+	for _, a := range r.probe {
+		c, err := net.DialTimeout("tcp", a, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		r.accepts[a] = err == nil
+	}
+	return nil
+}
+
+func (r *probeRules) set(probe ...string) {
+	r.mu.Lock()
+	r.probe, r.accepts = probe, nil
+	r.mu.Unlock()
+}
+
+func (r *probeRules) accepted(a string) (accepts, synced bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	accepts, synced = r.accepts[a]
+	return accepts, synced
+}
+
+// A removed Service is refused before its rules go (the rule transaction
+// takes tens of ms at 10k service ports); a replaced one keeps serving until
+// the rules point at its successor.
+func TestRemovedListenerStopsBeforeRulesReplacedOneAfter(t *testing.T) {
+	rules := &probeRules{}
+	h := startProxier(t, Config{Rules: rules})
+	a := tcpBackend(t, "a")
+	h.apply(svc("gone", config.TCP, a), svc("moved", config.TCP, a))
+	gone, moved := h.addr("gone"), h.addr("moved")
+
+	rules.set(gone, moved)
+	next := svc("moved", config.TCP, a)
+	next.Port = 8080
+	h.apply(next)
+	accepts, synced := rules.accepted(gone)
+	if !synced {
+		t.Fatal("rules were not synced")
+	}
+	if accepts {
+		t.Fatal("the removed Service's listener still accepted while its rules were being removed")
+	}
+	if accepts, _ := rules.accepted(moved); !accepts {
+		t.Fatal("the replaced listener was closed before the rules pointed at its successor")
+	}
+	if _, err := net.DialTimeout("tcp", moved, time.Second); err == nil {
+		t.Fatal("the replaced listener still accepts after the sync")
+	}
+}
+
+func TestEndpointChangeKeepsListenerPortChangeReplacesIt(t *testing.T) {
+	h := startProxier(t, Config{})
+	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
+	h.apply(svc("svc", config.TCP, a))
+	port := h.port("svc")
+	h.apply(svc("svc", config.TCP, b))
+	if h.port("svc") != port {
+		t.Fatal("an endpoint change replaced the listener")
+	}
+	if got := fetchName(t, h.addr("svc")); got != "b" {
+		t.Fatalf("after the endpoint change: reached %q", got)
+	}
+	moved := svc("svc", config.TCP, b)
+	moved.Port = 8080
+	h.apply(moved)
+	if p := h.port("svc"); p == port || p == 0 {
+		t.Fatalf("a port change kept listener %d (now %d)", port, p)
+	}
+	if got := fetchName(t, h.addr("svc")); got != "b" {
+		t.Fatalf("after the port change: reached %q", got)
+	}
+	udp := svc("svc", config.UDP, b)
+	h.apply(udp)
+	if fe := h.p.Frontends(); len(fe) != 1 || fe[0].Protocol != config.UDP {
+		t.Fatalf("protocol change: frontends %+v", fe)
+	}
+}
+
+func TestPortRangeReleasedAndReused(t *testing.T) {
+	base := closedPort(t).Port()
+	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}})
+	a := tcpBackend(t, "a")
+	h.apply(svc("one", config.TCP, a))
+	if h.port("one") != int(base) {
+		t.Fatalf("listener on %d, want %d from the range", h.port("one"), base)
+	}
+	// The range is full: a second service cannot be served...
+	h.apply(svc("one", config.TCP, a), svc("two", config.TCP, a))
+	for _, fe := range h.p.Frontends() {
+		if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ErrPortsExhausted) {
+			t.Fatalf("service two: err %v, want ErrPortsExhausted", fe.Err)
+		}
+	}
+	// ...until the first one goes and gives its port back.
+	h.apply(svc("two", config.TCP, a))
+	waitFor(t, "port reuse", func() bool {
+		h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "two"}: svc("two", config.TCP, a)}})
+		return h.port("two") == int(base)
+	})
+}
+
+// failingRules fails every Sync while fail is set.
+type failingRules struct{ fail atomic.Bool }
+
+func (r *failingRules) Sync(context.Context, []Frontend, bool) error {
+	if r.fail.Load() {
+		return errors.New("injected rule failure")
+	}
+	return nil
+}
+
+// A closed listener's port is not handed to another Service while the rules
+// may still send the old Service's traffic there: not before a rule sync
+// succeeded without it.
+func TestPortHeldUntilRulesSyncedWithoutIt(t *testing.T) {
+	base := closedPort(t).Port()
+	rules := &failingRules{}
+	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}, Rules: rules})
+	a := tcpBackend(t, "a")
+	h.apply(svc("one", config.TCP, a))
+	if h.port("one") != int(base) {
+		t.Fatalf("listener on %d, want %d", h.port("one"), base)
+	}
+	rules.fail.Store(true)
+	// One's rules could not be removed, in this sync nor in the next.
+	for range 2 {
+		h.apply(svc("two", config.TCP, a))
+		for _, fe := range h.p.Frontends() {
+			if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ErrPortsExhausted) {
+				t.Fatalf("service two got a port (err %v) while the rules may still point one's traffic at it", fe.Err)
+			}
+		}
+	}
+	if _, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", base), time.Second); err == nil {
+		t.Fatal("the removed Service's listener still accepts")
+	}
+	rules.fail.Store(false)
+	waitFor(t, "the port after a successful rule sync", func() bool {
+		h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "two"}: svc("two", config.TCP, a)}})
+		return h.port("two") == int(base)
+	})
+}
+
+func TestNodePortListenerHoldsThePort(t *testing.T) {
+	h := startProxier(t, Config{})
+	a := tcpBackend(t, "a")
+	free := closedPort(t).Port()
+	sp := svc("np", config.TCP, a)
+	sp.NodePort = int(free)
+	h.apply(sp)
+	if h.port("np") != int(free) {
+		t.Fatalf("listener on %d, want the NodePort %d", h.port("np"), free)
+	}
+	if _, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", free)); err == nil {
+		t.Fatal("another process could take the NodePort")
+	}
+	if got := fetchName(t, h.addr("np")); got != "a" {
+		t.Fatalf("reached %q", got)
+	}
+
+	// A NodePort someone else holds: the service is served on another port
+	// and the NodePort error is reported for it alone.
+	other, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	taken := svc("taken", config.TCP, a)
+	taken.NodePort = other.Addr().(*net.TCPAddr).Port
+	h.apply(sp, taken)
+	fe, ok := h.p.Lookup(taken.Name, 4, KindAll)
+	if !ok || fe.NodePortErr == nil || int(fe.Listen.Port()) == taken.NodePort {
+		t.Fatalf("frontend %+v: want a NodePort error and another port", fe)
+	}
+	if got := fetchName(t, h.addr("taken")); got != "a" {
+		t.Fatalf("reached %q", got)
+	}
+	if fe, _ := h.p.Lookup(sp.Name, 4, KindAll); fe.NodePortErr != nil {
+		t.Fatalf("the other service got an error: %v", fe.NodePortErr)
+	}
+
+	// Changing the Service port keeps the NodePort: the listener is
+	// replaced on the same port.
+	moved := svc("np", config.TCP, a)
+	moved.NodePort, moved.Port = int(free), 8080
+	h.apply(moved, taken)
+	if h.port("np") != int(free) {
+		t.Fatalf("after a port change the listener is on %d, want %d", h.port("np"), free)
+	}
+	if got := fetchName(t, h.addr("np")); got != "a" {
+		t.Fatalf("reached %q", got)
+	}
+}
+
+func TestRestrictedNodePortIsHeldNotServed(t *testing.T) {
+	h := startProxier(t, Config{NodePortsRestricted: true})
+	free := closedPort(t).Port()
+	sp := svc("np", config.TCP, tcpBackend(t, "a"))
+	sp.NodePort = int(free)
+	h.apply(sp)
+	if p := h.port("np"); p == int(free) || p == 0 {
+		t.Fatalf("listener on %d; with restricted NodePorts it must not sit on the NodePort", p)
+	}
+	if _, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", free)); err == nil {
+		t.Fatal("another process could take the held NodePort")
+	}
+	if c, err := net.DialTimeout("tcp4", fmt.Sprintf("127.0.0.1:%d", free), time.Second); err == nil {
+		c.Close()
+		t.Fatal("the held NodePort accepted a connection directly")
+	}
+	h.apply()
+	waitFor(t, "NodePort released", func() bool {
+		ln, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", free))
+		if err == nil {
+			ln.Close()
+		}
+		return err == nil
+	})
+}
+
+// A bulk sync (≥ bulkSync frontends opened or closed) collects its garbage at
+// once, so that the next small change does not share the CPU with that
+// collection; a small sync does not.
+func TestBulkSyncCollectsGarbage(t *testing.T) {
+	h := startProxier(t, Config{})
+	syncs := func() []logrus.Fields { return h.logs.Find("Synced") }
+	many := make([]*config.ServicePort, bulkSync)
+	for i := range many {
+		many[i] = svc(fmt.Sprintf("s%d", i), config.TCP)
+	}
+	h.apply(many...)
+	var bulk logrus.Fields
+	waitFor(t, "the bulk sync's log line", func() bool {
+		for _, f := range syncs() {
+			if f["frontends"] == bulkSync {
+				bulk = f
+			}
+		}
+		return bulk != nil
+	})
+	if _, ok := bulk["gcAfterBulk"]; !ok {
+		t.Fatalf("bulk sync %v: no collection", bulk)
+	}
+	before := len(syncs())
+	h.apply(append(many, svc("one-more", config.TCP))...)
+	waitFor(t, "the small sync's log line", func() bool { return len(syncs()) > before })
+	for _, f := range syncs()[before:] {
+		if _, ok := f["gcAfterBulk"]; ok {
+			t.Fatalf("sync %v opened one frontend and collected", f)
+		}
+	}
+}

@@ -1,0 +1,412 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+func TestTCPRoundRobin(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("web", config.TCP, tcpBackend(t, "a"), tcpBackend(t, "b"), tcpBackend(t, "c")))
+	addr := h.addr("web")
+	counts := map[string]int{}
+	for i := 0; i < 30; i++ {
+		counts[fetchName(t, addr)]++
+	}
+	if counts["a"] != 10 || counts["b"] != 10 || counts["c"] != 10 {
+		t.Fatalf("spread %v, want 10 each", counts)
+	}
+}
+
+func TestTCPEchoAndHalfClose(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("echo", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("echo"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	payload := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB: the splice path
+	go func() {
+		_, _ = c.Write(payload)
+		_ = c.(*net.TCPConn).CloseWrite() // half-close: the reply must still come
+	}()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	got, err := io.ReadAll(c) // ends only when the backend saw our FIN and closed
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte("a\n"), payload...)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("got %d bytes back, want %d", len(got), len(want))
+	}
+	waitFor(t, "connection log line", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	f := h.logs.Find("Connection closed")[0]
+	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != CauseClientClosed.String() {
+		t.Fatalf("log line %v: want bytesUp=%d bytesDown=%d cause=%q", f, len(payload), len(want), CauseClientClosed)
+	}
+}
+
+// A conversation (reads with TCP_CM_INQ from the second message on) must
+// still see a FIN that comes right behind, or with, the last message: the
+// read that took the data may have taken the FIN too, and no new wake-up
+// would follow.
+func TestTCPConversationFINAfterLastMessage(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("talk", config.TCP, tcpBackend(t, "a")))
+	for conn := 0; conn < 20; conn++ {
+		c, err := net.Dial("tcp", h.addr("talk"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		r := bufio.NewReader(c)
+		if _, err := r.ReadString('\n'); err != nil { // the name line
+			t.Fatal(err)
+		}
+		for i := 0; i < 4; i++ {
+			fmt.Fprintf(c, "ping %d\n", i)
+			if line, err := r.ReadString('\n'); err != nil || line != fmt.Sprintf("ping %d\n", i) {
+				t.Fatalf("connection %d round %d: %q %v", conn, i, line, err)
+			}
+		}
+		// The last message and the FIN back to back; the backend echoes
+		// it and closes on our FIN, so its reply is followed by its FIN.
+		fmt.Fprintf(c, "last\n")
+		_ = c.(*net.TCPConn).CloseWrite()
+		rest, err := io.ReadAll(r)
+		c.Close()
+		if err != nil || string(rest) != "last\n" {
+			t.Fatalf("connection %d: after the last message got %q, %v; want the echo, then EOF", conn, rest, err)
+		}
+	}
+}
+
+// A client that sends its FIN and leaves resets its socket when the reply
+// comes. The proxy must end the pair then, not wait for a backend that keeps
+// its side open: before, every such client kept two descriptors for good.
+func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	backendReset := make(chan error, 10)
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+				// Reply only once the client's FIN came through, so the
+				// reply always finds the client gone; then keep the
+				// connection open and silent until the proxy resets it.
+				// (Reads say EOF even then: the kernel reports the FIN
+				// before the error. The TCP state tells.)
+				if _, err := io.Copy(io.Discard, c); err != nil {
+					backendReset <- err
+					return
+				}
+				_, _ = c.Write([]byte("late reply\n"))
+				raw, _ := c.(*net.TCPConn).SyscallConn()
+				for {
+					var state byte
+					_ = raw.Control(func(fd uintptr) {
+						state, _ = unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+					})
+					if state == tcpClose {
+						backendReset <- nil
+						return
+					}
+					if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+						backendReset <- err // the deadline
+						return
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+			}()
+		}
+	}()
+	h := startProxier(t, Config{})
+	h.apply(svc("late", config.TCP, ln.Addr().(*net.TCPAddr).AddrPort()))
+	const clients = 5
+	for i := 0; i < clients; i++ {
+		c, err := net.Dial("tcp", h.addr("late"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+	}
+	waitFor(t, "every pair ended", func() bool { return len(h.logs.Find("Connection closed")) == clients })
+	for _, f := range h.logs.Find("Connection closed") {
+		if f["cause"] != CauseClientReset.String() {
+			t.Errorf("cause %v, want %q", f["cause"], CauseClientReset)
+		}
+	}
+	for i := 0; i < clients; i++ {
+		select {
+		case err := <-backendReset:
+			if err != nil {
+				t.Errorf("backend connection: %v, want the reset passed on", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("a backend connection was never reset")
+		}
+	}
+}
+
+// Both sockets of a proxied connection probe a silent peer: the client's
+// inherits keep-alive from the listener, the backend's is set at dial.
+func TestTCPOptionsOnBothSockets(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("ka", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("ka"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := bufio.NewReader(c).ReadString('\n'); err != nil {
+		t.Fatal(err) // the backend's greeting: the connection is spliced
+	}
+	var rec *connRecord
+	waitFor(t, "connection record with both sockets", func() bool {
+		for _, r := range h.p.conns.list() {
+			r.mu.Lock()
+			ok := r.backend != nil
+			r.mu.Unlock()
+			if ok {
+				rec = r
+				return true
+			}
+		}
+		return false
+	})
+	rec.mu.Lock()
+	socks := map[string]*sock{"client": rec.client, "backend": rec.backend}
+	rec.mu.Unlock()
+	for side, sk := range socks {
+		_ = sk.control(func(fd int) {
+			for _, o := range []struct {
+				name       string
+				level, opt int
+				want       int
+			}{
+				{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+				{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 15},
+				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
+				{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+			} {
+				got, err := unix.GetsockoptInt(fd, o.level, o.opt)
+				if err != nil || got != o.want {
+					t.Errorf("%s socket: %s = %d (%v), want %d", side, o.name, got, err, o.want)
+				}
+			}
+			// The accepted socket inherits TCP_INQ too; the copy relies on
+			// rec.client.inq matching it.
+			if side == "client" {
+				got, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ)
+				if err != nil || (got == 1) != sk.inq {
+					t.Errorf("client socket: TCP_INQ = %d (%v), inq flag %v", got, err, sk.inq)
+				}
+			}
+		})
+	}
+}
+
+func TestTCPMultiPortService(t *testing.T) {
+	h := startProxier(t, Config{})
+	http := svc("multi", config.TCP, tcpBackend(t, "http"))
+	http.Name.Port = "http"
+	admin := svc("multi", config.TCP, tcpBackend(t, "admin"))
+	admin.Name.Port, admin.Port = "admin", 9090
+	h.apply(http, admin)
+	for _, tc := range []struct{ port, want string }{{"http", "http"}, {"admin", "admin"}} {
+		p := h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "multi", Port: tc.port}, 4, KindAll)
+		if got := fetchName(t, fmt.Sprintf("127.0.0.1:%d", p)); got != tc.want {
+			t.Errorf("port %s reached %q", tc.port, got)
+		}
+	}
+}
+
+func TestTCPNoEndpointsResets(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("empty", config.TCP))
+	expectReset(t, h.addr("empty"))
+	waitFor(t, "log", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseNoEndpoints.String() {
+		t.Fatalf("cause %v", f["cause"])
+	}
+}
+
+func TestTCPAllDialsFailResets(t *testing.T) {
+	h := startProxier(t, Config{DialTimeouts: []time.Duration{100 * time.Millisecond, 100 * time.Millisecond}})
+	h.apply(svc("dead", config.TCP, closedPort(t), closedPort(t)))
+	expectReset(t, h.addr("dead"))
+}
+
+// expectReset connects and expects the proxy to reset the connection (the
+// reset can beat connect's return on loopback) rather than close or hang.
+func expectReset(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err == nil {
+		defer c.Close()
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+	}
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("got %v, want a reset (ECONNRESET)", err)
+	}
+}
+
+func TestTCPRetryPastDeadEndpoint(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		dead func(*testing.T) netip.AddrPort
+	}{
+		{"connection refused", closedPort},
+		{"dial timeout", blackhole},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startProxier(t, Config{DialTimeouts: []time.Duration{100 * time.Millisecond, 5 * time.Second}})
+			good := tcpBackend(t, "good")
+			h.apply(svc("retry", config.TCP, tc.dead(t), good))
+			// Whichever endpoint round-robin starts at, every connection
+			// must reach the good one, those that tried the dead one first
+			// after a retry.
+			for i := 0; i < 4; i++ {
+				if got := fetchName(t, h.addr("retry")); got != "good" {
+					t.Fatalf("connection %d reached %q", i, got)
+				}
+			}
+			waitFor(t, "logs", func() bool { return len(h.logs.Find("Connection closed")) == 4 })
+			retries := 0
+			for _, f := range h.logs.Find("Connection closed") {
+				if f["reason"] == string(ReasonRetry) {
+					retries++
+					if f["attempts"] != 2 || f["endpoint"] != good.String() {
+						t.Errorf("retry line %v", f)
+					}
+				}
+			}
+			if retries == 0 {
+				t.Fatal("no connection was retried; the dead endpoint was never picked")
+			}
+		})
+	}
+}
+
+func TestTCPAffinity(t *testing.T) {
+	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
+	for _, tc := range []struct {
+		name  string
+		steps []*config.ServicePort
+	}{
+		{"affinity before endpoints", []*config.ServicePort{
+			func() *config.ServicePort { s := svc("sticky", config.TCP); s.AffinityTimeout = time.Hour; return s }(),
+			func() *config.ServicePort {
+				s := svc("sticky", config.TCP, a, b)
+				s.AffinityTimeout = time.Hour
+				return s
+			}(),
+		}},
+		{"endpoints before affinity", []*config.ServicePort{
+			svc("sticky", config.TCP, a, b),
+			func() *config.ServicePort {
+				s := svc("sticky", config.TCP, a, b)
+				s.AffinityTimeout = time.Hour
+				return s
+			}(),
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startProxier(t, Config{})
+			for _, st := range tc.steps {
+				h.apply(st)
+			}
+			first := fetchName(t, h.addr("sticky"))
+			for i := 0; i < 10; i++ {
+				if got := fetchName(t, h.addr("sticky")); got != first {
+					t.Fatalf("connection %d went to %s, pinned to %s", i, got, first)
+				}
+			}
+			// Switching affinity off restores round-robin.
+			h.apply(svc("sticky", config.TCP, a, b))
+			seen := map[string]bool{}
+			for i := 0; i < 4; i++ {
+				seen[fetchName(t, h.addr("sticky"))] = true
+			}
+			if len(seen) != 2 {
+				t.Fatalf("affinity off: reached only %v", seen)
+			}
+		})
+	}
+}
+
+func TestTCPIdleTimeout(t *testing.T) {
+	// Generous against a loaded machine: only a stall of over a second
+	// between two pings could cut the connection early.
+	h := startProxier(t, Config{TCPIdleTimeout: 1500 * time.Millisecond})
+	h.apply(svc("idle", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("idle"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	r := bufio.NewReader(c)
+	// Keep talking for longer than the idle timeout: the connection must live.
+	for i := 0; i < 10; i++ {
+		fmt.Fprintf(c, "ping %d\n", i)
+		if line, err := r.ReadString('\n'); err != nil {
+			t.Fatalf("active connection cut at round %d: %q %v", i, line, err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	// Then go quiet: the proxy closes it.
+	_, _ = r.ReadString('\n') // the name line
+	if _, err := r.ReadString('\n'); err != io.EOF {
+		t.Fatalf("idle connection: read got %v, want EOF", err)
+	}
+	waitFor(t, "log", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseIdleTimeout.String() {
+		t.Fatalf("cause %v", f["cause"])
+	}
+}
+
+func TestShutdownClosesConnections(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("svc", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("svc"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	r := bufio.NewReader(c)
+	if _, err := r.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	// The cleanup of startProxier cancels Run; goleak in TestMain proves
+	// the connection's goroutines ended with it.
+}
