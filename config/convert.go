@@ -206,17 +206,24 @@ func NewBuilder(node string) *Builder {
 // AddService adds a Service. It returns skip != "" when the Service is not
 // proxied, and an error when it is invalid.
 func (b *Builder) AddService(svc *v1.Service) (skip string, err error) {
+	key, sps, skip, err := convertService(svc)
+	if skip != "" || err != nil {
+		return skip, err
+	}
+	return "", b.addPorts(key, sps)
+}
+
+// convertService is the one conversion of a Service into the model, for
+// both sources: its namespace/name and ports, or why it is skipped.
+func convertService(svc *v1.Service) (key [2]string, sps []*ServicePort, skip string, err error) {
 	if skip := SkipReason(svc); skip != "" {
-		return skip, nil
+		return key, nil, skip, nil
 	}
 	if svc.Name == "" {
-		return "", errors.New("metadata.name: required")
+		return key, nil, "", errors.New("metadata.name: required")
 	}
-	sps, err := ServicePorts(svc)
-	if err != nil {
-		return "", err
-	}
-	return "", b.addPorts([2]string{svc.Namespace, svc.Name}, sps)
+	sps, err = ServicePorts(svc)
+	return [2]string{svc.Namespace, svc.Name}, sps, "", err
 }
 
 func (b *Builder) addPorts(key [2]string, sps []*ServicePort) error {
@@ -232,15 +239,23 @@ func (b *Builder) addPorts(key [2]string, sps []*ServicePort) error {
 
 // AddSlice adds an EndpointSlice, joined to its Service by the service-name label.
 func (b *Builder) AddSlice(es *discovery.EndpointSlice) (skip string, err error) {
-	if skip := SkipSlice(es); skip != "" {
-		return skip, nil
+	key, eps, skip, err := convertSlice(es)
+	if skip != "" || err != nil {
+		return skip, err
 	}
-	eps, err := SliceEndpoints(es)
-	if err != nil {
-		return "", err
-	}
-	b.addEndpoints([2]string{es.Namespace, es.Labels[LabelServiceName]}, eps)
+	b.addEndpoints(key, eps)
 	return "", nil
+}
+
+// convertSlice is the one conversion of an EndpointSlice into the model, for
+// both sources: its Service's namespace/name and endpoints by port name, or
+// why it is skipped.
+func convertSlice(es *discovery.EndpointSlice) (key [2]string, eps map[string][]Endpoint, skip string, err error) {
+	if skip := SkipSlice(es); skip != "" {
+		return key, nil, skip, nil
+	}
+	eps, err = SliceEndpoints(es)
+	return [2]string{es.Namespace, es.Labels[LabelServiceName]}, eps, "", err
 }
 
 func (b *Builder) addEndpoints(key [2]string, eps map[string][]Endpoint) {

@@ -443,18 +443,15 @@ func (fr *fileResult) parseObject(js []byte, at where) error {
 			return err
 		}
 		defaultNamespace(&svc.Namespace)
-		if skip := SkipReason(&svc); skip != "" {
-			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
-			return nil
-		}
-		if svc.Name == "" {
-			return at.err(errors.New("metadata.name: required"))
-		}
-		sps, err := ServicePorts(&svc)
-		if err != nil {
+		key, sps, skip, err := convertService(&svc)
+		switch {
+		case err != nil:
 			return at.err(err)
+		case skip != "":
+			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
+		default:
+			fr.services = append(fr.services, parsedService{at: at, key: key, ports: sps})
 		}
-		fr.services = append(fr.services, parsedService{at: at, key: [2]string{svc.Namespace, svc.Name}, ports: sps})
 		return nil
 
 	case tm.APIVersion == "discovery.k8s.io/v1" && tm.Kind == "EndpointSlice":
@@ -463,15 +460,15 @@ func (fr *fileResult) parseObject(js []byte, at where) error {
 			return err
 		}
 		defaultNamespace(&es.Namespace)
-		if skip := SkipSlice(&es); skip != "" {
-			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
-			return nil
-		}
-		eps, err := SliceEndpoints(&es)
-		if err != nil {
+		key, eps, skip, err := convertSlice(&es)
+		switch {
+		case err != nil:
 			return at.err(err)
+		case skip != "":
+			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
+		default:
+			fr.slices = append(fr.slices, parsedSlice{at: at, key: key, eps: eps})
 		}
-		fr.slices = append(fr.slices, parsedSlice{at: at, key: [2]string{es.Namespace, es.Labels[LabelServiceName]}, eps: eps})
 		return nil
 
 	case tm.APIVersion == "v1" && tm.Kind == "Endpoints":
