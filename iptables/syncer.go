@@ -382,7 +382,8 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 	for _, c := range stale {
 		sort.Strings(c)
 	}
-	if !f.jumpsOK && len(stale) > 0 {
+	if !f.jumpsOK {
+		// A jump into a chain about to be deleted, or a copy of ours.
 		if err := f.pruneJumps(); err != nil {
 			f.installed = nil
 			return 0, 0, err

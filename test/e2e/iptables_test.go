@@ -209,6 +209,24 @@ func TestRulesRepairedAfterFlush(t *testing.T) {
 	}
 }
 
+// A second copy of a jump (another tool, a hand edit) is found by the
+// periodic check and removed, once: the check then finds nothing to repair.
+func TestDuplicateJumpRemoved(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest(), "--sync-period", "1s")
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment",
+		"handle ClusterIPs; NOTE: this must be before the NodePort rules", "-j", "KUBE-PORTALS-HOST")
+	waitFor(t, "one jump into KUBE-PORTALS-HOST again", func() bool {
+		return strings.Count(l.MustExec("node", "iptables-save", "-t", "nat"), "-j KUBE-PORTALS-HOST\n") == 1
+	})
+	repairs := strings.Count(d.Output(), "Rules changed behind our back")
+	time.Sleep(2500 * time.Millisecond) // two more periodic checks; nothing to wait for
+	if n := strings.Count(d.Output(), "Rules changed behind our back"); n != repairs {
+		t.Fatalf("the check kept finding drift after the repair (%d repairs, then %d)", repairs, n)
+	}
+	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
+}
+
 // TestNoDriftWithoutChanges proves the periodic check finds the rules it
 // wrote equal to the live ones (else it would rewrite them every period).
 func TestNoDriftWithoutChanges(t *testing.T) {
