@@ -53,24 +53,10 @@ func cleanupFamily(ipt *goipt.IPTables, restore string) (int, error) {
 			ours[c] = isOurs(table, c)
 		}
 		// Jumps first: a chain that is still referenced cannot be deleted.
-		for _, builtin := range []string{"PREROUTING", "INPUT", "OUTPUT", "FORWARD", "POSTROUTING"} {
-			rules, err := ipt.List(table, builtin)
-			if err != nil {
-				continue // the table has no such chain
-			}
-			for _, line := range rules {
-				args := splitRule(line)
-				if len(args) < 2 || args[0] != "-A" {
-					continue
-				}
-				if !ours[target(args)] {
-					continue
-				}
-				if err := ipt.Delete(table, builtin, args[2:]...); err != nil {
-					return removed, fmt.Errorf("deleting %s %s: %w", table, line, err)
-				}
-				removed++
-			}
+		n, err := deleteJumps(ipt, table, nil)
+		removed += n
+		if err != nil {
+			return removed, err
 		}
 		for _, c := range all {
 			if ours[c] {

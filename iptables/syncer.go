@@ -622,13 +622,6 @@ func quoteComment(rule []string) []string {
 	return out
 }
 
-// builtinChains are where jumps into our chains may sit, this version's or
-// an earlier one's.
-var builtinChains = map[string][]string{
-	"nat":    {"PREROUTING", "OUTPUT"},
-	"filter": {"INPUT"},
-}
-
 // pruneJumps deletes every jump into our chains from a built-in chain that
 // is not a wanted jump, or a second copy of one (an earlier version's guard
 // jump, say), so that the chains it led to can be deleted.
@@ -637,30 +630,42 @@ func (f *family) pruneJumps() error {
 	for _, j := range jumps(f.features) {
 		want[j.text()] = true
 	}
-	for table, chains := range builtinChains {
-		for _, chain := range chains {
-			lines, err := f.ipt.List(table, chain)
-			if err != nil {
-				return fmt.Errorf("listing %s %s: %w", table, chain, err)
-			}
-			seen := map[string]bool{}
-			for _, line := range lines {
-				rest, ok := strings.CutPrefix(line, "-A ")
-				args := splitRule(line)
-				if !ok || !isOurs(table, target(args)) {
-					continue
-				}
-				if want[rest] && !seen[rest] {
-					seen[rest] = true
-					continue
-				}
-				if err := f.ipt.Delete(table, chain, args[2:]...); err != nil {
-					return fmt.Errorf("deleting %s %s: %w", table, line, err)
-				}
-			}
+	for _, table := range []string{"nat", "filter"} {
+		if _, err := deleteJumps(f.ipt, table, want); err != nil {
+			return err
 		}
 	}
 	return nil
+}
+
+// deleteJumps deletes the jumps into our chains from the built-in chains of
+// table, but the first copy of each rule in keep (as iptables -S prints it,
+// without "-A "), and returns how many it deleted.
+func deleteJumps(ipt *goipt.IPTables, table string, keep map[string]bool) (int, error) {
+	removed := 0
+	for _, builtin := range []string{"PREROUTING", "INPUT", "OUTPUT", "FORWARD", "POSTROUTING"} {
+		lines, err := ipt.List(table, builtin)
+		if err != nil {
+			continue // the table has no such chain
+		}
+		kept := map[string]bool{}
+		for _, line := range lines {
+			rest, ok := strings.CutPrefix(line, "-A ")
+			args := splitRule(line)
+			if !ok || !isOurs(table, target(args)) {
+				continue
+			}
+			if keep[rest] && !kept[rest] {
+				kept[rest] = true
+				continue
+			}
+			if err := ipt.Delete(table, builtin, args[2:]...); err != nil {
+				return removed, fmt.Errorf("deleting %s %s: %w", table, line, err)
+			}
+			removed++
+		}
+	}
+	return removed, nil
 }
 
 // ensureJumps puts each jump rule in place exactly once: portals first,

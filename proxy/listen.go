@@ -125,20 +125,29 @@ func loadKernelRange() (PortRange, map[int]bool, error) {
 	}
 	resv := map[int]bool{}
 	if b, err := os.ReadFile(localReservedPortFile); err == nil {
-		for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
-			if part == "" {
-				continue
-			}
-			pr, err := ParsePortRange(part)
-			if err != nil {
-				return PortRange{}, nil, fmt.Errorf("%s: %w", localReservedPortFile, err)
-			}
-			for p := pr.Base; p < pr.Base+pr.Size; p++ {
-				resv[p] = true
-			}
+		if resv, err = parseReserved(b); err != nil {
+			return PortRange{}, nil, err
 		}
 	}
 	return r, resv, nil
+}
+
+// parseReserved reads ip_local_reserved_ports' list ("a-b,c").
+func parseReserved(b []byte) (map[int]bool, error) {
+	resv := map[int]bool{}
+	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
+		if part == "" {
+			continue
+		}
+		pr, err := ParsePortRange(part)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", localReservedPortFile, err)
+		}
+		for p := pr.Base; p < pr.Base+pr.Size; p++ {
+			resv[p] = true
+		}
+	}
+	return resv, nil
 }
 
 // ErrPortsExhausted is returned when every port of --proxy-port-range is taken.
@@ -205,43 +214,26 @@ func (a *portAllocator) release(u usedPort) {
 // takes a port of the range: the proxy ports are guarded by one rule for the
 // whole range, which must not catch anybody else's sockets. Ports already
 // bound are not affected. It reports whether the list changed.
-func ReservePorts(r PortRange) (bool, error) {
-	return editReserved(func(resv []bool) {
-		for p := r.Base; p < r.Base+r.Size; p++ {
-			resv[p] = true
-		}
-	})
-}
+func ReservePorts(r PortRange) (bool, error) { return editReserved(r, true) }
 
 // UnreservePorts takes r out of ip_local_reserved_ports (--cleanup).
-func UnreservePorts(r PortRange) (bool, error) {
-	return editReserved(func(resv []bool) {
-		for p := r.Base; p < r.Base+r.Size; p++ {
-			resv[p] = false
-		}
-	})
-}
+func UnreservePorts(r PortRange) (bool, error) { return editReserved(r, false) }
 
-func editReserved(edit func([]bool)) (bool, error) {
+// editReserved sets (or clears) r in ip_local_reserved_ports and reports
+// whether the list changed.
+func editReserved(r PortRange, reserve bool) (bool, error) {
 	b, err := os.ReadFile(localReservedPortFile)
 	if err != nil {
 		return false, fmt.Errorf("reading reserved ports: %w", err)
 	}
-	resv := make([]bool, 65536)
-	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
-		if part == "" {
-			continue
-		}
-		pr, err := ParsePortRange(part)
-		if err != nil {
-			return false, fmt.Errorf("%s: %w", localReservedPortFile, err)
-		}
-		for p := pr.Base; p < pr.Base+pr.Size; p++ {
-			resv[p] = true
-		}
+	resv, err := parseReserved(b)
+	if err != nil {
+		return false, err
 	}
 	before := formatReserved(resv)
-	edit(resv)
+	for p := r.Base; p < r.Base+r.Size; p++ {
+		resv[p] = reserve
+	}
 	after := formatReserved(resv)
 	if after == before {
 		return false, nil
@@ -256,14 +248,14 @@ func editReserved(edit func([]bool)) (bool, error) {
 }
 
 // formatReserved renders a port set the way the kernel prints it: "a-b,c".
-func formatReserved(resv []bool) string {
+func formatReserved(resv map[int]bool) string {
 	var parts []string
-	for p := 0; p < len(resv); p++ {
+	for p := 0; p <= 65535; p++ {
 		if !resv[p] {
 			continue
 		}
 		q := p
-		for q+1 < len(resv) && resv[q+1] {
+		for q+1 <= 65535 && resv[q+1] {
 			q++
 		}
 		if q == p {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -105,5 +106,28 @@ func TestReservePorts(t *testing.T) {
 	os.WriteFile(file, []byte("not-a-range\n"), 0o644)
 	if _, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err == nil {
 		t.Fatal("a garbled list was overwritten")
+	}
+}
+
+// TCP and UDP are separate port spaces: a one-port range serves one TCP and
+// one UDP listener, and a second TCP listener finds the range exhausted.
+func TestPortRangePerProtocol(t *testing.T) {
+	p := int(closedPort(t).Port())
+	a := portAllocator{r: PortRange{Base: p, Size: 1}}
+	tl, tp, trel, err := a.listen("tcp", loopback)
+	if err != nil {
+		t.Skipf("port %d taken meanwhile: %v", p, err)
+	}
+	defer func() { tl.(*tcpListener).Close(); trel() }()
+	ul, up, urel, err := a.listen("udp", loopback)
+	if err != nil {
+		t.Fatalf("UDP listener on the range's only port: %v", err)
+	}
+	defer func() { ul.(interface{ Close() error }).Close(); urel() }()
+	if tp != p || up != p {
+		t.Fatalf("ports %d/%d, want %d for both", tp, up, p)
+	}
+	if _, _, _, err := a.listen("tcp", loopback); !errors.Is(err, ErrPortsExhausted) {
+		t.Fatalf("second TCP listener: %v, want ErrPortsExhausted", err)
 	}
 }

@@ -23,6 +23,7 @@ fi
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 . test/lab/lab.sh
+. test/bench/results.sh # record, jsonval, median, value
 LAB=kb$$
 work=$(mktemp -d)
 cleanup() { lab_down; rm -rf "$work"; }
@@ -124,7 +125,6 @@ cpusince() { awk -v t=$(($(cputicks "$1") - $2)) -v hz="$HZ" 'BEGIN{printf "%.4f
 
 results="$work/results"
 : >"$results"
-record() { echo "$1 $2 $3" >>"$results"; } # metric path value
 
 iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
   local p=$1 len=$2 pid t0 out bps bytes
@@ -146,7 +146,6 @@ rate() { # path mode → operations/s; CPU µs per operation of the proxy proces
     record "cpu_per_$mode" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v n="$(echo "$out" | jsonval count)" 'BEGIN{if(n>0) printf "%.1f", c/n*1e6}')"
   fi
 }
-jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
@@ -221,8 +220,6 @@ for p in haproxy proxy; do
   done
 done
 
-median() { sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int((NR+1)/2)]}}'; }
-value() { awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | median; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
 
 table="$work/table.md"

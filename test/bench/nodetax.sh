@@ -23,6 +23,7 @@ for c in iperf3 sockperf; do
 done
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 . test/lab/lab.sh # wait_until
+. test/bench/results.sh # record, jsonval, median, value
 
 NS=kuptax$$
 work=$(mktemp -d)
@@ -117,8 +118,6 @@ jumps_on() {
 
 results="$work/results"
 : >"$results"
-record() { echo "$1 $2 $3" >>"$results"; } # metric size value
-jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 
 measure() { # label: the node's own traffic, not through any Service
   local bps lat cps
@@ -144,8 +143,6 @@ for run in $(seq "$RUNS"); do
   done
 done
 
-median() { sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int((NR+1)/2)]}}'; }
-value() { awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | median; }
 ratios() { # metric with base → median of the per-run ratios (base and with measured back to back)
   paste <(awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results") <(awk -v m="$1" -v p="$3" '$1==m && $2==p {print $3}' "$results") |
     awk '$2>0 {printf "%.4f\n", $1/$2}' | median
