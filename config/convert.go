@@ -46,6 +46,10 @@ func SkipSlice(es *discovery.EndpointSlice) string {
 	return ""
 }
 
+// AnnotationOutlierDetection set to "off" turns passive outlier detection off
+// for one Service.
+const AnnotationOutlierDetection = "kube-userspace-proxy.io/outlier-detection"
+
 // ServicePorts converts one Service to its service ports (without endpoints).
 // The caller has already checked SkipReason. An invalid address or port is an
 // error naming the field.
@@ -125,6 +129,8 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 			AffinityTimeout: affinity,
 			InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
 			ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
+
+			OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
 		}
 		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.NodePort = int(p.NodePort)

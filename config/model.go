@@ -76,6 +76,12 @@ type ServicePort struct {
 	InternalLocal bool
 	ExternalLocal bool
 
+	// OutlierDetection is the annotation
+	// kube-userspace-proxy.io/outlier-detection: "off" means the proxy never
+	// ejects this Service's endpoints after failed dials; "", "on" and any
+	// other value (warned about when the listener opens) leave it on.
+	OutlierDetection string
+
 	Endpoints []Endpoint // sorted by address
 }
 

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
@@ -18,6 +19,9 @@ const (
 	ReasonRoundRobin Reason = "round-robin"
 	ReasonAffinity   Reason = "affinity"
 	ReasonRetry      Reason = "retry"
+	// ReasonAllEjected: every endpoint is ejected, so the pick ignores
+	// ejection (Envoy's panic mode): a guess beats refusing everyone.
+	ReasonAllEjected Reason = "all-ejected"
 )
 
 // Balancer chooses the endpoint for each new connection or UDP flow of one
@@ -28,22 +32,32 @@ type Balancer interface {
 	// bypasses session affinity and re-pins the client to what it returns.
 	// ok is false when there is no endpoint.
 	Pick(client netip.Addr, attempt int) (ep netip.AddrPort, why Reason, ok bool)
-	// Update replaces the endpoint set and the affinity timeout (0: none).
-	Update(endpoints []netip.AddrPort, affinity time.Duration)
+	// Report tells the outcome of a dial to ep (TCP), or of a flow's
+	// traffic (UDP: an answer, or an ICMP error): failed dials in a row eject
+	// ep from new picks for a while (outlier.go). It takes no lock. It
+	// returns how long ep is now ejected for, and whether a success just
+	// returned it from an ejection.
+	Report(ep netip.AddrPort, failed bool) (ejectedFor time.Duration, recovered bool)
+	// Update replaces the endpoint set, the affinity timeout (0: none) and
+	// the outlier detection; endpoints that stay keep their health.
+	Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig)
 	// Affinities returns the live session-affinity pins, sorted by client,
 	// for the debug view (none for a balancer without affinity).
 	Affinities() []Affinity
+	// Health returns every endpoint's outlier state, sorted by address.
+	Health() []EndpointHealth
 }
 
 // newBalancer returns the balancer for a new frontend of sp. The frontend
-// holds it only as a Balancer: schedulers and endpoint ejection plug in here
-// without touching the data path.
+// holds it only as a Balancer: schedulers plug in here without touching the
+// data path.
 func newBalancer(sp *config.ServicePort) Balancer { return NewRoundRobin() }
 
 var _ Balancer = (*RoundRobin)(nil)
 
-// RoundRobin cycles through the endpoints; with affinity a client IP keeps its
-// endpoint until it has been idle for the affinity timeout.
+// RoundRobin cycles through the endpoints in rotation (not ejected); with
+// affinity a client IP keeps its endpoint until it has been idle for the
+// affinity timeout or its endpoint is ejected.
 //
 // Unlike the classic userspace proxier, the timeout is read at every Pick, so a
 // changed timeoutSeconds applies to existing pins whatever order the Service
@@ -51,8 +65,12 @@ var _ Balancer = (*RoundRobin)(nil)
 type RoundRobin struct {
 	now func() time.Time // for tests; time.Now when nil
 
-	mu        sync.Mutex // guards everything below
-	endpoints []netip.AddrPort
+	// snapshot is endpoints for Report, which takes no lock.
+	snapshot atomic.Pointer[[]*endpoint]
+	outlier  atomic.Pointer[OutlierConfig] // nil: off
+
+	mu        sync.Mutex  // guards everything below
+	endpoints []*endpoint // sorted by address; never modified, only replaced
 	next      int
 	ttl       time.Duration // 0: no affinity
 	pins      map[netip.Addr]pin
@@ -60,7 +78,7 @@ type RoundRobin struct {
 }
 
 type pin struct {
-	ep       netip.AddrPort
+	ep       *endpoint
 	lastUsed time.Time
 }
 
@@ -75,14 +93,27 @@ func (rr *RoundRobin) clock() time.Time {
 }
 
 // Update implements Balancer. Pins to endpoints that are gone are dropped; the
-// others survive an endpoint change.
-func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration) {
-	eps := slices.Clone(endpoints)
-	sort.Slice(eps, func(i, j int) bool { return eps[i].Compare(eps[j]) < 0 })
+// others survive an endpoint change, and so does an endpoint's health.
+func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig) {
+	addrs := slices.Clone(endpoints)
+	sort.Slice(addrs, func(i, j int) bool { return addrs[i].Compare(addrs[j]) < 0 })
+	if outlier.enabled() {
+		rr.outlier.Store(&outlier)
+	} else {
+		rr.outlier.Store(nil)
+	}
 
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
-	if !slices.Equal(eps, rr.endpoints) {
+	if !slices.EqualFunc(addrs, rr.endpoints, func(a netip.AddrPort, e *endpoint) bool { return a == e.addr }) {
+		eps := make([]*endpoint, len(addrs))
+		for i, a := range addrs {
+			if e := findEndpoint(rr.endpoints, a); e != nil {
+				eps[i] = e
+			} else {
+				eps[i] = &endpoint{addr: a}
+			}
+		}
 		// Start each new set at a random place so that many nodes do not all
 		// send their first connection to the same endpoint.
 		rr.next = 0
@@ -90,6 +121,7 @@ func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration)
 			rr.next = rand.IntN(len(eps))
 		}
 		rr.endpoints = eps
+		rr.snapshot.Store(&eps)
 	}
 	rr.ttl = affinity
 	if affinity <= 0 {
@@ -97,40 +129,90 @@ func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration)
 		return
 	}
 	for client, p := range rr.pins {
-		if _, found := slices.BinarySearchFunc(rr.endpoints, p.ep, netip.AddrPort.Compare); !found {
+		if findEndpoint(rr.endpoints, p.ep.addr) != p.ep {
 			delete(rr.pins, client)
 		}
 	}
+}
+
+// findEndpoint returns the endpoint of eps (sorted) with address a, or nil.
+func findEndpoint(eps []*endpoint, a netip.AddrPort) *endpoint {
+	i, found := slices.BinarySearchFunc(eps, a, func(e *endpoint, a netip.AddrPort) int { return e.addr.Compare(a) })
+	if !found {
+		return nil
+	}
+	return eps[i]
 }
 
 // Pick implements Balancer.
 func (rr *RoundRobin) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reason, bool) {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
-	if len(rr.endpoints) == 0 {
+	n := len(rr.endpoints)
+	if n == 0 {
 		return netip.AddrPort{}, "", false
 	}
 	now := rr.clock()
+	// With detection off nothing is ever ejected: the checks below are
+	// then one atomic load per endpoint looked at.
+	nanos := now.UnixNano()
 	if rr.ttl > 0 {
 		rr.sweepLocked(now)
-		if p, ok := rr.pins[client]; ok && attempt == 0 && now.Sub(p.lastUsed) < rr.ttl {
+		if p, ok := rr.pins[client]; ok && attempt == 0 && now.Sub(p.lastUsed) < rr.ttl && !p.ep.ejected(nanos) {
 			p.lastUsed = now
 			rr.pins[client] = p
-			return p.ep, ReasonAffinity, true
+			return p.ep.addr, ReasonAffinity, true
 		}
 	}
-	ep := rr.endpoints[rr.next%len(rr.endpoints)]
-	rr.next = (rr.next + 1) % len(rr.endpoints)
+	why := ReasonRoundRobin
+	if attempt > 0 {
+		why = ReasonRetry
+	}
+	i := rr.next % n
+	for tried := 0; rr.endpoints[i].ejected(nanos); {
+		if tried++; tried == n {
+			i, why = rr.next%n, ReasonAllEjected
+			break
+		}
+		i = (i + 1) % n
+	}
+	e := rr.endpoints[i]
+	rr.next = (i + 1) % n
 	if rr.ttl > 0 {
 		if rr.pins == nil {
 			rr.pins = make(map[netip.Addr]pin)
 		}
-		rr.pins[client] = pin{ep: ep, lastUsed: now}
+		rr.pins[client] = pin{ep: e, lastUsed: now}
 	}
-	if attempt > 0 {
-		return ep, ReasonRetry, true
+	return e.addr, why, true
+}
+
+// Report implements Balancer.
+func (rr *RoundRobin) Report(ep netip.AddrPort, failed bool) (time.Duration, bool) {
+	o := rr.outlier.Load()
+	eps := rr.snapshot.Load()
+	if o == nil || eps == nil {
+		return 0, false
 	}
-	return ep, ReasonRoundRobin, true
+	e := findEndpoint(*eps, ep)
+	if e == nil {
+		return 0, false // gone since the pick
+	}
+	return e.report(*o, failed, rr.clock())
+}
+
+// Health implements Balancer.
+func (rr *RoundRobin) Health() []EndpointHealth {
+	eps := rr.snapshot.Load()
+	if eps == nil {
+		return nil
+	}
+	now := rr.clock()
+	out := make([]EndpointHealth, 0, len(*eps))
+	for _, e := range *eps {
+		out = append(out, e.health(now))
+	}
+	return out
 }
 
 // sweepLocked drops expired pins at most once a minute, so that clients that
@@ -162,7 +244,7 @@ func (rr *RoundRobin) Affinities() []Affinity {
 	var out []Affinity
 	for c, p := range rr.pins {
 		if exp := p.lastUsed.Add(rr.ttl); exp.After(now) {
-			out = append(out, Affinity{Client: c, Endpoint: p.ep, Expires: exp})
+			out = append(out, Affinity{Client: c, Endpoint: p.ep.addr, Expires: exp})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Client.Less(out[j].Client) })

@@ -1,5 +1,7 @@
 package proxy
 
+import "github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+
 // Cause is why a TCP connection or a UDP flow ended: the "cause" of its log
 // line.
 type Cause uint32
@@ -39,6 +41,16 @@ func (c Cause) String() string {
 	return "unknown"
 }
 
-// Normal reports whether c is an ordinary end, one that --connection-log
-// errors does not log.
-func (c Cause) Normal() bool { return c == CauseClientClosed || c == CauseBackendClosed }
+// Normal reports whether c is an ordinary end of a connection or flow of
+// protocol, one that --connection-log errors does not log: a FIN for TCP; a
+// flow that went quiet for UDP, which has no other way to end (a DNS
+// query's flow always ends so).
+func (c Cause) Normal(protocol config.Protocol) bool {
+	switch c {
+	case CauseClientClosed, CauseBackendClosed:
+		return true
+	case CauseIdleTimeout:
+		return protocol == config.UDP
+	}
+	return false
+}

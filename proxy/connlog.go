@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net/netip"
+	"strings"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -14,7 +15,7 @@ import (
 type endLine struct {
 	protocol    config.Protocol
 	client      netip.AddrPort
-	origDst     string         // where the client was going
+	origDst     string         // where the client was going; "" when unknown
 	endpoint    netip.AddrPort // invalid when none was picked
 	reason      Reason
 	up, down    int64 // bytes to the endpoint and back to the client
@@ -23,22 +24,25 @@ type endLine struct {
 	err         error         // the error behind cause, if any
 	attempts    int           // TCP: dials tried
 	dialLatency time.Duration // TCP: of the dial that succeeded
+	dialErrors  []string      // TCP: "failure endpoint" of each failed dial
 }
 
 // logEnd writes l's line, if --connection-log wants it.
 func (f *frontend) logEnd(l endLine) {
-	if !f.p.cfg.logConn(l.cause) {
+	if !f.p.cfg.logConn(l.protocol, l.cause) {
 		return
 	}
 	fields := logrus.Fields{
 		"service":   f.key.Name.String(),
 		"client":    l.client.String(),
-		"origDst":   l.origDst,
 		"protocol":  string(l.protocol),
 		"bytesUp":   l.up,
 		"bytesDown": l.down,
 		"duration":  time.Since(l.start).Round(time.Microsecond).String(),
 		"cause":     l.cause.String(),
+	}
+	if l.origDst != "" {
+		fields["origDst"] = l.origDst
 	}
 	if l.endpoint.IsValid() {
 		fields["endpoint"] = l.endpoint.String()
@@ -49,6 +53,10 @@ func (f *frontend) logEnd(l endLine) {
 		msg = "Connection closed"
 		fields["attempts"] = l.attempts
 		fields["dialLatency"] = l.dialLatency.Round(time.Microsecond).String()
+		if len(l.dialErrors) > 0 {
+			// Why each failed attempt failed: refused, timeout, unreachable …
+			fields["dialErrors"] = strings.Join(l.dialErrors, ", ")
+		}
 	}
 	log := f.p.cfg.connLog()
 	if l.err != nil {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"net/netip"
 	"sort"
 	"sync"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // connRecord is one proxied TCP connection, from accept to close. It is what
@@ -16,21 +18,27 @@ type connRecord struct {
 	ID      uint64
 	Service config.ServicePortName
 	Client  netip.AddrPort
-	OrigDst netip.AddrPort // where the client was going (SO_ORIGINAL_DST)
 	Start   time.Time
 
 	fe *frontend
 
 	up, down atomic.Int64 // bytes so far
 
-	mu          sync.Mutex // guards the fields below, set while the connection lives
+	mu          sync.Mutex     // guards the fields below, set while the connection lives
+	OrigDst     netip.AddrPort // where the client was going (SO_ORIGINAL_DST)
 	Endpoint    netip.AddrPort
 	Reason      Reason
 	Attempt     int
 	DialLatency time.Duration
+	dialErrors  []string // "failure endpoint" of every failed dial attempt
 	shutdown    bool
-	client      *sock
-	backend     *sock
+	paired      bool // pair is set: the dial succeeded
+
+	pair tcpPair // set once, before the copies start
+
+	// Only the idle sweep touches these.
+	sweptMoved int64 // moved at the last sweep
+	quietSweeps int  // sweeps in a row that saw nothing move
 }
 
 func (c *connRecord) addUp(n int64) {
@@ -41,6 +49,21 @@ func (c *connRecord) addUp(n int64) {
 func (c *connRecord) addDown(n int64) {
 	c.down.Add(n)
 	c.fe.m.get().bytesOut.Add(float64(n))
+}
+
+// moved is the bytes copied so far, both ways.
+func (c *connRecord) moved() int64 { return c.up.Load() + c.down.Load() }
+
+func (c *connRecord) setOrigDst(dst netip.AddrPort) {
+	c.mu.Lock()
+	c.OrigDst = dst
+	c.mu.Unlock()
+}
+
+func (c *connRecord) addDialFailure(ep netip.AddrPort, failure string) {
+	c.mu.Lock()
+	c.dialErrors = append(c.dialErrors, failure+" "+ep.String())
+	c.mu.Unlock()
 }
 
 func (c *connRecord) setDialLatency(d time.Duration) {
@@ -82,36 +105,30 @@ func (c *connRecord) setBackend(ep netip.AddrPort, why Reason, attempt int) {
 	c.mu.Unlock()
 }
 
-func (c *connRecord) setConns(client, backend *sock) {
+// setPair makes client and backend the connection's pair and returns it;
+// shutdown and the idle sweep can end it from now on.
+func (c *connRecord) setPair(client, backend *sock.Conn) *tcpPair {
+	c.pair.client, c.pair.backend = client, backend
 	c.mu.Lock()
-	c.client, c.backend = client, backend
+	c.paired = true
 	shut := c.shutdown
 	c.mu.Unlock()
 	if shut { // shutdown raced with the dial
-		client.Close()
-		backend.Close()
+		c.pair.end(CauseShutdown)
 	}
+	return &c.pair
 }
 
-// closeCause is the cause for a copy that failed because we closed its socket.
-func (c *connRecord) closeCause() Cause {
+// end ends the connection's pair, if it has one, from outside: shutdown or
+// the idle sweep. It never waits: the handler closes the sockets once its
+// copies have returned.
+func (c *connRecord) end(why Cause) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.shutdown {
-		return CauseShutdown
-	}
-	return CauseBackendClosed
-}
-
-// forceClose ends the connection from outside (shutdown).
-func (c *connRecord) forceClose() {
-	c.mu.Lock()
-	c.shutdown = true
-	client, backend := c.client, c.backend
+	c.shutdown = c.shutdown || why == CauseShutdown
+	paired := c.paired
 	c.mu.Unlock()
-	if client != nil {
-		client.Close()
-		backend.Close()
+	if paired {
+		c.pair.end(why)
 	}
 }
 
@@ -120,7 +137,8 @@ func (c *connRecord) finish(f *frontend, up, down int64, cause Cause) {
 	f.m.get().duration.Observe(time.Since(c.Start).Seconds())
 	c.mu.Lock()
 	l := endLine{protocol: config.TCP, client: c.Client, origDst: c.OrigDst.String(), endpoint: c.Endpoint, reason: c.Reason,
-		up: up, down: down, start: c.Start, cause: cause, attempts: c.Attempt + 1, dialLatency: c.DialLatency}
+		up: up, down: down, start: c.Start, cause: cause, attempts: c.Attempt + 1, dialLatency: c.DialLatency,
+		dialErrors: c.dialErrors}
 	c.mu.Unlock()
 	f.logEnd(l)
 }
@@ -162,13 +180,19 @@ func (t *connTable) remove(c *connRecord) {
 }
 
 func (t *connTable) list() []*connRecord {
+	out := t.all()
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// all returns the live connections in no order.
+func (t *connTable) all() []*connRecord {
 	t.mu.Lock()
 	out := make([]*connRecord, 0, len(t.conns))
 	for _, c := range t.conns {
 		out = append(out, c)
 	}
 	t.mu.Unlock()
-	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out
 }
 
@@ -185,9 +209,35 @@ func (p *Proxier) Connections() []ConnInfo {
 // closeAll force-closes every live connection and waits for their goroutines.
 func (t *connTable) closeAll() {
 	for _, c := range t.list() {
-		c.forceClose()
+		c.end(CauseShutdown)
 	}
 	t.wg.Wait()
+}
+
+// sweepIdle ends the pairs through which no byte moved, either way, for
+// idle, until ctx ends. It looks every idle/4, so a quiet pair ends between
+// idle and 1.25 idle after its last byte, whatever its copies wait on: a
+// copy parked writing to a backend that stopped reading counts as quiet
+// too, where a read deadline could not fire. One goroutine for all
+// connections: nothing per connection to arm or stop.
+func (t *connTable) sweepIdle(ctx context.Context, idle time.Duration) {
+	const looks = 4
+	tick := time.NewTicker(max(idle/looks, time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		for _, c := range t.all() {
+			if m := c.moved(); m != c.sweptMoved {
+				c.sweptMoved, c.quietSweeps = m, 0
+			} else if c.quietSweeps++; c.quietSweeps >= looks {
+				c.end(CauseIdleTimeout)
+			}
+		}
+	}
 }
 
 // drain waits up to grace for live connections to end on their own.

@@ -10,6 +10,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // Kind says which addresses a frontend answers on.
@@ -63,14 +64,14 @@ type frontend struct {
 	spec        *config.ServicePort
 	bal         Balancer
 	listen      netip.AddrPort
-	nodePortErr error // the NodePort could not be taken
-	holdFD      int   // the socket holding the NodePort when the listener is elsewhere, or -1
+	nodePortErr error      // the NodePort could not be taken
+	hold        *sock.Hold // holds the NodePort when the listener is elsewhere, or nil
 	release     func()
 	log         logrus.FieldLogger
 
 	m      *feMetrics
 	ctx    context.Context // cancelled when the proxier shuts down
-	tcp    *tcpListener
+	tcp    *sock.Listener
 	udpSk  *udpSocket
 	udp    udpFlows
 	served sync.WaitGroup
@@ -124,30 +125,30 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		proto = "udp"
 	}
 	bind := bindFor(p.cfg.BindAddress, key.Family)
-	var sock any
+	var ln any // *sock.Listener or *net.UDPConn
 	var port int
 	var nodePortErr error
 	release := func() {}
-	holdFD := -1
+	var hold *sock.Hold
 	if sp.NodePort != 0 && key.Kind != KindInternal {
 		var err error
 		if p.cfg.NodePortsRestricted {
-			holdFD, err = holdPort(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+			hold, err = sock.HoldPort(sp.Protocol == config.UDP, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
 		} else {
 			// The listener itself sits on the NodePort: it holds the port
 			// against other processes, costs no extra descriptor, and
 			// serves even a connection that reaches it without a redirect.
-			sock, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+			ln, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
 		}
 		if err != nil {
 			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only", sp.NodePort, sp.Protocol, err)
 			p.cfg.log().WithField("service", key.Name.String()).Error(nodePortErr)
 		}
 	}
-	if sock == nil {
+	if ln == nil {
 		var err error
-		if sock, port, release, err = p.alloc.listen(proto, bind); err != nil {
-			closeHold(holdFD)
+		if ln, port, release, err = p.alloc.listen(proto, bind); err != nil {
+			hold.Close()
 			return nil, err
 		}
 	}
@@ -155,29 +156,27 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		p: p, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(port)),
 		nodePortErr: nodePortErr,
-		holdFD:      holdFD,
+		hold:        hold,
 		release:     release,
 		ctx:         p.ctx,
 		log: p.cfg.log().WithFields(logrus.Fields{
 			"service": key.Name.String(), "protocol": sp.Protocol, "family": key.Family, "kind": key.Kind, "listen": port,
 		}),
 	}
-	switch s := sock.(type) {
-	case *tcpListener:
+	switch s := ln.(type) {
+	case *sock.Listener:
 		fe.tcp = s
 		fe.served.Add(1)
 		go func() { defer fe.served.Done(); fe.serveTCP(s) }()
 	case *net.UDPConn:
-		us, err := newUDPSocket(s, key.Family)
-		if err != nil {
-			s.Close()
-			release()
-			closeHold(holdFD)
-			return nil, fmt.Errorf("enable IP_PKTINFO: %w", err)
-		}
+		us := &udpSocket{conn: s, family: key.Family}
 		fe.udpSk = us
 		fe.served.Add(1)
 		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
+	}
+	if v := sp.OutlierDetection; v != "" && v != "on" && v != "off" {
+		fe.log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
+			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
 	}
 	fe.log.Info("Listening")
 	return fe, nil
@@ -186,7 +185,7 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 // holdsNodePort reports whether the frontend holds the service's NodePort,
 // as its listener or as a socket that only keeps others off it.
 func (fe *frontend) holdsNodePort() bool {
-	return fe.holdFD >= 0 || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
+	return fe.hold != nil || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
 }
 
 // close stops the frontend and gives its port back: for a frontend no
@@ -210,6 +209,6 @@ func (fe *frontend) stop() {
 	if fe.udpSk != nil {
 		fe.closeFlows()
 	}
-	closeHold(fe.holdFD)
+	fe.hold.Close()
 	fe.log.Info("Listener closed")
 }

@@ -12,7 +12,6 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -184,58 +183,9 @@ func serveUDPEcho(t *testing.T, c *net.UDPConn, name string) netip.AddrPort {
 	return c.LocalAddr().(*net.UDPAddr).AddrPort()
 }
 
-// closedPort returns a loopback port nobody listens on (connection refused).
-func closedPort(t *testing.T) netip.AddrPort {
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ap := ln.Addr().(*net.TCPAddr).AddrPort()
-	ln.Close()
-	return ap
-}
-
-// blackhole returns a loopback address whose SYNs are dropped, so that a dial
-// times out: a listener with a full accept queue that never accepts.
-func blackhole(t *testing.T) netip.AddrPort {
-	ap, _ := fullListener(t)
-	return ap
-}
-
-// fullListener is blackhole's listener: new SYNs are dropped until one of
-// the queued connections is taken with accept(fd).
-func fullListener(t *testing.T) (netip.AddrPort, int) {
-	t.Helper()
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Listen(fd, 0); err != nil {
-		t.Fatal(err)
-	}
-	sa, _ := syscall.Getsockname(fd)
-	ap := netip.AddrPortFrom(loopback, uint16(sa.(*syscall.SockaddrInet4).Port))
-	var fillers []net.Conn
-	t.Cleanup(func() {
-		for _, c := range fillers {
-			c.Close()
-		}
-		syscall.Close(fd)
-	})
-	// Fill the accept queue until a dial no longer completes.
-	for i := 0; i < 8; i++ {
-		c, err := net.DialTimeout("tcp4", ap.String(), 200*time.Millisecond)
-		if err != nil {
-			return ap, fd
-		}
-		fillers = append(fillers, c)
-	}
-	t.Fatal("could not fill the accept queue of the blackhole listener")
-	return ap, fd
-}
+// Misbehaving peers (testutil/peers.go).
+func closedPort(t *testing.T) netip.AddrPort { return testutil.ClosedPort(t) }
+func blackhole(t *testing.T) netip.AddrPort  { return testutil.Blackhole(t) }
 
 // fetchName connects, reads the backend's name line and closes.
 func fetchName(t *testing.T, addr string) string {

@@ -11,9 +11,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // PortRange is --proxy-port-range: the local ports listeners may use. The zero
@@ -268,20 +267,18 @@ func formatReserved(resv map[int]bool) string {
 	return strings.Join(parts, ",")
 }
 
+// listenOn opens a TCP listener (*sock.Listener) or a UDP frontend socket
+// (*net.UDPConn from sock.ListenUDP) on ap and returns its port.
 func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
-	fam := "4"
-	if ap.Addr().Is6() {
-		fam = "6"
-	}
 	switch proto {
 	case "tcp":
-		ln, err := listenTCP(ap)
+		ln, err := sock.ListenTCP(ap)
 		if err != nil {
 			return nil, 0, fmt.Errorf("listen tcp %s: %w", ap, err)
 		}
 		return ln, int(ln.Addr().Port()), nil
 	case "udp":
-		c, err := net.ListenUDP("udp"+fam, net.UDPAddrFromAddrPort(ap))
+		c, err := sock.ListenUDP(ap)
 		if err != nil {
 			return nil, 0, fmt.Errorf("listen udp %s: %w", ap, err)
 		}
@@ -290,27 +287,7 @@ func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
 	return nil, 0, fmt.Errorf("unknown protocol %q", proto)
 }
 
-// Keep-alive probing of proxied connections, as Go's defaults: the first
-// probe after 15 s of silence, then every 15 s, the kernel's probe count.
-// Accepted sockets inherit it from their listener (listenTCP).
-const (
-	keepAliveIdle     = 15 * time.Second
-	keepAliveInterval = 15 * time.Second
-)
-
-// RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit: every proxied
-// TCP connection holds two sockets, and the default soft limit of 1024 would
-// cap the proxy at a few hundred connections.
-func RaiseFileLimit() (uint64, error) {
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		return 0, fmt.Errorf("getrlimit: %w", err)
-	}
-	if lim.Cur < lim.Max {
-		lim.Cur = lim.Max
-		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-			return 0, fmt.Errorf("setrlimit NOFILE %d: %w", lim.Max, err)
-		}
-	}
-	return lim.Cur, nil
-}
+// RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit and returns
+// it: every proxied TCP connection holds two sockets, and the default soft
+// limit of 1024 would cap the proxy at a few hundred connections.
+func RaiseFileLimit() (uint64, error) { return sock.RaiseFileLimit() }

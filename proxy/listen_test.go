@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // With no --proxy-port-range the allocator picks from the kernel's local
@@ -32,7 +34,7 @@ func TestKernelRangeAllocation(t *testing.T) {
 			t.Logf("listener %d: %v", i, err)
 			continue
 		}
-		defer func() { ln.(*tcpListener).Close(); release() }()
+		defer func() { ln.(*sock.Listener).Close(); release() }()
 		if port < base+5 || port > base+8 || seen[port] {
 			t.Fatalf("port %d: want one of %d-%d, each once (got %v before)", port, base+5, base+8, seen)
 		}
@@ -58,7 +60,7 @@ func TestKernelRangeUnreadable(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer release()
-		defer ln.(*tcpListener).Close()
+		defer ln.(*sock.Listener).Close()
 		if port == 0 {
 			t.Fatal("no port")
 		}
@@ -118,7 +120,7 @@ func TestPortRangePerProtocol(t *testing.T) {
 	if err != nil {
 		t.Skipf("port %d taken meanwhile: %v", p, err)
 	}
-	defer func() { tl.(*tcpListener).Close(); trel() }()
+	defer func() { tl.(*sock.Listener).Close(); trel() }()
 	ul, up, urel, err := a.listen("udp", loopback)
 	if err != nil {
 		t.Fatalf("UDP listener on the range's only port: %v", err)

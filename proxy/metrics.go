@@ -51,8 +51,17 @@ var (
 		Name: "kube_userspace_proxy_dial_attempts_total", Help: "Dials to endpoints.",
 	}, []string{"service", "endpoint"})
 	dialFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_dial_failures_total", Help: "Dials to endpoints that failed.",
+		Name: "kube_userspace_proxy_dial_failures_total",
+		Help: "Dials to endpoints that failed, by why: refused, timeout, unreachable, reset, file limit, cancelled, error.",
+	}, []string{"service", "endpoint", "reason"})
+	endpointEjections = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_endpoint_ejections_total",
+		Help: "Times an endpoint was ejected from new picks after failures in a row (passive outlier detection).",
 	}, []string{"service", "endpoint"})
+	udpEndpointErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_udp_endpoint_errors_total",
+		Help: "Errors on UDP flows' endpoint sockets (ICMP port or host unreachable), by why: refused, unreachable, error.",
+	}, []string{"service", "endpoint", "reason"})
 	retries = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_retries_total", Help: "Dials retried on another endpoint after a failure.",
 	}, []string{"service"})
@@ -79,7 +88,8 @@ func RegisterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(syncDuration, syncLast, syncLastQueued, programmingDuration,
 		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration)
+		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
+		endpointEjections, udpEndpointErrors, ejected)
 }
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking
@@ -123,6 +133,53 @@ func (m *feMetrics) get() *feSeries {
 	return m.series
 }
 
+// ejectedCollector reports the endpoints ejected now, read from the live
+// balancers at scrape time: a gauge series per ejected endpoint only, so its
+// size follows failures, not the cluster, and an ejection that ran out
+// leaves no stale 1 behind.
+type ejectedCollector struct {
+	mu       sync.Mutex
+	proxiers map[*Proxier]bool
+}
+
+var (
+	ejected     = &ejectedCollector{proxiers: map[*Proxier]bool{}}
+	ejectedDesc = prometheus.NewDesc("kube_userspace_proxy_endpoints_ejected",
+		"1 for each endpoint ejected now from new picks after failures in a row (passive outlier detection).",
+		[]string{"service", "endpoint"}, nil)
+)
+
+// watch adds (or, with on false, removes) p's balancers to what is reported.
+func (c *ejectedCollector) watch(p *Proxier, on bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if on {
+		c.proxiers[p] = true
+	} else {
+		delete(c.proxiers, p)
+	}
+}
+
+func (c *ejectedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- ejectedDesc }
+
+func (c *ejectedCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	type series struct{ service, endpoint string }
+	seen := map[series]bool{} // two listeners of a port (traffic policies differ) may eject the same endpoint
+	for p := range c.proxiers {
+		p.eachLive(func(fe *frontend) {
+			for _, h := range fe.bal.Health() {
+				s := series{fe.m.service, h.Endpoint.String()}
+				if h.EjectedUntil != nil && !seen[s] {
+					seen[s] = true
+					ch <- prometheus.MustNewConstMetric(ejectedDesc, prometheus.GaugeValue, 1, s.service, s.endpoint)
+				}
+			}
+		})
+	}
+}
+
 // deleteServiceMetrics drops every series of a service port that is no longer
 // served. Connections still draining keep counting into their detached
 // series; a service that comes back starts from zero, which Prometheus reads
@@ -131,7 +188,7 @@ func deleteServiceMetrics(service string) {
 	match := prometheus.Labels{"service": service}
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
+		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration, endpointEjections, udpEndpointErrors,
 	} {
 		v.DeletePartialMatch(match)
 	}

@@ -34,6 +34,10 @@ type Config struct {
 
 	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
+	// Outlier is passive outlier detection (outlier.go); the zero value
+	// turns it off. A Service turns it off for itself with the annotation
+	// kube-userspace-proxy.io/outlier-detection: "off".
+	Outlier OutlierConfig
 	UDPTimeout     time.Duration   // DefaultUDPTimeout when 0
 	UDPMaxFlows    int             // per frontend; DefaultUDPMaxFlows when 0
 
@@ -68,14 +72,14 @@ const (
 	ConnLogNone   ConnLogMode = "none"
 )
 
-func (c *Config) logConn(cause Cause) bool {
+func (c *Config) logConn(protocol config.Protocol, cause Cause) bool {
 	switch c.ConnLogMode {
 	case ConnLogAll:
 		return true
 	case ConnLogNone:
 		return false
 	}
-	return !cause.Normal()
+	return !cause.Normal(protocol)
 }
 
 func (c *Config) dialTimeouts() []time.Duration {
@@ -196,11 +200,18 @@ func (p *Proxier) Update(st *config.State) {
 // closes every listener, waits up to grace for open connections and returns.
 func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	p.ctx = ctx
+	ejected.watch(p, true)
+	defer ejected.watch(p, false)
 	stopWorkers, workersDone := make(chan struct{}), make(chan struct{})
 	go func() { p.workers.Run(stopWorkers); close(workersDone) }()
 	copiersDone := make(chan struct{})
 	go func() { p.copiers.Run(stopWorkers); close(copiersDone) }()
 	defer func() { close(stopWorkers); <-workersDone; <-copiersDone }() // after shutdown: no handler left
+	if idle := p.cfg.TCPIdleTimeout; idle > 0 {
+		swept := make(chan struct{})
+		go func() { p.conns.sweepIdle(ctx, idle); close(swept) }()
+		defer func() { <-swept }()
+	}
 	minPeriod, period := p.cfg.MinSyncPeriod, p.cfg.SyncPeriod
 	if period <= 0 {
 		period = 30 * time.Second
@@ -390,7 +401,7 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 			// Sources reuse an unchanged port's pointer: only changed
 			// ports cost anything here.
 			fe.spec = sp
-			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout)
+			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout, p.outlierFor(sp))
 		}
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr})

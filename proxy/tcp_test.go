@@ -3,20 +3,26 @@ package proxy
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
+	"github.com/sirupsen/logrus"
 )
+
+// tcpClose is the kernel's TCP state CLOSE (testutil.TCPState).
+const tcpClose = 7
 
 func TestTCPRoundRobin(t *testing.T) {
 	h := startProxier(t, Config{})
@@ -129,13 +135,8 @@ func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
 					return
 				}
 				_, _ = c.Write([]byte("late reply\n"))
-				raw, _ := c.(*net.TCPConn).SyscallConn()
 				for {
-					var state byte
-					_ = raw.Control(func(fd uintptr) {
-						state, _ = unix.GetsockoptByte(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
-					})
-					if state == tcpClose {
+					if testutil.TCPState(c.(*net.TCPConn)) == tcpClose {
 						backendReset <- nil
 						return
 					}
@@ -173,64 +174,6 @@ func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
 		case <-time.After(20 * time.Second):
 			t.Fatal("a backend connection was never reset")
 		}
-	}
-}
-
-// Both sockets of a proxied connection probe a silent peer: the client's
-// inherits keep-alive from the listener, the backend's is set at dial.
-func TestTCPOptionsOnBothSockets(t *testing.T) {
-	h := startProxier(t, Config{})
-	h.apply(svc("ka", config.TCP, tcpBackend(t, "a")))
-	c, err := net.Dial("tcp", h.addr("ka"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	if _, err := bufio.NewReader(c).ReadString('\n'); err != nil {
-		t.Fatal(err) // the backend's greeting: the connection is spliced
-	}
-	var rec *connRecord
-	waitFor(t, "connection record with both sockets", func() bool {
-		for _, r := range h.p.conns.list() {
-			r.mu.Lock()
-			ok := r.backend != nil
-			r.mu.Unlock()
-			if ok {
-				rec = r
-				return true
-			}
-		}
-		return false
-	})
-	rec.mu.Lock()
-	socks := map[string]*sock{"client": rec.client, "backend": rec.backend}
-	rec.mu.Unlock()
-	for side, sk := range socks {
-		_ = sk.control(func(fd int) {
-			for _, o := range []struct {
-				name       string
-				level, opt int
-				want       int
-			}{
-				{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-				{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 15},
-				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 15},
-				{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
-			} {
-				got, err := unix.GetsockoptInt(fd, o.level, o.opt)
-				if err != nil || got != o.want {
-					t.Errorf("%s socket: %s = %d (%v), want %d", side, o.name, got, err, o.want)
-				}
-			}
-			// The accepted socket inherits TCP_INQ too; the copy relies on
-			// rec.client.inq matching it.
-			if side == "client" {
-				got, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ)
-				if err != nil || (got == 1) != sk.inq {
-					t.Errorf("client socket: TCP_INQ = %d (%v), inq flag %v", got, err, sk.inq)
-				}
-			}
-		})
 	}
 }
 
@@ -409,4 +352,127 @@ func TestShutdownClosesConnections(t *testing.T) {
 	}
 	// The cleanup of startProxier cancels Run; goleak in TestMain proves
 	// the connection's goroutines ended with it.
+}
+
+// stuckBackend accepts connections and never reads from them: a client that
+// keeps sending fills every buffer on the way, and the proxy's upstream copy
+// parks writing to it.
+func stuckBackend(t *testing.T) netip.AddrPort {
+	t.Helper()
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var held []net.Conn
+	done := make(chan struct{})
+	t.Cleanup(func() {
+		ln.Close()
+		<-done
+		mu.Lock()
+		for _, c := range held {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// pushUntilStuck connects to addr and writes until the writes stall (every
+// buffer between it and a backend that does not read is full). The writer
+// goes on in the background until the connection ends.
+func pushUntilStuck(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	var written atomic.Int64
+	go func() {
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := c.Write(buf)
+			written.Add(int64(n))
+			if err != nil {
+				return
+			}
+		}
+	}()
+	last := int64(-1)
+	testutil.WaitFor(t, "the client's writes to stall", 20*time.Second, 200*time.Millisecond, func() bool {
+		w := written.Load()
+		stuck := w > 0 && w == last
+		last = w
+		return stuck
+	})
+	return c
+}
+
+// The idle timeout ends a pair whose bytes stopped moving although a copy is
+// parked writing to a backend that stopped reading (no read deadline of its
+// could fire), and the teardown does not wait for that write.
+func TestTCPIdleTimeoutStuckBackend(t *testing.T) {
+	const idle = time.Second
+	h := startProxier(t, Config{TCPIdleTimeout: idle})
+	h.apply(svc("stuck", config.TCP, stuckBackend(t)))
+	c := pushUntilStuck(t, h.addr("stuck"))
+	stalled := time.Now()
+	waitFor(t, "the pair to end", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
+	// The stall began up to ~0.4 s before it was seen; the watch ends a
+	// quiet pair within 1.25 idle of its last byte. Loaded machines add
+	// scheduling delay only, so the bound is one-sided and generous.
+	if d := time.Since(stalled); d > 5*idle {
+		t.Errorf("ended %v after the stall, want about %v", d, idle)
+	}
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseIdleTimeout.String() {
+		t.Fatalf("cause %v, want %q", f["cause"], CauseIdleTimeout)
+	}
+	// The client sees its connection end.
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("client read after the idle timeout: %v, want EOF or a reset", err)
+	}
+}
+
+// Shutdown with a pair parked writing to a stuck backend ends within the
+// grace period plus a little: the grace is a hard bound.
+func TestShutdownGraceIsHardBound(t *testing.T) {
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	p := New(Config{BindAddress: loopback, MinSyncPeriod: time.Millisecond, Log: log})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	const grace = 500 * time.Millisecond
+	go func() { p.Run(ctx, grace); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
+	sp := svc("stuck", config.TCP, stuckBackend(t))
+	st.Ports[sp.Name] = sp
+	p.Update(st)
+	var port int
+	waitFor(t, "the listener", func() bool { port = p.ListenPort(sp.Name, 4, KindAll); return port != 0 })
+	pushUntilStuck(t, fmt.Sprintf("127.0.0.1:%d", port))
+	start := time.Now()
+	cancel()
+	select {
+	case <-done:
+		if d := time.Since(start); d < grace {
+			t.Errorf("Run returned after %v, before the grace period (%v) for a live connection", d, grace)
+		}
+	case <-time.After(grace + 5*time.Second):
+		t.Fatalf("Run still running %v after shutdown began (grace %v)", grace+5*time.Second, grace)
+	}
 }

@@ -22,9 +22,10 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/sirupsen/logrus"
-	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // maxDatagram is the largest UDP payload: nothing is ever truncated.
@@ -41,60 +42,11 @@ const DefaultUDPTimeout = 30 * time.Second
 // one socket, so a flood of client addresses cannot exhaust descriptors.
 const DefaultUDPMaxFlows = 4096
 
-// Socket buffer sizes. A client sends in bursts faster than one read loop
-// drains at times; the kernel's default receive buffer (~208 KiB, about 270
-// small datagrams) dropped datagrams at 50k/s in the benchmark
-// (UdpRcvbufErrors), so the frontend socket asks for more. Per-flow sockets
-// carry one client's replies and get less. A buffer is a limit, not memory
-// taken up front.
-const (
-	udpListenerBuffer = 4 << 20
-	udpFlowBuffer     = 1 << 20
-)
-
-// setUDPBuffers sets both buffers of c to size: SO_RCVBUFFORCE and
-// SO_SNDBUFFORCE with CAP_NET_ADMIN (which the daemon has to program
-// iptables), else the plain options, which the kernel caps at
-// net.core.rmem_max / wmem_max.
-func setUDPBuffers(c *net.UDPConn, size int) {
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return
-	}
-	_ = raw.Control(func(fd uintptr) {
-		for _, o := range [][2]int{{unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}, {unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}} {
-			if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[0], size) != nil {
-				_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[1], size)
-			}
-		}
-	})
-}
-
-// udpSocket is a frontend socket that reports the local address each
-// datagram arrived on.
+// udpSocket is a frontend socket (sock.ListenUDP), which reports the local
+// address each datagram arrived on.
 type udpSocket struct {
 	conn   *net.UDPConn
 	family int
-}
-
-func newUDPSocket(c *net.UDPConn, family int) (*udpSocket, error) {
-	setUDPBuffers(c, udpListenerBuffer)
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
-	level, opt := unix.IPPROTO_IP, unix.IP_PKTINFO
-	if family == 6 {
-		level, opt = unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO
-	}
-	var serr error
-	if err := raw.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), level, opt, 1) }); err != nil {
-		return nil, err
-	}
-	if serr != nil {
-		return nil, os.NewSyscallError("setsockopt", serr)
-	}
-	return &udpSocket{conn: c, family: family}, nil
 }
 
 // udpFlow is one client ip:port talking to one endpoint.
@@ -104,20 +56,48 @@ type udpFlow struct {
 	endpoint netip.AddrPort
 	reason   Reason
 	backend  *net.UDPConn
-	out      *dgramSender  // to backend; used by the frontend's read loop only
+	out      *sock.Sender  // to backend; used by the frontend's read loop only
 	elem     *list.Element // in udpFlows.lru
 	start    time.Time
 	lastSeen atomic.Int64  // unix nanos of the last datagram either way
 	up, down atomic.Int64  // bytes
 	cause    atomic.Uint32 // a Cause: why it ended; the first one set wins
 	err      atomic.Value  // an errBox: the endpoint socket's error, with CauseEndpointError
+
+	failovers int // endpoints of this client's exchange that failed before this flow's
+
+	lastMu sync.Mutex // guards last
+	last   []byte     // the last datagram sent to the endpoint, if small: re-sent after a failover
+}
+
+// maxResend is the largest datagram a flow keeps to re-send on another
+// endpoint when its endpoint fails (a DNS query with EDNS fits): the copy
+// is bounded, and bulk datagrams are not worth keeping.
+const maxResend = 4096
+
+// keep remembers b as the last datagram sent, if it is small enough.
+func (fl *udpFlow) keep(b []byte) {
+	fl.lastMu.Lock()
+	if len(b) <= maxResend {
+		fl.last = append(fl.last[:0], b...)
+	} else {
+		fl.last = fl.last[:0]
+	}
+	fl.lastMu.Unlock()
+}
+
+func (fl *udpFlow) lastDatagram() []byte {
+	fl.lastMu.Lock()
+	defer fl.lastMu.Unlock()
+	return append([]byte(nil), fl.last...)
 }
 
 func (fl *udpFlow) touch() { fl.lastSeen.Store(time.Now().UnixNano()) }
 
 // udpFlows is a frontend's flow table.
 type udpFlows struct {
-	mu      sync.Mutex // guards flows and lru
+	mu      sync.Mutex // guards flows, lru and closed
+	closed  bool       // closeFlows ran: no new flow (a failover may still try)
 	flows   map[netip.AddrPort]*udpFlow
 	lru     list.List // front: most recently used
 	evicted atomic.Uint64
@@ -127,14 +107,14 @@ type udpFlows struct {
 // serveUDP reads datagrams until the socket is closed.
 func (f *frontend) serveUDP(s *udpSocket) {
 	buf := make([]byte, maxDatagram)
-	in, err := newDgramReceiver(s.conn, s.family, true)
+	in, err := sock.NewReceiver(s.conn, s.family, true)
 	if err != nil {
 		f.log.WithError(err).Error("UDP socket unusable; service port not served")
 		return
 	}
 	var backoff time.Duration
 	for {
-		n, from, to, err := in.receive(buf)
+		n, from, to, err := in.Receive(buf)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
@@ -154,9 +134,10 @@ func (f *frontend) serveUDP(s *udpSocket) {
 			continue // no endpoint: dropped (counted and logged in flowFor)
 		}
 		fl.touch()
-		if err := fl.out.send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
+		fl.keep(buf[:n])
+		if err := fl.out.Send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
 			f.log.WithFields(logrus.Fields{"client": from, "endpoint": fl.endpoint}).WithError(err).Debug("UDP send to endpoint failed")
-			f.failFlow(fl, fmt.Errorf("send: %w", err))
+			f.endpointFailed(s, fl, fmt.Errorf("send: %w", err))
 			continue
 		}
 		fl.up.Add(int64(n))
@@ -164,8 +145,8 @@ func (f *frontend) serveUDP(s *udpSocket) {
 	}
 }
 
-// flowFor returns the client's flow, creating it (and evicting the least
-// recently used flow when the table is full) if needed. nil: no endpoint.
+// flowFor returns the client's flow, creating it if needed. nil: no
+// endpoint (or no socket) for it.
 func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr) *udpFlow {
 	t := &f.udp
 	t.mu.Lock()
@@ -175,43 +156,72 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 		return fl
 	}
 	t.mu.Unlock()
+	return f.newFlow(s, &udpFlow{client: client, local: local}, netip.AddrPort{}, nil)
+}
 
-	var backend *net.UDPConn
-	var fl *udpFlow
-	for attempt := 0; attempt < len(DefaultDialTimeouts); attempt++ {
+// newFlow opens the flow fl (client and local set) to an endpoint the
+// balancer picks, other than avoid, sends resend on it first if given, and
+// puts it in the table (evicting the least recently used flow when the table
+// is full). nil: no endpoint (or no socket) for it.
+func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, resend []byte) *udpFlow {
+	client := fl.client
+	for attempt := fl.failovers; ; attempt++ {
+		if attempt >= len(DefaultDialTimeouts) {
+			return nil
+		}
 		ep, why, ok := f.bal.Pick(client.Addr(), attempt)
 		if !ok {
 			f.m.get().noEndpoints.Inc()
 			f.log.WithField("client", client).Debug("UDP datagram dropped: no endpoints")
 			return nil
 		}
-		c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
-		var out *dgramSender
+		if ep == avoid {
+			continue // the endpoint that just failed: the next pick moves on
+		}
+		c, err := sock.DialUDP(ep)
+		var out *sock.Sender
 		if err == nil {
-			setUDPBuffers(c, udpFlowBuffer)
-			if out, err = newDgramSender(c, config.Family(ep.Addr())); err != nil {
+			if out, err = sock.NewSender(c, config.Family(ep.Addr())); err != nil {
 				c.Close()
 			}
 		}
 		if err != nil {
 			f.log.WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
-			if isFileLimit(err) {
+			if sock.IsFileLimit(err) {
 				return nil
 			}
 			continue
 		}
-		backend = c
-		fl = &udpFlow{client: client, local: local, endpoint: ep, reason: why, backend: c, out: out, start: time.Now()}
+		fl.endpoint, fl.reason, fl.backend, fl.out, fl.start = ep, why, c, out, time.Now()
 		break
 	}
-	if fl == nil {
-		return nil
-	}
 	fl.touch()
+	if resend != nil {
+		// Before the flow is in the table: the frontend's read loop, the
+		// sender's other user, cannot see it yet.
+		fl.keep(resend)
+		if err := fl.out.Send(resend, netip.Addr{}, netip.AddrPort{}); err == nil {
+			fl.up.Add(int64(len(resend)))
+			f.m.get().bytesIn.Add(float64(len(resend)))
+		}
+	}
 
+	t := &f.udp
 	t.mu.Lock()
 	if t.flows == nil {
 		t.flows = make(map[netip.AddrPort]*udpFlow)
+	}
+	if t.closed {
+		t.mu.Unlock()
+		fl.backend.Close()
+		return nil
+	}
+	if cur, ok := t.flows[client]; ok {
+		// The read loop made one meanwhile (a failover racing a new
+		// datagram): keep that one.
+		t.mu.Unlock()
+		fl.backend.Close()
+		return cur
 	}
 	var victim *udpFlow
 	if max := f.p.cfg.udpMaxFlows(); len(t.flows) >= max {
@@ -232,7 +242,7 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 		victim.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEvicted))
 		victim.backend.Close() // its reply goroutine logs and exits
 	}
-	go f.replies(s, fl, backend)
+	go f.replies(s, fl, fl.backend)
 	return fl
 }
 
@@ -257,11 +267,35 @@ func (f *frontend) endFlow(fl *udpFlow, cause Cause) {
 }
 
 // failFlow ends fl because its endpoint socket failed with err.
-func (f *frontend) failFlow(fl *udpFlow, err error) {
-	if fl.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEndpointError)) {
+func (f *frontend) failFlow(fl *udpFlow, err error) bool {
+	first := fl.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEndpointError))
+	if first {
 		fl.err.Store(errBox{err})
 	}
 	f.endFlow(fl, CauseEndpointError)
+	return first
+}
+
+// endpointFailed handles an error of fl's endpoint socket, seen by the read
+// loop (a send) or the reply loop (a receive). An ICMP error (port or host
+// unreachable) counts against the endpoint for ejection, and the client's
+// exchange moves to another endpoint with its last datagram re-sent: the
+// client gets an answer instead of waiting out its timeout. Only the first
+// of the two loops to see the failure acts on it.
+func (f *frontend) endpointFailed(s *udpSocket, fl *udpFlow, err error) {
+	if !f.failFlow(fl, err) {
+		return
+	}
+	reason := sock.DatagramFailure(err)
+	udpEndpointErrors.WithLabelValues(f.m.service, fl.endpoint.String(), reason).Inc()
+	if reason == "error" {
+		return // not the endpoint's fault: no ejection, no failover
+	}
+	f.report(fl.endpoint, reason)
+	next := &udpFlow{client: fl.client, local: fl.local, failovers: fl.failovers + 1}
+	if last := fl.lastDatagram(); len(last) > 0 {
+		f.newFlow(s, next, fl.endpoint, last)
+	}
 }
 
 type errBox struct{ error }
@@ -273,14 +307,15 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 	timeout := f.p.cfg.udpTimeout()
 	buf := make([]byte, maxDatagram)
 	// This goroutine's own, as they hold the datagram in flight.
-	toClient, serr := newDgramSender(s.conn, s.family)
-	var fromBackend *dgramReceiver
+	toClient, serr := sock.NewSender(s.conn, s.family)
+	var fromBackend *sock.Receiver
 	if serr == nil {
-		fromBackend, serr = newDgramReceiver(backend, s.family, false)
+		fromBackend, serr = sock.NewReceiver(backend, s.family, false)
 	}
 	if serr != nil {
 		f.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
 	}
+	answered := false
 	for serr == nil {
 		last := time.Unix(0, fl.lastSeen.Load())
 		if time.Since(last) >= timeout {
@@ -288,7 +323,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			break
 		}
 		_ = backend.SetReadDeadline(last.Add(timeout))
-		n, _, _, err := fromBackend.receive(buf)
+		n, _, _, err := fromBackend.Receive(buf)
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				continue // re-check: the client may have sent meanwhile
@@ -296,19 +331,25 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			if errors.Is(err, net.ErrClosed) {
 				f.endFlow(fl, CauseShutdown)
 			} else {
-				f.failFlow(fl, err)
+				f.endpointFailed(s, fl, err)
 			}
 			break
 		}
+		if !answered {
+			answered = true
+			f.report(fl.endpoint, "") // the endpoint is alive
+		}
 		fl.touch()
-		if err := toClient.send(buf[:n], fl.local, fl.client); err != nil {
+		if err := toClient.Send(buf[:n], fl.local, fl.client); err != nil {
 			f.log.WithField("client", fl.client).WithError(err).Debug("UDP reply to client failed")
 			continue
 		}
 		fl.down.Add(int64(n))
 		f.m.get().bytesOut.Add(float64(n))
 	}
-	l := endLine{protocol: config.UDP, client: fl.client, origDst: fl.local.String(), endpoint: fl.endpoint, reason: fl.reason,
+	// origDst stays out: the datagram arrived redirected, on fl.local, and
+	// the address and port the client sent to are only in conntrack.
+	l := endLine{protocol: config.UDP, client: fl.client, endpoint: fl.endpoint, reason: fl.reason,
 		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load())}
 	if e, ok := fl.err.Load().(errBox); ok {
 		l.err = e.error
@@ -319,6 +360,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 // closeFlows ends every flow (the frontend is going away) and waits for them.
 func (f *frontend) closeFlows() {
 	f.udp.mu.Lock()
+	f.udp.closed = true
 	var all []*udpFlow
 	for _, fl := range f.udp.flows {
 		all = append(all, fl)

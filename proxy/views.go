@@ -73,6 +73,15 @@ func (p *Proxier) Affinities(fe Frontend) []Affinity {
 	return nil
 }
 
+// EndpointHealth returns the outlier state of every endpoint of the frontend fe
+// names (outlier.go), as of now.
+func (p *Proxier) EndpointHealth(fe Frontend) []EndpointHealth {
+	if live := p.liveFrontend(fe); live != nil {
+		return live.bal.Health()
+	}
+	return nil
+}
+
 // UDPFlows returns the live and the evicted flow counts of the UDP frontend
 // fe names.
 func (p *Proxier) UDPFlows(fe Frontend) (active int, evicted uint64) {
@@ -93,4 +102,14 @@ func (p *Proxier) liveFrontend(fe Frontend) *frontend {
 	p.liveMu.RLock()
 	defer p.liveMu.RUnlock()
 	return p.frontends[fe.key()]
+}
+
+// eachLive calls fn for every live frontend, holding the read side of
+// liveMu: fn must not block.
+func (p *Proxier) eachLive(fn func(*frontend)) {
+	p.liveMu.RLock()
+	defer p.liveMu.RUnlock()
+	for _, fe := range p.frontends {
+		fn(fe)
+	}
 }

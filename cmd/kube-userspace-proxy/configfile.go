@@ -42,7 +42,13 @@ type fileConfig struct {
 	TCPIdleTimeout *string `json:"tcpIdleTimeout,omitempty"`
 	UDPMaxFlows    *int    `json:"udpMaxFlows,omitempty"`
 	ShutdownGrace  *string `json:"shutdownGrace,omitempty"`
-	ConnectionLog  *string `json:"connectionLog,omitempty"`
+	// Outlier is --outlier-*.
+	Outlier *struct {
+		ConsecutiveFailures *int    `json:"consecutiveFailures,omitempty"`
+		BaseEjectionTime    *string `json:"baseEjectionTime,omitempty"`
+		MaxEjectionTime     *string `json:"maxEjectionTime,omitempty"`
+	} `json:"outlierDetection,omitempty"`
+	ConnectionLog *string `json:"connectionLog,omitempty"`
 	// SchedulingPolicy is --scheduling-policy.
 	SchedulingPolicy *string `json:"schedulingPolicy,omitempty"`
 	LogLevel         *string `json:"logLevel,omitempty"`
@@ -100,6 +106,15 @@ func applyConfigFile(path string, fs *pflag.FlagSet, origin map[string]string) e
 	if fc.UDPMaxFlows != nil {
 		v := fmt.Sprint(*fc.UDPMaxFlows)
 		settings = append(settings, setting{"udpMaxFlows", "udp-max-flows", &v})
+	}
+	if o := fc.Outlier; o != nil {
+		if o.ConsecutiveFailures != nil {
+			v := fmt.Sprint(*o.ConsecutiveFailures)
+			settings = append(settings, setting{"outlierDetection.consecutiveFailures", "outlier-consecutive-failures", &v})
+		}
+		settings = append(settings,
+			setting{"outlierDetection.baseEjectionTime", "outlier-base-ejection-time", dur(o.BaseEjectionTime)},
+			setting{"outlierDetection.maxEjectionTime", "outlier-max-ejection-time", dur(o.MaxEjectionTime)})
 	}
 	settings = append(settings,
 		setting{"hostnameOverride", "hostname-override", str(fc.HostnameOverride)},

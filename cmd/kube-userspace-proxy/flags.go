@@ -27,6 +27,7 @@ type options struct {
 	udpTimeout       time.Duration
 	udpMaxFlows      int
 	tcpIdleTimeout   time.Duration
+	outlier          proxy.OutlierConfig
 	minSyncPeriod    time.Duration
 	syncPeriod       time.Duration
 	shutdownGrace    time.Duration
@@ -74,6 +75,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
+	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", proxy.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
+	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", proxy.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
+	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", proxy.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
 	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules (bursts are merged).")
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
@@ -129,10 +133,15 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		{"sync-period", o.syncPeriod, time.Second},
 		{"tcp-idle-timeout", o.tcpIdleTimeout, 0},
 		{"shutdown-grace", o.shutdownGrace, 0},
+		{"outlier-base-ejection-time", o.outlier.BaseEjectionTime, time.Millisecond},
+		{"outlier-max-ejection-time", o.outlier.MaxEjectionTime, o.outlier.BaseEjectionTime},
 	} {
 		if d.v < d.min {
 			return nil, fmt.Errorf("%s: %s is below the minimum %s", o.name(d.flag), d.v, d.min)
 		}
+	}
+	if o.outlier.ConsecutiveFailures < 0 {
+		return nil, fmt.Errorf("%s: %d must not be negative", o.name("outlier-consecutive-failures"), o.outlier.ConsecutiveFailures)
 	}
 	if o.udpMaxFlows < 1 {
 		return nil, fmt.Errorf("%s: %d must be at least 1", o.name("udp-max-flows"), o.udpMaxFlows)

@@ -113,6 +113,9 @@ type serviceView struct {
 	Affinity    string           `json:"affinityTimeout,omitempty"`
 	Pins        []proxy.Affinity `json:"affinity,omitempty"`
 	UDPFlows    *int             `json:"udpFlows,omitempty"`
+	// Health is the outlier state of the endpoints this listener picks
+	// from: failures in a row, ejections, ejected until when.
+	Health []proxy.EndpointHealth `json:"endpointHealth,omitempty"`
 }
 
 // services maps each service port to its listener, addresses, endpoints
@@ -122,7 +125,7 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	for _, fe := range d.p.Frontends() {
 		sp := fe.Service
 		v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
-			Port: sp.Port, NodePort: sp.NodePort, Pins: d.p.Affinities(fe)}
+			Port: sp.Port, NodePort: sp.NodePort, Pins: d.p.Affinities(fe), Health: d.p.EndpointHealth(fe)}
 		if fe.Err != nil {
 			v.Error = fe.Err.Error()
 		} else {
@@ -177,6 +180,14 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(v.Endpoints, " "))
+		for _, h := range v.Health {
+			switch {
+			case h.EjectedUntil != nil:
+				fmt.Fprintf(w, "    %s EJECTED until %s (ejection %d in a row)\n", h.Endpoint, h.EjectedUntil.Format(time.RFC3339), h.Ejections)
+			case h.Failures > 0:
+				fmt.Fprintf(w, "    %s %d failure(s) in a row\n", h.Endpoint, h.Failures)
+			}
+		}
 		if v.Affinity != "" {
 			fmt.Fprintf(w, "  affinity: ClientIP for %s\n", v.Affinity)
 			for _, pin := range v.Pins {

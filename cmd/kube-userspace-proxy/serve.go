@@ -88,6 +88,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		BindAddress:         o.bindAddress,
 		PortRange:           o.portRange,
 		TCPIdleTimeout:      o.tcpIdleTimeout,
+		Outlier:             o.outlier,
 		UDPTimeout:          o.udpTimeout,
 		UDPMaxFlows:         o.udpMaxFlows,
 		MinSyncPeriod:       o.minSyncPeriod,

@@ -1,7 +1,7 @@
-package proxy
+package sock
 
 // Socket addresses in the kernel's layout, for the system calls the proxy
-// makes itself (sock.go, udpio.go). A unix.RawSockaddrInet6 is the storage
+// makes itself. A unix.RawSockaddrInet6 is the storage
 // for both families: a sockaddr_in fits in its first bytes.
 
 import (

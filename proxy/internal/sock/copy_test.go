@@ -1,4 +1,4 @@
-package proxy
+package sock
 
 import (
 	"context"
@@ -10,14 +10,14 @@ import (
 
 // sockPair returns a loopback TCP connection: the proxy's dialled end and
 // the net package's accepted end.
-func sockPair(tb testing.TB) (*sock, *net.TCPConn) {
+func sockPair(tb testing.TB) (*Conn, *net.TCPConn) {
 	tb.Helper()
 	ln, err := net.ListenTCP("tcp4", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	defer ln.Close()
-	a, err := dialTCP(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), time.Second)
+	a, err := DialTCP(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), time.Second)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -29,14 +29,14 @@ func sockPair(tb testing.TB) (*sock, *net.TCPConn) {
 }
 
 // BenchmarkSpliceCopyMessage sends one small message at a time through
-// spliceCopy and waits for it on the far side: the keep-alive pattern. Its
+// Copy and waits for it on the far side: the keep-alive pattern. Its
 // allocs/op are the copier's allocations per message.
 func BenchmarkSpliceCopyMessage(b *testing.B) {
 	src, client := sockPair(b)
 	dst, server := sockPair(b)
 	done := make(chan error, 1)
 	go func() {
-		_, err := spliceCopy(dst, src, func(int64) {})
+		_, err := Copy(dst, src, func(int64) {})
 		done <- err
 	}()
 	msg := make([]byte, 64)

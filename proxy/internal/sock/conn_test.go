@@ -1,4 +1,4 @@
-package proxy
+package sock
 
 import (
 	"context"
@@ -9,10 +9,12 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 func TestDialTCPRefused(t *testing.T) {
-	_, err := dialTCP(context.Background(), closedPort(t), time.Second)
+	_, err := DialTCP(context.Background(), testutil.ClosedPort(t), time.Second)
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("got %v, want ECONNREFUSED", err)
 	}
@@ -20,7 +22,7 @@ func TestDialTCPRefused(t *testing.T) {
 
 func TestDialTCPTimeout(t *testing.T) {
 	start := time.Now()
-	_, err := dialTCP(context.Background(), blackhole(t), 100*time.Millisecond)
+	_, err := DialTCP(context.Background(), testutil.Blackhole(t), 100*time.Millisecond)
 	if !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("got %v, want a timeout", err)
 	}
@@ -35,7 +37,7 @@ func TestDialTCPTimeout(t *testing.T) {
 
 // dialed is what a dialTCP run by dialAsync returned.
 type dialed struct {
-	s   *sock
+	s   *Conn
 	err error
 }
 
@@ -43,7 +45,7 @@ type dialed struct {
 func dialAsync(ctx context.Context, ep netip.AddrPort, timeout time.Duration) <-chan dialed {
 	done := make(chan dialed, 1)
 	go func() {
-		s, err := dialTCP(ctx, ep, timeout)
+		s, err := DialTCP(ctx, ep, timeout)
 		done <- dialed{s, err}
 	}()
 	return done
@@ -53,7 +55,7 @@ func dialAsync(ctx context.Context, ep netip.AddrPort, timeout time.Duration) <-
 // context does (shutdown), not at its timeout.
 func TestDialTCPCancelled(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
-	done := dialAsync(ctx, blackhole(t), time.Minute)
+	done := dialAsync(ctx, testutil.Blackhole(t), time.Minute)
 	// Usually the dial is waiting on the poller by now; if not, it sees the
 	// cancelled context when it starts to wait. Either way it must end.
 	time.Sleep(50 * time.Millisecond)
@@ -71,9 +73,9 @@ func TestDialTCPCancelled(t *testing.T) {
 // serve accepts every queued connection, gives the client's address, and
 // returns net.ErrClosed once the listener is closed.
 func TestListenerServe(t *testing.T) {
-	for _, ip := range []netip.Addr{loopback, netip.IPv6Loopback()} {
+	for _, ip := range []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()} {
 		t.Run(ip.String(), func(t *testing.T) {
-			ln, err := listenTCP(netip.AddrPortFrom(ip, 0))
+			ln, err := ListenTCP(netip.AddrPortFrom(ip, 0))
 			if err != nil {
 				if ip.Is6() {
 					t.Skipf("no IPv6 loopback: %v", err)
@@ -81,13 +83,13 @@ func TestListenerServe(t *testing.T) {
 				t.Fatal(err)
 			}
 			type accepted struct {
-				s    *sock
+				s    *Conn
 				from netip.AddrPort
 			}
 			got := make(chan accepted, 8)
 			served := make(chan error, 1)
 			go func() {
-				served <- ln.serve(func(s *sock, from netip.AddrPort) { got <- accepted{s, from} })
+				served <- ln.Serve(func(s *Conn, from netip.AddrPort) { got <- accepted{s, from} })
 			}()
 			for i := 0; i < 3; i++ {
 				c, err := net.Dial("tcp", ln.Addr().String())
@@ -100,7 +102,7 @@ func TestListenerServe(t *testing.T) {
 					if want := c.LocalAddr().(*net.TCPAddr).AddrPort(); a.from != want {
 						t.Errorf("client address %v, want %v", a.from, want)
 					}
-					if dst := originalDst(a.s, ln.Addr()); dst != ln.Addr() {
+					if dst := a.s.OriginalDst(ln.Addr()); dst != ln.Addr() {
 						t.Errorf("original destination %v, want the listener's %v", dst, ln.Addr())
 					}
 					a.s.Close()
@@ -126,7 +128,7 @@ func TestListenerServe(t *testing.T) {
 // here the listener's queue is full, so the first SYN is dropped, and a slot
 // is freed for its retransmission.
 func TestDialTCPWaitsForHandshake(t *testing.T) {
-	ap, fd := fullListener(t)
+	ap, fd := testutil.FullListener(t)
 	done := dialAsync(context.Background(), ap, 30*time.Second)
 	// The first SYN goes out at once and is dropped; freeing a slot any time
 	// before its retransmission (1 s later) lets the handshake finish then.
@@ -163,7 +165,7 @@ func TestDialTCPIPv6(t *testing.T) {
 		t.Skipf("no IPv6 loopback: %v", err)
 	}
 	defer ln.Close()
-	s, err := dialTCP(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), time.Second)
+	s, err := DialTCP(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package proxy
+package sock
 
 import (
 	"io"
@@ -10,11 +10,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// spliceCopy copies src to dst until EOF (nil) or an error. Like io.Copy
+// Copy copies src to dst until EOF (nil) or an error. Like io.Copy
 // between two *net.TCPConn it splices bulk data, but it holds no pipe and no
 // buffer while the connection is idle: io.Copy takes a pipe (two
 // descriptors) for its whole call, so an idle proxied connection held six
-// descriptors; here it holds its two sockets (sock.go).
+// descriptors; here it holds its two sockets.
 //
 // Each wake-up reads what src has into a pooled 32 KiB buffer and writes it
 // on in one piece; a full buffer means bulk data and the rest of the burst
@@ -27,8 +27,10 @@ import (
 // All of it runs inside one RawConn.Read callback that returns false to wait
 // for readability: RawConn.Read forgets earlier readiness when it begins, so
 // a fresh call would have to try a read first, one more system call per
-// message. Waiting uses Go's poller, so src's read deadline applies.
-func spliceCopy(dst, src *sock, count func(int64)) (int64, error) {
+// message. Waiting uses Go's poller; Abort on either socket ends the copy
+// with net.ErrClosed wherever it waits. count gets the bytes of every write,
+// so that a live connection's counters move while it runs.
+func Copy(dst, src *Conn, count func(int64)) (int64, error) {
 	out := newSink(dst)
 	var total int64
 	var cerr error // what ended the copy inside the callback; nil at EOF
@@ -181,7 +183,7 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 // copy, with its wait callback bound once, so that a message costs no
 // allocation (closures per write cost six per message).
 type sink struct {
-	s   *sock
+	s   *Conn
 	try func(fd uintptr) bool // s.attempt
 	// The write in progress: from buf with send(2) flags, or, when buf is
 	// nil, n bytes spliced from the pipe pipeR.
@@ -192,7 +194,7 @@ type sink struct {
 	err        error
 }
 
-func newSink(dst *sock) *sink {
+func newSink(dst *Conn) *sink {
 	s := &sink{s: dst}
 	s.try = s.attempt
 	return s

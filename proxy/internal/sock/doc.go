@@ -1,0 +1,39 @@
+// Package sock is the proxy's raw socket layer: every system call the data
+// path makes, errno handling, socket addresses in the kernel's layout and
+// descriptor ownership live here, so that the rest of package proxy reads
+// as ordinary Go.
+//
+// What it offers:
+//
+//   - TCP: ListenTCP and Listener.Serve (accept4 in a loop), DialTCP (a
+//     non-blocking connect that often finishes without a park), Copy (one
+//     direction of a proxied connection: small messages through a pooled
+//     buffer, bulk data through splice(2) and a pooled pipe), and on a Conn
+//     the calls a proxy needs: CloseWrite, SetResetOnClose, OriginalDst,
+//     WaitPeerReset.
+//   - UDP: ListenUDP and DialUDP (with the buffers and IP_PKTINFO the proxy
+//     needs), Sender and Receiver (sendmsg/recvmsg with the source and
+//     local addresses, without an allocation per datagram).
+//   - HoldPort (a bound, non-listening socket that keeps a port from other
+//     processes) and RaiseFileLimit.
+//
+// # Ownership
+//
+// A Conn has one owner: the goroutine that got it from Serve or DialTCP, or
+// the one it handed it to. Other goroutines may use it only as follows.
+//
+//   - Copy, CloseWrite, WaitPeerReset and the setters may run on other
+//     goroutines while the owner holds the Conn (one Copy per direction).
+//   - Abort may be called by anyone, any number of times, at any time, also
+//     after Close. It never waits: it marks the Conn done and wakes every
+//     read or write waiting on it, now or later, which then return
+//     net.ErrClosed. A Copy parked writing to a peer that stopped reading
+//     returns as promptly as one parked in a read. The descriptor stays open.
+//   - Close is the owner's, once, after every goroutine using the Conn has
+//     returned (abort first if they may be parked). Like os.File.Close it
+//     would otherwise wait for their system calls: closing one socket must
+//     never wait for I/O parked on another, which is what Abort is for.
+//
+// So the teardown of a pair of sockets is: Abort both (from wherever the
+// end is decided), let the copies return, then the owner closes both.
+package sock

@@ -1,0 +1,198 @@
+package sock
+
+import (
+	"fmt"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Listener is a listening TCP socket whose accepted sockets inherit
+// keep-alive, TCP_NODELAY and TCP_INQ from it: none of them costs a system
+// call per connection.
+type Listener struct {
+	c    *Conn
+	addr netip.AddrPort
+}
+
+// ListenTCP opens a listener on ap (port 0: the kernel picks one).
+func ListenTCP(ap netip.AddrPort) (*Listener, error) {
+	family := familyOf(ap)
+	fd, err := unix.Socket(domain(family), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, os.NewSyscallError("socket", err)
+	}
+	// As Go: SO_REUSEADDR lets a restart rebind ports in TIME_WAIT.
+	opts := append([]sockOpt{{unix.SOL_SOCKET, unix.SO_REUSEADDR, 1}}, connOptions[:]...)
+	if family == 6 {
+		opts = append(opts, sockOpt{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1})
+	}
+	for _, o := range opts {
+		if errno := o.set(fd); errno != 0 {
+			unix.Close(fd)
+			return nil, fmt.Errorf("listener option %d/%d: %w", o.level, o.opt, os.NewSyscallError("setsockopt", errno))
+		}
+	}
+	// TCP_INQ (Linux 4.18) lets a copy learn from each read whether the
+	// socket is drained; without it the copy reads until EAGAIN.
+	inq := sockOpt{unix.IPPROTO_TCP, unix.TCP_INQ, 1}.set(fd) == 0
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ap, family)
+	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("bind", errno)
+	}
+	if err := unix.Listen(fd, listenBacklog()); err != nil {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("listen", err)
+	}
+	if ap.Port() == 0 {
+		got, err := localAddr(fd)
+		if err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+		ap = netip.AddrPortFrom(ap.Addr(), got.Port())
+	}
+	c, err := newConn(fd)
+	if err != nil {
+		return nil, err
+	}
+	c.inq = inq
+	return &Listener{c: c, addr: ap}, nil
+}
+
+// Addr is the address the listener is bound to.
+func (l *Listener) Addr() netip.AddrPort { return l.addr }
+
+// Close stops the listener; Serve returns net.ErrClosed. Serve's callback
+// never waits, so Close does not either.
+func (l *Listener) Close() error { return l.c.Close() }
+
+// Serve accepts connections and gives each to handle, which must not block
+// (it runs inside the accept loop) and becomes the Conn's owner. It returns
+// when the listener is closed (net.ErrClosed) or accept fails (the error:
+// EMFILE, say; the caller backs off and serves again). It waits for new
+// connections inside one RawConn.Read, accepting until the queue is empty
+// before it waits again.
+func (l *Listener) Serve(handle func(c *Conn, client netip.AddrPort)) error {
+	var rsa unix.RawSockaddrInet6
+	var aerr error
+	err := l.c.read(func(fd uintptr) bool {
+		for {
+			n := uint32(unix.SizeofSockaddrInet6)
+			nfd, _, errno := unix.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)),
+				unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+			switch errno {
+			case 0:
+			case unix.EAGAIN:
+				return false
+			case unix.EINTR, unix.ECONNABORTED:
+				continue // the client gave up while queued: next one
+			default:
+				aerr = os.NewSyscallError("accept4", errno)
+				return true
+			}
+			c, err := newConn(int(nfd))
+			if err != nil {
+				aerr = err
+				return true
+			}
+			c.inq = l.c.inq
+			handle(c, sockaddrAddrPort(&rsa))
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return aerr
+}
+
+// Keep-alive probing of proxied connections, as Go's defaults: the first
+// probe after 15 s of silence, then every 15 s, the kernel's probe count.
+const (
+	keepAliveIdle     = 15 * time.Second
+	keepAliveInterval = 15 * time.Second
+)
+
+// connOptions are the options of both sockets of a proxied connection:
+// TCP_NODELAY, and keep-alive with the kernel's probe count. Accepted
+// sockets inherit them from the listener; a dial sets them.
+var connOptions = [...]sockOpt{
+	{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int32(keepAliveIdle / time.Second)},
+	{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int32(keepAliveInterval / time.Second)},
+}
+
+// listenBacklog is the kernel's somaxconn, as Go's net package uses.
+var listenBacklog = sync.OnceValue(func() int {
+	b, err := os.ReadFile("/proc/sys/net/core/somaxconn")
+	if err != nil {
+		return unix.SOMAXCONN
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || n <= 0 {
+		return unix.SOMAXCONN
+	}
+	return min(n, 1<<16-1)
+})
+
+// Hold is a socket bound to a port without listening on it, so that no
+// other process can take the port while nothing answers on it directly: a
+// connection that slips past the rules is refused rather than served.
+type Hold struct{ fd int }
+
+// HoldPort binds a TCP (udp false) or UDP socket to ap.
+func HoldPort(udp bool, ap netip.AddrPort) (*Hold, error) {
+	family := familyOf(ap)
+	typ := unix.SOCK_STREAM
+	if udp {
+		typ = unix.SOCK_DGRAM
+	}
+	fd, err := unix.Socket(domain(family), typ|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, os.NewSyscallError("socket", err)
+	}
+	if family == 6 {
+		_ = unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1)
+	}
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ap, family)
+	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
+		unix.Close(fd)
+		return nil, fmt.Errorf("bind %s: %w", ap, errno)
+	}
+	return &Hold{fd: fd}, nil
+}
+
+// Close gives the port up. A nil Hold holds nothing.
+func (h *Hold) Close() {
+	if h != nil && h.fd >= 0 {
+		unix.Close(h.fd)
+		h.fd = -1
+	}
+}
+
+// RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit and returns
+// it: every proxied TCP connection holds two sockets, and the default soft
+// limit of 1024 would cap the proxy at a few hundred connections.
+func RaiseFileLimit() (uint64, error) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 0, fmt.Errorf("getrlimit: %w", err)
+	}
+	if lim.Cur < lim.Max {
+		lim.Cur = lim.Max
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+			return 0, fmt.Errorf("setrlimit NOFILE %d: %w", lim.Max, err)
+		}
+	}
+	return lim.Cur, nil
+}
