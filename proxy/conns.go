@@ -37,8 +37,8 @@ type connRecord struct {
 	pair tcpPair // set once, before the copies start
 
 	// Only the idle sweep touches these.
-	sweptMoved int64 // moved at the last sweep
-	quietSweeps int  // sweeps in a row that saw nothing move
+	sweptMoved  int64 // moved at the last sweep
+	quietSweeps int   // sweeps in a row that saw nothing move
 }
 
 func (c *connRecord) addUp(n int64) {

@@ -37,9 +37,9 @@ type Config struct {
 	// Outlier is passive outlier detection (outlier.go); the zero value
 	// turns it off. A Service turns it off for itself with the annotation
 	// kube-userspace-proxy.io/outlier-detection: "off".
-	Outlier OutlierConfig
-	UDPTimeout     time.Duration   // DefaultUDPTimeout when 0
-	UDPMaxFlows    int             // per frontend; DefaultUDPMaxFlows when 0
+	Outlier     OutlierConfig
+	UDPTimeout  time.Duration // DefaultUDPTimeout when 0
+	UDPMaxFlows int           // per frontend; DefaultUDPMaxFlows when 0
 
 	// NodePortsRestricted is set when NodePorts are served on some node
 	// addresses only (--nodeport-addresses). A listener then cannot sit on

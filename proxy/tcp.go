@@ -215,4 +215,3 @@ func (f *frontend) splice(c *connRecord, pr *tcpPair) (up, down int64) {
 	down = <-downDone
 	return up, down
 }
-
