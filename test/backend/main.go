@@ -18,6 +18,8 @@ func main() {
 	tcp := flag.String("tcp", ":8080", "TCP listen address (HTTP); empty to disable")
 	udp := flag.String("udp", ":8080", "UDP listen address; empty to disable")
 	echo := flag.String("echo", "", "TCP echo listen address (benchmarks); empty to disable")
+	stall := flag.String("stall", "", "TCP listen address whose connections are accepted and never read (a stuck backend); empty to disable")
+	dns := flag.String("dns", "", "UDP DNS listen address: every question is answered with one A record, 192.0.2.1 (for dig); empty to disable")
 	flag.Parse()
 	if *name == "" {
 		*name, _ = os.Hostname()
@@ -36,6 +38,42 @@ func main() {
 					return
 				}
 				go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
+			}
+		}()
+	}
+	if *stall != "" {
+		ln, err := net.Listen("tcp", *stall)
+		if err != nil {
+			log.Fatal(err)
+		}
+		go func() {
+			var held []net.Conn // kept open, never read
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					errc <- err
+					return
+				}
+				held = append(held, c)
+			}
+		}()
+	}
+	if *dns != "" {
+		c, err := net.ListenPacket("udp", *dns)
+		if err != nil {
+			log.Fatal(err)
+		}
+		go func() {
+			buf := make([]byte, 65536)
+			for {
+				n, from, err := c.ReadFrom(buf)
+				if err != nil {
+					errc <- err
+					return
+				}
+				if reply := dnsAnswer(buf[:n]); reply != nil {
+					_, _ = c.WriteTo(reply, from)
+				}
 			}
 		}()
 	}
@@ -64,4 +102,30 @@ func main() {
 		}()
 	}
 	log.Fatal(<-errc)
+}
+
+// dnsAnswer answers a DNS query's first question with the A record
+// 192.0.2.1, or returns nil for anything that is not a query.
+func dnsAnswer(q []byte) []byte {
+	if len(q) < 12 || q[2]&0x80 != 0 || q[4] != 0 || q[5] == 0 {
+		return nil // too short, a response, or no question
+	}
+	end := 12
+	for end < len(q) && q[end] != 0 { // the name's labels
+		end += 1 + int(q[end])
+	}
+	end += 1 + 4 // the root label, QTYPE and QCLASS
+	if end > len(q) {
+		return nil
+	}
+	r := append([]byte(nil), q[:end]...)
+	r[2] = 0x80 | q[2]&0x79             // QR, the opcode and RD of the query
+	r[3] = 0x80                         // RA, NOERROR
+	r[4], r[5], r[6], r[7] = 0, 1, 0, 1 // one question, one answer
+	r[8], r[9], r[10], r[11] = 0, 0, 0, 0
+	return append(r,
+		0xc0, 12, // the name: a pointer to the question's
+		0, 1, 0, 1, // type A, class IN
+		0, 0, 0, 30, // TTL
+		0, 4, 192, 0, 2, 1)
 }

@@ -1,0 +1,261 @@
+package e2e
+
+// Failing endpoints in the lab, each a real misbehaving peer: a backend that
+// accepts and never reads, one blackholed by a DROP rule in its own
+// namespace, a dead UDP port (ICMP port unreachable); real clients (socat,
+// curl, dig).
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// splitSlices renders one EndpointSlice per (pod IP, port): endpoints of one
+// Service on different target ports.
+func splitSlices(name, portName, proto string, eps ...string) string {
+	var b strings.Builder
+	for i, ep := range eps {
+		ip, port, _ := strings.Cut(ep, ":")
+		fmt.Fprintf(&b, `---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %[1]s-%[2]d, namespace: lab, labels: {kubernetes.io/service-name: %[1]s}}
+addressType: IPv4
+ports: [{name: %[3]s, port: %[4]s, protocol: %[5]s}]
+endpoints:
+- {addresses: [%[6]s], nodeName: node}
+`, name, i, portName, port, proto, ip)
+	}
+	return b.String()
+}
+
+// stuckService: lab/stuck on 10.96.0.20:80, its one endpoint pod1:9000, a
+// server that accepts and never reads (backend --stall).
+func stuckService(l *Lab) string {
+	l.Start("pod1", filepath.Join(binDir, "backend"), "--tcp", "", "--udp", "", "--stall", ":9000")
+	waitFor(l.t, "the stuck backend", func() bool {
+		_, err := l.Exec("pod1", "socat", "-u", "/dev/null", "TCP:127.0.0.1:9000")
+		return err == nil
+	})
+	return service("stuck", "ClusterIP", "10.96.0.20", "", `{name: t, port: 80, targetPort: 9000, protocol: TCP}`) +
+		splitSlices("stuck", "t", "TCP", "10.251.19.12:9000")
+}
+
+// pushStuck starts a client that sends zeros through lab/stuck until every
+// buffer is full, and waits until the daemon's connection stops moving.
+func pushStuck(t *testing.T, l *Lab) {
+	t.Helper()
+	l.Start("client", "socat", "-u", "/dev/zero", "TCP:10.96.0.20:80")
+	last := int64(-1)
+	testutil_waitStalled(t, "the pushed connection to stall", func() int64 {
+		_, body := l.get("node", "http://127.0.0.1:10249/debug/connections")
+		var conns []struct {
+			Service string `json:"service"`
+			BytesUp int64  `json:"bytesUp"`
+		}
+		_ = json.Unmarshal([]byte(body), &conns)
+		for _, c := range conns {
+			if c.Service == "lab/stuck:t" {
+				return c.BytesUp
+			}
+		}
+		return -1
+	}, &last)
+}
+
+// testutil_waitStalled polls value every 300 ms until it is positive and the
+// same twice in a row.
+func testutil_waitStalled(t *testing.T, what string, value func() int64, last *int64) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		v := value()
+		if v > 0 && v == *last {
+			return
+		}
+		*last = v
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s (last %d)", what, v)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+}
+
+// SIGTERM while a client pushes into a backend that stopped reading: the
+// daemon exits within the grace period plus a little, and its rules go.
+func TestSIGTERMWithStuckBackend(t *testing.T) {
+	l := NewLab(t)
+	const grace = 2 * time.Second
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, stuckService(l))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", grace.String())
+	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/stuck`) > 0 })
+	pushStuck(t, l)
+	start := time.Now()
+	_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- d.Cmd.Wait() }()
+	select {
+	case err := <-done:
+		took := time.Since(start)
+		t.Logf("exited %v after SIGTERM (grace %v)", took.Round(time.Millisecond), grace)
+		if err != nil {
+			t.Fatalf("exit: %v\n%s", err, tail(d.Output(), 20))
+		}
+		// grace + 1 s is the bound; the extra second is for a loaded machine.
+		if took > grace+2*time.Second {
+			t.Errorf("exited %v after SIGTERM, want within grace (%v) + 1 s", took, grace)
+		}
+	case <-time.After(grace + 20*time.Second):
+		t.Fatalf("still running %v after SIGTERM (grace %v)\n%s", grace+20*time.Second, grace, tail(d.Output(), 20))
+	}
+	if n := countRules(t, l, `lab/stuck`); n != 0 {
+		t.Fatalf("%d rules left after exit", n)
+	}
+}
+
+// The idle timeout closes a pair whose bytes stopped moving, although one
+// side is blocked on a full buffer.
+func TestIdleTimeoutWithStuckBackend(t *testing.T) {
+	l := NewLab(t)
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, stuckService(l))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--tcp-idle-timeout", "3s")
+	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/stuck`) > 0 })
+	pushStuck(t, l)
+	stalled := time.Now()
+	waitFor(t, "the idle pair to be closed", func() bool {
+		return len(lines(d.Output(), "Connection closed", `cause="idle timeout"`, "lab/stuck:t")) == 1
+	})
+	if took := time.Since(stalled); took > 3*time.Second*5/4+3*time.Second {
+		t.Errorf("closed %v after the stall was seen, want about the 3 s idle timeout", took)
+	}
+}
+
+// One of two endpoints blackholed (a DROP rule in its namespace): at most two
+// of 20 connections pay the first dial timeout, none fails.
+func TestBlackholedEndpointEjected(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	l.MustExec("pod2", "iptables", "-w", "-A", "INPUT", "-p", "tcp", "--dport", "9999", "-j", "DROP")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, service("bh", "ClusterIP", "10.96.0.21", "", `{name: h, port: 80, protocol: TCP}`)+
+		splitSlices("bh", "h", "TCP", "10.251.19.12:8080", "10.251.19.8:9999"))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/bh`) > 0 })
+	slow := 0
+	for i := 0; i < 20; i++ {
+		out, err := l.Exec("client", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", "--max-time", "10", "http://10.96.0.21/")
+		var code int
+		var secs float64
+		if _, serr := fmt.Sscanf(out, "%d %g", &code, &secs); err != nil || serr != nil || code != 200 {
+			t.Fatalf("connection %d failed: %q %v\n%s", i, out, err, tail(d.Output(), 20))
+		}
+		if secs >= 0.25 {
+			slow++
+		}
+	}
+	t.Logf("%d of 20 connections paid the 250 ms dial timeout", slow)
+	if slow > 2 {
+		t.Fatalf("%d of 20 connections paid the dial timeout, want at most 2", slow)
+	}
+	if !strings.Contains(d.Output(), "Endpoint ejected") {
+		t.Fatal("no ejection logged")
+	}
+}
+
+// digAnswer runs one dig from the client namespace (a fresh source port) and
+// returns whether it was answered, and in how many milliseconds.
+func digAnswer(l *Lab, ns, server string, args ...string) (bool, int) {
+	out, _ := l.Exec(ns, append([]string{"dig", "+tries=1", "+time=1", "@" + server, "q.test", "A"}, args...)...)
+	if !strings.Contains(out, "192.0.2.1") {
+		return false, 0
+	}
+	ms := 0
+	if mm := regexp.MustCompile(`Query time: (\d+) msec`).FindStringSubmatch(out); mm != nil {
+		ms, _ = strconv.Atoi(mm[1])
+	}
+	return true, ms
+}
+
+// One of two DNS endpoints dead (ICMP port unreachable): queries that went
+// to it fail over with their datagram re-sent, so at least 19 of 20 fresh
+// queries are answered within 1 s. Then 1000 answered queries to a healthy
+// Service write no log line under the default --connection-log.
+func TestDeadUDPEndpointAndQuietLog(t *testing.T) {
+	l := NewLab(t)
+	l.Start("pod1", filepath.Join(binDir, "backend"), "--name", "pod1", "--tcp", "", "--udp", "", "--dns", ":5353")
+	waitFor(t, "the DNS backend", func() bool { ok, _ := digAnswer(l, "node", "10.251.19.12", "-p", "5353"); return ok })
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, service("dns", "ClusterIP", "10.96.0.22", "", `{name: d, port: 53, protocol: UDP}`)+
+		splitSlices("dns", "d", "UDP", "10.251.19.12:5353", "10.251.19.8:5354")+"---\n"+
+		service("dns2", "ClusterIP", "10.96.0.23", "", `{name: d, port: 53, protocol: UDP}`)+
+		splitSlices("dns2", "d", "UDP", "10.251.19.12:5353"))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--udp-timeout", "1s",
+		"--log-level", "info")
+	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/dns2`) > 0 })
+	answered := 0
+	for i := 0; i < 20; i++ {
+		if ok, ms := digAnswer(l, "client", "10.96.0.22"); ok && ms < 1000 {
+			answered++
+		}
+	}
+	t.Logf("%d of 20 fresh queries answered within 1 s", answered)
+	if answered < 19 {
+		t.Fatalf("%d of 20 fresh queries answered within 1 s, want at least 19\n%s", answered, tail(d.Output(), 20))
+	}
+	if !strings.Contains(d.Output(), "Endpoint ejected") {
+		t.Fatal("the dead UDP endpoint was not ejected")
+	}
+
+	batch := filepath.Join(t.TempDir(), "queries")
+	if err := os.WriteFile(batch, []byte(strings.Repeat("@10.96.0.23 q.test A\n", 1000)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := l.MustExec("client", "dig", "+tries=1", "+time=2", "+short", "-f", batch)
+	if n := strings.Count(out, "192.0.2.1"); n != 1000 {
+		t.Fatalf("%d of 1000 batch queries answered", n)
+	}
+	waitFor(t, "the flows to expire", func() bool {
+		_, body := l.get("node", "http://127.0.0.1:10249/debug/services")
+		var views []struct {
+			Service  string `json:"service"`
+			UDPFlows *int   `json:"udpFlows"`
+		}
+		if err := json.Unmarshal([]byte(body), &views); err != nil {
+			return false
+		}
+		for _, v := range views {
+			if v.Service == "lab/dns2:d" && v.UDPFlows != nil {
+				return *v.UDPFlows == 0
+			}
+		}
+		return false
+	})
+	if n := len(lines(d.Output(), "UDP flow closed", "lab/dns2:d")); n != 0 {
+		t.Fatalf("%d log lines for 1000 answered queries, want none:\n%s", n, tail(d.Output(), 10))
+	}
+}
+
+// lines returns the lines of out that contain every one of subs.
+func lines(out string, subs ...string) []string {
+	var found []string
+	for _, line := range strings.Split(out, "\n") {
+		all := true
+		for _, s := range subs {
+			all = all && strings.Contains(line, s)
+		}
+		if all {
+			found = append(found, line)
+		}
+	}
+	return found
+}
