@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 func writeConfig(t *testing.T, content string) string {
@@ -32,6 +34,7 @@ iptables: {syncPeriod: 45s, minSyncPeriod: 2s}
 udpIdleTimeout: 10s
 tcpIdleTimeout: 1h
 shutdownGrace: 9s
+outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTime: 1m}
 `)
 	o, err := parseFlags([]string{"--config", f, "--sync-period", "60s", "--hostname-override", "from-flag"}, &bytes.Buffer{})
 	if err != nil {
@@ -41,6 +44,9 @@ shutdownGrace: 9s
 		o.metricsAddr != "127.0.0.1:12249" || o.portRange.String() != "30000-30100" || len(o.nodePortCIDRs) != 1 ||
 		o.minSyncPeriod != 2*time.Second || o.udpTimeout != 10*time.Second || o.tcpIdleTimeout != time.Hour || o.shutdownGrace != 9*time.Second {
 		t.Fatalf("file values not applied: %+v", o)
+	}
+	if o.outlier != (proxy.OutlierConfig{ConsecutiveFailures: 3, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: time.Minute}) {
+		t.Fatalf("outlierDetection not applied: %+v", o.outlier)
 	}
 	if o.syncPeriod != 60*time.Second || o.nodeName() != "from-flag" {
 		t.Fatalf("flags must override the file: syncPeriod %s node %s", o.syncPeriod, o.nodeName())
@@ -56,6 +62,8 @@ func TestConfigFileRejectsBadFields(t *testing.T) {
 		{"kind: KubeProxyConfiguration\nsyncPeriod: soon\n", `syncPeriod`},
 		{"kind: KubeProxyConfiguration\nudpMaxFlows: 0\nmanifests: m.yaml\n", `udpMaxFlows (in --config`},
 		{"kind: KubeletConfiguration\n", `kind: "KubeletConfiguration"`},
+		{"kind: KubeProxyConfiguration\noutlierDetection: {maxEjectionTime: 1s}\nmanifests: m.yaml\n", `outlierDetection.maxEjectionTime (in --config`},
+		{"kind: KubeProxyConfiguration\noutlierDetection: {interval: 1s}\n", `unknown field "outlierDetection.interval"`},
 	} {
 		f := writeConfig(t, tc.content)
 		_, err := parseFlags([]string{"--config", f}, &bytes.Buffer{})

@@ -51,6 +51,9 @@ func TestBadFlagsExit2(t *testing.T) {
 		{"--manifests", "x.yaml", "--log-level", "loud"},
 		{"--manifests", "x.yaml", "--scheduling-policy", "fifo"},
 		{"--manifests", "x.yaml", "stray"},
+		{"--manifests", "x.yaml", "--outlier-consecutive-failures", "-1"},
+		{"--manifests", "x.yaml", "--outlier-base-ejection-time", "0s"},
+		{"--manifests", "x.yaml", "--outlier-max-ejection-time", "1s"}, // below the base (30s)
 		{"--kubeconfig", "/nonexistent"}, // cannot be loaded
 		{"--manifests", "x.yaml", "--master", "https://127.0.0.1:1"},
 	} {

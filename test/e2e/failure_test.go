@@ -170,6 +170,16 @@ func TestBlackholedEndpointEjected(t *testing.T) {
 	if !strings.Contains(d.Output(), "Endpoint ejected") {
 		t.Fatal("no ejection logged")
 	}
+	// Seen on the debug page and in the metrics.
+	if _, page := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !strings.Contains(page, "10.251.19.8:9999 EJECTED until") {
+		t.Errorf("/debug/services does not show the ejection:\n%s", page)
+	}
+	if v := metricSum(scrape(t, l), "kube_userspace_proxy_endpoints_ejected", map[string]string{"endpoint": "10.251.19.8:9999"}); v != 1 {
+		t.Errorf("kube_userspace_proxy_endpoints_ejected{endpoint=10.251.19.8:9999} = %v, want 1", v)
+	}
+	if v := metricSum(scrape(t, l), "kube_userspace_proxy_dial_failures_total", map[string]string{"reason": "timeout"}); v < 1 || v > 2 {
+		t.Errorf("dial failures{reason=timeout} = %v, want 1 or 2", v)
+	}
 }
 
 // digAnswer runs one dig from the client namespace (a fresh source port) and
