@@ -54,7 +54,7 @@ func TestBadFlagsExit2(t *testing.T) {
 		{"--manifests", "x.yaml", "--outlier-consecutive-failures", "-1"},
 		{"--manifests", "x.yaml", "--outlier-base-ejection-time", "0s"},
 		{"--manifests", "x.yaml", "--outlier-max-ejection-time", "1s"}, // below the base (30s)
-		{"--kubeconfig", "/nonexistent"}, // cannot be loaded
+		{"--kubeconfig", "/nonexistent"},                               // cannot be loaded
 		{"--manifests", "x.yaml", "--master", "https://127.0.0.1:1"},
 	} {
 		var stderr bytes.Buffer
