@@ -24,7 +24,7 @@ func main() {
 	if *name == "" {
 		*name, _ = os.Hostname()
 	}
-	errc := make(chan error, 3)
+	errc := make(chan error, 5)
 	if *echo != "" {
 		ln, err := net.Listen("tcp", *echo)
 		if err != nil {
@@ -59,39 +59,11 @@ func main() {
 		}()
 	}
 	if *dns != "" {
-		c, err := net.ListenPacket("udp", *dns)
-		if err != nil {
-			log.Fatal(err)
-		}
-		go func() {
-			buf := make([]byte, 65536)
-			for {
-				n, from, err := c.ReadFrom(buf)
-				if err != nil {
-					errc <- err
-					return
-				}
-				if reply := dnsAnswer(buf[:n]); reply != nil {
-					_, _ = c.WriteTo(reply, from)
-				}
-			}
-		}()
+		go func() { errc <- serveUDP(*dns, dnsAnswer) }()
 	}
 	if *udp != "" {
-		c, err := net.ListenPacket("udp", *udp)
-		if err != nil {
-			log.Fatal(err)
-		}
 		go func() {
-			buf := make([]byte, 65536)
-			for {
-				n, from, err := c.ReadFrom(buf)
-				if err != nil {
-					errc <- err
-					return
-				}
-				_, _ = c.WriteTo(append([]byte(*name+":"), buf[:n]...), from)
-			}
+			errc <- serveUDP(*udp, func(q []byte) []byte { return append([]byte(*name+":"), q...) })
 		}()
 	}
 	if *tcp != "" {
@@ -102,6 +74,25 @@ func main() {
 		}()
 	}
 	log.Fatal(<-errc)
+}
+
+// serveUDP answers every datagram on addr with what answer returns for it
+// (nothing for nil), until reading fails.
+func serveUDP(addr string, answer func([]byte) []byte) error {
+	c, err := net.ListenPacket("udp", addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	buf := make([]byte, 65536)
+	for {
+		n, from, err := c.ReadFrom(buf)
+		if err != nil {
+			return err
+		}
+		if reply := answer(buf[:n]); reply != nil {
+			_, _ = c.WriteTo(reply, from)
+		}
+	}
 }
 
 // dnsAnswer answers a DNS query's first question with the A record
