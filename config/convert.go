@@ -131,6 +131,7 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 			ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
 
 			OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
+			Created:          svc.CreationTimestamp.Time,
 		}
 		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.NodePort = int(p.NodePort)

@@ -78,6 +78,8 @@ type family struct {
 	// gen numbers updates of records; a record not marked with the current
 	// one belongs to a frontend that is gone.
 	gen uint64
+	// conntrack deletes the UDP entries a sync made stale.
+	conntrack *conntrackCleaner
 }
 
 type feKey struct {
@@ -151,7 +153,7 @@ func newFamily(fam int, restore, save string, basicOnly bool) (*family, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrNotSupported, prefix, err)
 	}
-	f := &family{fam: fam, restore: restore, save: save, ipt: ipt}
+	f := &family{fam: fam, restore: restore, save: save, ipt: ipt, conntrack: newConntrackCleaner(fam)}
 	if err := f.probe(); err != nil {
 		return nil, err
 	}
@@ -208,6 +210,10 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		if err != nil {
 			errs = multierror.Append(errs, fmt.Errorf("IPv%d: %w", f.fam, err))
 			continue
+		}
+		// The rules are in place: now the next datagram meets them.
+		if f.conntrack != nil {
+			f.conntrack.sync(mine, r.log)
 		}
 		ruleCount.WithLabelValues("nat", fmt.Sprint(f.fam)).Set(float64(nat))
 		ruleCount.WithLabelValues("filter", fmt.Sprint(f.fam)).Set(float64(filter))

@@ -56,6 +56,9 @@ func (f Frontend) OnNodePort() bool {
 
 func (f Frontend) key() frontendKey { return frontendKey{f.Service.Name, f.Kind, f.Family} }
 
+// String names a listener: service port, kind and family.
+func (k frontendKey) String() string { return fmt.Sprintf("%s/%s/%d", k.Name, k.Kind, k.Family) }
+
 // frontend is a live listener with its balancer. It is created and closed by
 // the sync goroutine; its serve goroutine and connections belong to it.
 type frontend struct {
@@ -141,13 +144,13 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 			ln, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
 		}
 		if err != nil {
-			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only", sp.NodePort, sp.Protocol, err)
-			p.cfg.log().WithField("service", key.Name.String()).Error(nodePortErr)
+			// Logged by the caller: a retry that fails again stays quiet.
+			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only, retrying", sp.NodePort, sp.Protocol, err)
 		}
 	}
 	if ln == nil {
 		var err error
-		if ln, port, release, err = p.alloc.listen(proto, bind); err != nil {
+		if ln, port, release, err = p.alloc.listen(proto, bind, key.String()); err != nil {
 			hold.Close()
 			return nil, err
 		}
@@ -178,7 +181,6 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		fe.log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
 			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
 	}
-	fe.log.Info("Listening")
 	return fe, nil
 }
 
@@ -199,6 +201,18 @@ func (fe *frontend) close() {
 // the connection table), UDP flows end with the socket. The port stays
 // taken in the allocator until release.
 func (fe *frontend) stop() {
+	fe.shut()
+	fe.log.Info("Listener closed")
+}
+
+// discard closes a frontend that never served (a NodePort retake that
+// failed), quietly, and gives its port back.
+func (fe *frontend) discard() {
+	fe.shut()
+	fe.release()
+}
+
+func (fe *frontend) shut() {
 	if fe.tcp != nil {
 		fe.tcp.Close()
 	}
@@ -210,5 +224,4 @@ func (fe *frontend) stop() {
 		fe.closeFlows()
 	}
 	fe.hold.Close()
-	fe.log.Info("Listener closed")
 }

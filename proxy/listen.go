@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -153,9 +154,10 @@ func parseReserved(b []byte) (map[int]bool, error) {
 var ErrPortsExhausted = errors.New("no free port left in --proxy-port-range")
 
 // listen opens a listener (TCP) or packet socket (UDP) on ip with a port from
-// the range (the kernel's local port range when empty). release gives the
-// port back; it must be called once the socket is closed.
-func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, release func(), err error) {
+// the range (the kernel's local port range when empty): the one key names
+// first (see preferredPort), else one at random. release gives the port
+// back; it must be called once the socket is closed.
+func (a *portAllocator) listen(proto string, ip netip.Addr, key string) (ln any, port int, release func(), err error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	r, reserved := a.r, map[int]bool(nil)
@@ -180,8 +182,11 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 		a.used = make(map[usedPort]bool)
 	}
 	start := rand.IntN(r.Size)
-	for i := 0; i < r.Size; i++ {
+	for i := -1; i < r.Size; i++ {
 		p := r.Base + (start+i)%r.Size
+		if i < 0 {
+			p = preferredPort(r, key)
+		}
 		u := usedPort{proto, ip.Is6() && !ip.Is4In6(), p}
 		if a.used[u] || reserved[p] {
 			continue
@@ -200,6 +205,16 @@ func (a *portAllocator) listen(proto string, ip netip.Addr) (ln any, port int, r
 		return nil, 0, nil, fmt.Errorf("no free port left in the kernel's local port range %s", r)
 	}
 	return nil, 0, nil, ErrPortsExhausted
+}
+
+// preferredPort is the port of r that a listener named key tries first: the
+// same after a restart and after a quick remove and re-add, so that the
+// conntrack entries of UDP clients that keep their source port still point at
+// it, and a rule sync after a restart changes nothing.
+func preferredPort(r PortRange, key string) int {
+	h := fnv.New32a()
+	h.Write([]byte(key))
+	return r.Base + int(h.Sum32()%uint32(r.Size))
 }
 
 func (a *portAllocator) release(u usedPort) {

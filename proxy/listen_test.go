@@ -28,7 +28,7 @@ func TestKernelRangeAllocation(t *testing.T) {
 	var a portAllocator
 	seen := map[int]bool{}
 	for i := 0; i < 4; i++ {
-		ln, port, release, err := a.listen("tcp", loopback)
+		ln, port, release, err := a.listen("tcp", loopback, "")
 		if err != nil {
 			// Another process may hold one of the four ports.
 			t.Logf("listener %d: %v", i, err)
@@ -43,7 +43,7 @@ func TestKernelRangeAllocation(t *testing.T) {
 	if len(seen) == 0 {
 		t.Fatal("no listener opened")
 	}
-	if _, _, _, err := a.listen("tcp", loopback); err == nil {
+	if _, _, _, err := a.listen("tcp", loopback, ""); err == nil {
 		t.Fatal("a fifth listener opened: reserved ports were used")
 	}
 }
@@ -55,7 +55,7 @@ func TestKernelRangeUnreadable(t *testing.T) {
 	var warned []error
 	a := portAllocator{warn: func(err error) { warned = append(warned, err) }}
 	for i := 0; i < 2; i++ {
-		ln, port, release, err := a.listen("tcp", loopback)
+		ln, port, release, err := a.listen("tcp", loopback, "")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -116,12 +116,12 @@ func TestReservePorts(t *testing.T) {
 func TestPortRangePerProtocol(t *testing.T) {
 	p := int(closedPort(t).Port())
 	a := portAllocator{r: PortRange{Base: p, Size: 1}}
-	tl, tp, trel, err := a.listen("tcp", loopback)
+	tl, tp, trel, err := a.listen("tcp", loopback, "")
 	if err != nil {
 		t.Skipf("port %d taken meanwhile: %v", p, err)
 	}
 	defer func() { tl.(*sock.Listener).Close(); trel() }()
-	ul, up, urel, err := a.listen("udp", loopback)
+	ul, up, urel, err := a.listen("udp", loopback, "")
 	if err != nil {
 		t.Fatalf("UDP listener on the range's only port: %v", err)
 	}
@@ -129,7 +129,42 @@ func TestPortRangePerProtocol(t *testing.T) {
 	if tp != p || up != p {
 		t.Fatalf("ports %d/%d, want %d for both", tp, up, p)
 	}
-	if _, _, _, err := a.listen("tcp", loopback); !errors.Is(err, ErrPortsExhausted) {
+	if _, _, _, err := a.listen("tcp", loopback, ""); !errors.Is(err, ErrPortsExhausted) {
 		t.Fatalf("second TCP listener: %v, want ErrPortsExhausted", err)
+	}
+}
+
+// A listener gets the same port after it is closed and opened again (a
+// restart, a Service removed and re-added) while the port is free, and
+// another listener whose preferred port is taken gets another one.
+func TestPreferredPortIsStable(t *testing.T) {
+	base := int(closedPort(t).Port()) &^ 1023
+	if base < 1024 || base+1024 > 65535 {
+		base = 40000
+	}
+	a := portAllocator{r: PortRange{Base: base, Size: 1024}}
+	open := func(key string) (int, func()) {
+		t.Helper()
+		ln, port, release, err := a.listen("udp", loopback, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return port, func() { ln.(interface{ Close() error }).Close(); release() }
+	}
+	first, closeFirst := open("ns/dns/all/4")
+	if want := preferredPort(a.r, "ns/dns/all/4"); first != want {
+		t.Skipf("preferred port %d taken by another process (got %d)", want, first)
+	}
+	closeFirst()
+	again, closeAgain := open("ns/dns/all/4")
+	defer closeAgain()
+	if again != first {
+		t.Fatalf("reopened on %d, first on %d", again, first)
+	}
+	// Another key that prefers the same port (forced) falls back.
+	other, closeOther := open("ns/dns/all/4")
+	defer closeOther()
+	if other == again {
+		t.Fatalf("two listeners on port %d", other)
 	}
 }

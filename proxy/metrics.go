@@ -58,6 +58,14 @@ var (
 		Name: "kube_userspace_proxy_endpoint_ejections_total",
 		Help: "Times an endpoint was ejected from new picks after failures in a row (passive outlier detection).",
 	}, []string{"service", "endpoint"})
+	listenerFailures = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_listener_failures",
+		Help: "Listeners the last sync could not open (port range exhausted, out of descriptors, bind address): /healthz is 503 while any.",
+	})
+	nodePortConflicts = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_nodeport_conflicts",
+		Help: "Listeners whose NodePort another process or an older Service holds; retried every sync.",
+	})
 	udpEndpointErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_udp_endpoint_errors_total",
 		Help: "Errors on UDP flows' endpoint sockets (ICMP port or host unreachable), by why: refused, unreachable, error.",
@@ -89,7 +97,7 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
-		endpointEjections, udpEndpointErrors, ejected)
+		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts)
 }
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking

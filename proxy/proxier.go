@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"runtime"
 	"slices"
+	"sort"
 	"sync"
 	"time"
 
@@ -139,11 +140,17 @@ type Proxier struct {
 	latest      *config.State // the newest State given to Update, for counting changes
 	lastUpdated time.Time     // the end of the last successful sync
 	lastErr     error         // of the last sync
+	// healthListenFailures is listenFailures as of the last sync.
+	healthListenFailures int
 	kick        chan struct{} // capacity 1: merges bursts
 
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
+	// failing counts the frontends of the last sync that could not open
+	// their listener or NodePort; listenFailures those without a listener.
+	// The sync goroutine retries them (Run).
+	failing, listenFailures int
 	// unreleased are closed frontends whose ports the rules may still
 	// point at (the rule sync after their closing failed); their ports go
 	// back to the allocator after the next successful one.
@@ -221,6 +228,10 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
 	defer retry.Stop()
+	reopen := time.NewTimer(time.Hour)
+	reopen.Stop()
+	defer reopen.Stop()
+	reopenIn := max(minPeriod, time.Second)
 	var current *config.State
 	var lastSync time.Time
 	for {
@@ -234,6 +245,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			verify = true
 		case <-retry.C:
 			verify = true
+		case <-reopen.C:
 		}
 		if wait := minPeriod - time.Since(lastSync); wait > 0 {
 			select {
@@ -261,6 +273,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		syncDuration.Observe(end.Sub(lastSync).Seconds())
 		p.mu.Lock()
 		p.lastErr = err
+		p.healthListenFailures = p.listenFailures
 		if err == nil {
 			p.lastUpdated = end
 		}
@@ -268,6 +281,14 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		if err != nil {
 			retry.Reset(max(minPeriod, time.Second))
 			continue
+		}
+		if p.failing > 0 {
+			// Listeners or NodePorts that could not be opened are
+			// tried again soon, then less often while they fail.
+			reopen.Reset(reopenIn)
+			reopenIn = min(2*reopenIn, period)
+		} else {
+			reopenIn = max(minPeriod, time.Second)
 		}
 		syncLast.Set(float64(end.UnixNano()) / 1e9)
 		if !queuedAt.IsZero() {
@@ -299,8 +320,27 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	}
 	var gone, stale []*frontend
 	var closed []config.ServicePortName
+	var retaken map[frontendKey]*frontend // frontends that got their NodePort back, for serve
 	for key, fe := range p.frontends {
 		sp := st.Ports[key.Name]
+		if fe.nodePortErr != nil && sp != nil && fe.spec.SameFrontend(sp) {
+			// Every sync tries again to take the NodePort another
+			// process (or Service) held: a new frontend, kept only if
+			// it got it.
+			nf := p.retakeNodePort(key, sp)
+			if nf == nil {
+				continue
+			}
+			if retaken == nil {
+				retaken = map[frontendKey]*frontend{}
+			}
+			retaken[key] = nf
+			p.liveMu.Lock()
+			delete(p.frontends, key)
+			p.liveMu.Unlock()
+			stale = append(stale, fe)
+			continue
+		}
 		if sp == fe.spec {
 			continue // sources hand on an unchanged port as the same pointer
 		}
@@ -326,10 +366,36 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	}
 	kept := len(p.frontends)
 	view := make([]Frontend, 0, max(len(p.frontends), len(st.Ports))+8)
-	for name, sp := range st.Ports {
-		keys = frontendKeys(keys[:0], name, sp)
-		view = p.serve(view, st, sp, keys)
+	// Ports with a NodePort first, the oldest Service first: of two that
+	// claim the same NodePort, the same one wins at every start.
+	var claims []*config.ServicePort
+	for _, sp := range st.Ports {
+		if sp.NodePort != 0 {
+			claims = append(claims, sp)
+		}
 	}
+	sort.Slice(claims, func(i, j int) bool { return claimsFirst(claims[i], claims[j]) })
+	for _, sp := range claims {
+		keys = frontendKeys(keys[:0], sp.Name, sp)
+		view = p.serve(view, st, sp, keys, retaken)
+	}
+	for name, sp := range st.Ports {
+		if sp.NodePort == 0 {
+			keys = frontendKeys(keys[:0], name, sp)
+			view = p.serve(view, st, sp, keys, retaken)
+		}
+	}
+	p.failing, p.listenFailures = 0, 0
+	for _, fe := range view {
+		if fe.Err != nil {
+			p.listenFailures++
+		}
+		if fe.Err != nil || fe.NodePortErr != nil {
+			p.failing++
+		}
+	}
+	listenerFailures.Set(float64(p.listenFailures))
+	nodePortConflicts.Set(float64(p.failing - p.listenFailures))
 	// After serve, so that a port freed here cannot go to a new frontend.
 	for _, fe := range gone {
 		fe.stop()
@@ -375,24 +441,55 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	return err
 }
 
+// retakeNodePort opens a new frontend for key that holds sp's NodePort, or
+// returns nil (quietly: it is tried again every sync) while the port is
+// still taken.
+func (p *Proxier) retakeNodePort(key frontendKey, sp *config.ServicePort) *frontend {
+	nf, err := p.open(key, sp)
+	if err != nil {
+		return nil
+	}
+	if nf.nodePortErr != nil {
+		nf.discard()
+		return nil
+	}
+	nf.log.WithField("nodePort", sp.NodePort).Info("NodePort taken back")
+	return nf
+}
+
+// claimsFirst orders the Services that claim NodePorts: the oldest first,
+// then by name.
+func claimsFirst(a, b *config.ServicePort) bool {
+	if !a.Created.Equal(b.Created) {
+		return a.Created.Before(b.Created)
+	}
+	return a.Name.String() < b.Name.String()
+}
+
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
 const bulkSync = 1000
 
 // serve makes sure a frontend serves sp for each of keys (opening the ones
 // missing) and appends them to view.
-func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey) []Frontend {
+func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey, retaken map[frontendKey]*frontend) []Frontend {
 	log := p.cfg.log()
 	for _, key := range keys {
 		fe := p.frontends[key]
 		opened := fe == nil
 		if opened {
-			var err error
-			fe, err = p.open(key, sp)
-			if err != nil {
-				log.WithField("service", key.Name.String()).WithError(err).Error("Cannot open listener; service port not served")
-				view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
-				continue
+			if fe = retaken[key]; fe == nil {
+				var err error
+				fe, err = p.open(key, sp)
+				if err != nil {
+					log.WithField("service", key.Name.String()).WithError(err).Error("Cannot open listener; service port not served, retrying")
+					view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
+					continue
+				}
+				if fe.nodePortErr != nil {
+					fe.log.Error(fe.nodePortErr)
+				}
 			}
+			fe.log.Info("Listening")
 			p.liveMu.Lock()
 			p.frontends[key] = fe
 			p.liveMu.Unlock()
@@ -438,13 +535,18 @@ type Health struct {
 	LastUpdated time.Time // end of the last successful sync; zero before the first
 	QueuedAt    time.Time // when the oldest change not yet synced arrived; zero if none
 	LastErr     error     // the last sync's error
+	// ListenFailures counts the listeners the last sync could not open:
+	// not one Service's conflict (NodePort conflicts do not count) but the
+	// daemon's own trouble — the port range exhausted, out of
+	// descriptors, a bind address that is not local.
+	ListenFailures int
 }
 
 // Health returns the sync state for health checks.
 func (p *Proxier) Health() Health {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr}
+	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures}
 }
 
 // countChanges counts service ports added, removed or changed in their

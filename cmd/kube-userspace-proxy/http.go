@@ -29,10 +29,15 @@ func healthHandler(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		h := p.Health()
 		now := time.Now()
-		healthy := h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod)
+		healthy := h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod) && h.ListenFailures == 0
 		body := map[string]any{"lastUpdated": h.LastUpdated, "currentTime": now, "healthy": healthy}
 		if h.LastErr != nil {
 			body["lastError"] = h.LastErr.Error()
+		}
+		if h.ListenFailures > 0 {
+			// Not one Service's conflict: the daemon cannot open
+			// listeners (see the log and /debug/services).
+			body["listenFailures"] = h.ListenFailures
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("X-Content-Type-Options", "nosniff")

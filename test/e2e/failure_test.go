@@ -6,9 +6,11 @@ package e2e
 // curl, dig).
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -268,4 +270,68 @@ func lines(out string, subs ...string) []string {
 		}
 	}
 	return found
+}
+
+// udpFrom sends msg from a fixed source port in the client namespace and
+// returns the reply, waiting up to 1 s: a resolver, syslog or game client
+// that keeps its port keeps its conntrack entry.
+func udpFrom(l *Lab, srcPort int, host, port, msg string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "ip", "netns", "exec", l.NS("client"), "nc", "-u", "-p", strconv.Itoa(srcPort), "-w", "1", host, port)
+	cmd.Stdin = strings.NewReader(msg)
+	out, _ := cmd.Output()
+	return strings.TrimSpace(string(out))
+}
+
+// A UDP client on one fixed source port keeps getting answers across a
+// Service's re-creation, an externalIP added and a daemon restart, and never
+// reaches another Service that took the old listener port (a one-port
+// --proxy-port-range forces the reuse).
+func TestUDPConntrackFollowsListeners(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	const src = 40053
+	svcA := func(extra string) string {
+		return service("a", "ClusterIP", "10.96.0.40", extra, `{name: d, port: 53, targetPort: 8080, protocol: UDP}`) +
+			splitSlices("a", "d", "UDP", "10.251.19.12:8080")
+	}
+	svcC := service("c", "ClusterIP", "10.96.0.42", "", `{name: d, port: 53, targetPort: 8080, protocol: UDP}`) +
+		splitSlices("c", "d", "UDP", "10.251.19.8:8080")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	args := []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--proxy-port-range", "46000-46000"}
+	writeManifest(t, m, svcA(""))
+	d := l.Daemon(args...)
+	answers := func(step, want string) {
+		t.Helper()
+		if got := udpFrom(l, src, "10.96.0.40", "53", step); got != want+":"+step {
+			t.Fatalf("%s: got %q, want %q within 1 s\n%s", step, got, want+":"+step, tail(d.Output(), 15))
+		}
+	}
+	waitFor(t, "A served", func() bool { return udpFrom(l, src, "10.96.0.40", "53", "hello") == "pod1:hello" })
+	answers("steady", "pod1")
+
+	// Re-created: gone (its rules with it), then back.
+	writeManifest(t, m, svcC)
+	waitFor(t, "A's rules gone", func() bool { return countRules(t, l, `lab/a:d`) == 0 && countRules(t, l, `lab/c:d`) > 0 })
+	// C holds the only port now, A's old one: the client's old entry
+	// would take it there.
+	for i := 0; i < 3; i++ {
+		if got := udpFrom(l, src, "10.96.0.40", "53", "stale"); strings.HasPrefix(got, "pod2") {
+			t.Fatalf("a datagram to the removed Service A reached Service C's backend: %q", got)
+		}
+	}
+	writeManifest(t, m, svcA(""))
+	waitFor(t, "A back", func() bool { return countRules(t, l, `lab/a:d`) > 0 })
+	answers("recreated", "pod1")
+
+	writeManifest(t, m, svcA("  externalIPs: [203.0.113.40]\n"))
+	waitFor(t, "the externalIP's rule", func() bool { return countRules(t, l, `203\.0\.113\.40`) > 0 })
+	answers("external-ip-added", "pod1")
+
+	_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = d.Cmd.Wait()
+	d = l.Daemon(args...)
+	waitFor(t, "A served again", func() bool { return countRules(t, l, `lab/a:d`) > 0 })
+	answers("restarted", "pod1")
 }
