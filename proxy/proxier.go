@@ -142,7 +142,7 @@ type Proxier struct {
 	lastErr     error         // of the last sync
 	// healthListenFailures is listenFailures as of the last sync.
 	healthListenFailures int
-	kick        chan struct{} // capacity 1: merges bursts
+	kick                 chan struct{} // capacity 1: merges bursts
 
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
