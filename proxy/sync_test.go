@@ -318,3 +318,50 @@ func TestBulkSyncCollectsGarbage(t *testing.T) {
 		}
 	}
 }
+
+// A listener that cannot be opened (here: a one-port range, two Services)
+// is the daemon's ill health, shown by Health, and retried until it opens:
+// the second Service is served soon after the first goes, with no change
+// to it.
+func TestFailedListenerRetriedAndUnhealthy(t *testing.T) {
+	p := int(closedPort(t).Port())
+	h := startProxier(t, Config{PortRange: PortRange{Base: p, Size: 1}})
+	a, b := svc("a", config.TCP, tcpBackend(t, "a")), svc("b", config.TCP, tcpBackend(t, "b"))
+	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{a.Name: a, b.Name: b}, Node: "node-a"}
+	h.p.Update(st)
+	waitFor(t, "one listener failing", func() bool { return h.p.Health().ListenFailures == 1 })
+	failed := b
+	if h.port("a") == 0 {
+		failed = a
+	}
+	// The served one goes: the failed one gets the port at a retry.
+	h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{failed.Name: failed}, Node: "node-a"})
+	waitFor(t, "the failed listener opened by a retry", func() bool { return h.port(failed.Name.Name) == p })
+	waitFor(t, "healthy again", func() bool { return h.p.Health().ListenFailures == 0 })
+	if got := fetchName(t, h.addr(failed.Name.Name)); got != failed.Name.Name {
+		t.Fatalf("reached %q", got)
+	}
+}
+
+// Two Services claim one NodePort: the older keeps it, whatever their names
+// and whichever the source lists first; the other is told.
+func TestDuplicateNodePortGoesToTheOldest(t *testing.T) {
+	for _, olderName := range []string{"a", "z"} {
+		t.Run("older "+olderName, func(t *testing.T) {
+			np := int(closedPort(t).Port())
+			h := startProxier(t, Config{})
+			older, newer := svc(olderName, config.TCP, tcpBackend(t, "older")), svc("m", config.TCP, tcpBackend(t, "newer"))
+			for i, sp := range []*config.ServicePort{older, newer} {
+				sp.NodePort = np
+				sp.Created = time.Unix(1_700_000_000+int64(i)*3600, 0)
+			}
+			h.apply(newer, older)
+			for _, fe := range h.p.Frontends() {
+				isOlder := fe.Service.Name == older.Name
+				if isOlder != fe.OnNodePort() || isOlder == (fe.NodePortErr != nil) {
+					t.Fatalf("%s: on NodePort %v, error %v; want only the older on it", fe.Service.Name, fe.OnNodePort(), fe.NodePortErr)
+				}
+			}
+		})
+	}
+}

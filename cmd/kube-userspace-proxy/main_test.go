@@ -52,6 +52,7 @@ func TestBadFlagsExit2(t *testing.T) {
 		{"--manifests", "x.yaml", "--scheduling-policy", "fifo"},
 		{"--manifests", "x.yaml", "stray"},
 		{"--manifests", "x.yaml", "--outlier-consecutive-failures", "-1"},
+		{"--manifests", "x.yaml", "--bind-address", "192.0.2.77"}, // not an address of this node
 		{"--manifests", "x.yaml", "--outlier-base-ejection-time", "0s"},
 		{"--manifests", "x.yaml", "--outlier-max-ejection-time", "1s"}, // below the base (30s)
 		{"--kubeconfig", "/nonexistent"},                               // cannot be loaded

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/netip"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -31,6 +33,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		return showRules(o, node, stdout)
 	}
 	// Everything that can fail on bad input fails before the kernel is touched.
+	if err := checkLocal(o.bindAddress); err != nil {
+		return usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
+	}
 	var client kubernetes.Interface
 	var manifests *config.ManifestSource
 	if o.manifests != "" {
@@ -184,4 +189,25 @@ func healthMux(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 	mux.Handle("/healthz", h)
 	mux.Handle("/livez", h)
 	return mux
+}
+
+// checkLocal refuses a bind address that no interface of this node has:
+// every listener would fail, and the daemon would look alive serving
+// nothing. The unspecified addresses bind everywhere.
+func checkLocal(a netip.Addr) error {
+	if !a.IsValid() || a.IsUnspecified() {
+		return nil
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return fmt.Errorf("listing the node's addresses: %w", err)
+	}
+	for _, ia := range addrs {
+		if n, ok := ia.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(n.IP); ok && ip.Unmap() == a.Unmap() {
+				return nil
+			}
+		}
+	}
+	return fmt.Errorf("%s is not an address of this node (listeners could not bind to it)", a)
 }

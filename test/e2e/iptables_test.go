@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // service renders a Service and its EndpointSlices for the lab's two pods.
@@ -325,7 +327,7 @@ func TestNodePortConflictIsReported(t *testing.T) {
 		slices("taken", `{name: http, port: 8080, protocol: TCP}`, false)
 	l := NewLab(t)
 	l.Backends()
-	l.Start("node", "nc", "-l", "-k", "31999") // another process holds the NodePort
+	holder := l.Start("node", "nc", "-l", "-k", "31999") // another process holds the NodePort
 	waitFor(t, "nc listening", func() bool {
 		out, _ := l.Exec("node", "ss", "-ltn", "sport = :31999")
 		return strings.Contains(out, "LISTEN")
@@ -340,6 +342,24 @@ func TestNodePortConflictIsReported(t *testing.T) {
 	reachesBoth(t, l, "client", "http://10.96.0.40:80/")   // the conflicting service's ClusterIP still works
 	if n := countRules(t, l, `--dport 31999`); n != 0 {
 		t.Fatalf("%d rules redirect the NodePort another process owns", n)
+	}
+	if code, body := l.get("node", "http://127.0.0.1:10256/healthz"); code != 200 {
+		t.Errorf("/healthz %d %s: one Service's NodePort conflict is not the daemon's ill health", code, body)
+	}
+	if v := metricSum(scrape(t, l), "kube_userspace_proxy_nodeport_conflicts", nil); v != 1 {
+		t.Errorf("kube_userspace_proxy_nodeport_conflicts = %v, want 1", v)
+	}
+	// The other process exits: the NodePort is taken back within one sync
+	// period (the retries back off from 1 s up to --sync-period, 30 s).
+	_ = holder.Cmd.Process.Kill()
+	_ = holder.Cmd.Wait()
+	freed := time.Now()
+	testutil.WaitFor(t, "the NodePort served", 40*time.Second, 100*time.Millisecond, func() bool {
+		return strings.HasPrefix(l.Curl("ext", "http://192.168.50.1:31999/"), "pod")
+	})
+	t.Logf("NodePort served %v after its holder exited", time.Since(freed).Round(time.Millisecond))
+	if !strings.Contains(d.Output(), "NodePort taken back") {
+		t.Error("no log line says the NodePort was taken back")
 	}
 }
 
