@@ -3,6 +3,7 @@ package config
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/netip"
 	"os"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 	"github.com/sirupsen/logrus"
 	"go.uber.org/goleak"
 )
@@ -400,5 +402,79 @@ func FuzzParseManifests(f *testing.F) {
 				}
 			}
 		}
+	})
+}
+
+// A file rewritten in place, in chunks with pauses (a slow `kubectl get -o
+// yaml > f.yaml`), is read half-written at times: no State handed on may
+// lack a Service or an endpoint that is in both the old and the new content.
+// A removal that is meant applies once the file is stable.
+func TestManifestRewrittenInPlaceDropsNothing(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "m.yaml")
+	doc := func(names ...string) string {
+		var b strings.Builder
+		for i, n := range names {
+			fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Service\nmetadata: {name: %[1]s}\nspec: {clusterIP: 10.96.0.%[2]d, ports: [{port: 80}]}\n"+
+				"---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: %[1]s-1, labels: {kubernetes.io/service-name: %[1]s}}\n"+
+				"addressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.%[2]d]}]\n", n, i+1)
+		}
+		return b.String()
+	}
+	all := []string{"a", "b", "c", "d"}
+	if err := os.WriteFile(f, []byte(doc(all...)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	sink := &recordingSink{}
+	ctx, cancel := context.WithCancel(context.Background())
+	src := &ManifestSource{Path: f, Node: "n", Sink: sink, Log: log, Settle: 500 * time.Millisecond}
+	done, err := src.Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); <-done }()
+
+	// Rewritten in place: truncated, then written in three chunks with
+	// pauses long enough for the watcher to read each state in between.
+	content := []byte(doc(all...))
+	w, err := os.OpenFile(f, os.O_WRONLY|os.O_TRUNC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		time.Sleep(100 * time.Millisecond)
+		part := content[len(content)*i/3 : len(content)*(i+1)/3]
+		if _, err := w.Write(part); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.Close()
+	time.Sleep(800 * time.Millisecond) // past the settle time: proving an absence of drops
+	sink.mu.Lock()
+	states := append([]*State(nil), sink.states...)
+	sink.mu.Unlock()
+	if len(states) < 2 {
+		t.Logf("only %d states handed on: the watcher read no half-written file this time", len(states))
+	}
+	for i, st := range states {
+		for _, n := range all {
+			sp := st.Ports[ServicePortName{Namespace: "default", Name: n}]
+			if sp == nil || len(sp.Endpoints) != 1 {
+				t.Fatalf("state %d of %d lacks Service %s or its endpoint: %+v", i+1, len(states), n, sp)
+			}
+		}
+	}
+	// A real removal, written atomically, applies once the file is stable.
+	tmp := f + ".tmp"
+	if err := os.WriteFile(tmp, []byte(doc("a", "b")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, f); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, "the removal applied", 5*time.Second, 10*time.Millisecond, func() bool {
+		st, _ := sink.last()
+		return len(st.Ports) == 2
 	})
 }

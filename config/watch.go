@@ -3,6 +3,7 @@ package config
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -27,9 +28,17 @@ type ManifestSource struct {
 	// Poll re-reads the files this often as a safety net for file systems
 	// without inotify; 0 means 2 s.
 	Poll time.Duration
+	// Settle is how long the files must have been unchanged before a
+	// reload may remove a service port or an endpoint; 0 means 1 s. A file
+	// rewritten in place (`kubectl get -o yaml > f.yaml` truncates it
+	// first) is read half-written at times: what it adds or changes is
+	// applied at once, what it seems to remove only once it is stable.
+	Settle time.Duration
 
 	cache *manifestCache // owned by the watch goroutine after Start
 	last  *State         // the last State handed on, for ReuseUnchanged
+	// settleAt is when held-back removals may apply (zero: none held).
+	settleAt time.Time
 }
 
 // Start loads the manifests once, hands the State to the Sink and then watches
@@ -104,11 +113,71 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 	for _, s := range skipped {
 		m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason}).Info("Not proxied")
 	}
+	st = m.holdRemovals(st, sig, time.Now())
 	ReuseUnchanged(st, m.last)
 	m.last = st
 	m.Log.WithFields(logrus.Fields{"path": m.Path, "servicePorts": len(st.Ports), "took": time.Since(start).String()}).Info("Manifests loaded")
 	m.Sink.Update(st)
 	return sig, nil
+}
+
+// holdRemovals returns st, but with the last State's version of every
+// service port that st drops or that lost an endpoint, while the files
+// changed less than Settle ago; then it records when to look again.
+func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now time.Time) *State {
+	m.settleAt = time.Time{}
+	if m.last == nil {
+		return st
+	}
+	settle := m.Settle
+	if settle <= 0 {
+		settle = time.Second
+	}
+	var newest time.Time
+	for _, s := range sig {
+		if s.mtime.After(newest) {
+			newest = s.mtime
+		}
+	}
+	if now.Sub(newest) >= settle {
+		return st
+	}
+	var held int
+	var out *State
+	for name, old := range m.last.Ports {
+		if sp := st.Ports[name]; sp != nil && !lostEndpoints(old, sp) {
+			continue
+		}
+		if out == nil {
+			out = &State{Ports: make(map[ServicePortName]*ServicePort, len(st.Ports)+1), Node: st.Node}
+			for n, sp := range st.Ports {
+				out.Ports[n] = sp
+			}
+		}
+		out.Ports[name] = old
+		held++
+	}
+	if out == nil {
+		return st
+	}
+	m.settleAt = newest.Add(settle)
+	m.Log.WithFields(logrus.Fields{"servicePorts": held, "until": m.settleAt.Format(time.RFC3339Nano)}).
+		Info("Manifests changed less than the settle time ago: removals wait until the files are stable (write files atomically: a temporary file renamed over)")
+	return out
+}
+
+// lostEndpoints reports whether an endpoint address of old is missing from sp.
+func lostEndpoints(old, sp *ServicePort) bool {
+	have := make(map[netip.AddrPort]bool, len(sp.Endpoints))
+	for _, e := range sp.Endpoints {
+		have[e.Addr] = true
+	}
+	for _, e := range old.Endpoints {
+		if !have[e.Addr] {
+			return true
+		}
+	}
+	return false
 }
 
 func (m *ManifestSource) watch(ctx context.Context, w *fsnotify.Watcher, sig map[string]fileSig) {
@@ -124,7 +193,13 @@ func (m *ManifestSource) watch(ctx context.Context, w *fsnotify.Watcher, sig map
 	ticker := time.NewTicker(poll)
 	defer ticker.Stop()
 	defer timer.Stop()
+	settled := time.NewTimer(time.Hour)
+	settled.Stop()
+	defer settled.Stop()
 	for {
+		if !m.settleAt.IsZero() {
+			settled.Reset(time.Until(m.settleAt) + time.Millisecond)
+		}
 		select {
 		case <-ctx.Done():
 			return
@@ -144,6 +219,8 @@ func (m *ManifestSource) watch(ctx context.Context, w *fsnotify.Watcher, sig map
 			if !sameSig(sig, m.signature()) {
 				timer.Reset(0)
 			}
+		case <-settled.C:
+			timer.Reset(0) // the files were stable: load again, removals apply
 		case <-timer.C:
 			next, err := m.load()
 			sig = next
