@@ -232,6 +232,9 @@ func TestUDPIdleEndsAreNotErrors(t *testing.T) {
 	}
 	fe := h.udpFrontend("quiet")
 	waitFor(t, "every flow to expire", func() bool { n, _ := h.p.UDPFlows(fe); return n == 0 })
+	if n := h.p.budget.udpFlows.Load(); n != 0 {
+		t.Fatalf("the descriptor budget still counts %d flows", n)
+	}
 	if lines := h.logs.Find("UDP flow closed"); len(lines) != 0 {
 		t.Fatalf("%d lines for flows that ended by idle timeout, e.g. %v", len(lines), lines[0])
 	}

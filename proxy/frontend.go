@@ -151,6 +151,9 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 	if ln == nil {
 		var err error
 		if ln, port, release, err = p.alloc.listen(proto, bind, key.String()); err != nil {
+			if sock.IsFileLimit(err) {
+				p.budget.ranOut()
+			}
 			hold.Close()
 			return nil, err
 		}
@@ -174,6 +177,8 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 	case *net.UDPConn:
 		us := &udpSocket{conn: s, family: key.Family}
 		fe.udpSk = us
+		fe.udp.budget = p.budget
+		p.budget.addUDP(fe)
 		fe.served.Add(1)
 		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
 	}
@@ -221,6 +226,7 @@ func (fe *frontend) shut() {
 	}
 	fe.served.Wait()
 	if fe.udpSk != nil {
+		fe.p.budget.removeUDP(fe)
 		fe.closeFlows()
 	}
 	fe.hold.Close()

@@ -58,6 +58,22 @@ var (
 		Name: "kube_userspace_proxy_endpoint_ejections_total",
 		Help: "Times an endpoint was ejected from new picks after failures in a row (passive outlier detection).",
 	}, []string{"service", "endpoint"})
+	descriptorBudgetGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_descriptor_budget",
+		Help: "The descriptor budget: limit (RLIMIT_NOFILE), reserve (never for flows or connections), udp_flows (the share of all UDP flows together).",
+	}, []string{"use"})
+	udpFlowsTotal = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_udp_flows_open",
+		Help: "UDP flows open now, all service ports together (each holds a descriptor; see kube_userspace_proxy_descriptor_budget).",
+	}, func() float64 {
+		ejected.mu.Lock()
+		defer ejected.mu.Unlock()
+		var n int64
+		for p := range ejected.proxiers {
+			n += p.budget.udpFlows.Load()
+		}
+		return float64(n)
+	})
 	listenerFailures = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "kube_userspace_proxy_listener_failures",
 		Help: "Listeners the last sync could not open (port range exhausted, out of descriptors, bind address): /healthz is 503 while any.",
@@ -97,7 +113,8 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
-		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts)
+		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
+		descriptorBudgetGauge, udpFlowsTotal)
 }
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking
@@ -142,7 +159,8 @@ func (m *feMetrics) get() *feSeries {
 }
 
 // ejectedCollector reports the endpoints ejected now, read from the live
-// balancers at scrape time: a gauge series per ejected endpoint only, so its
+// balancers at scrape time (its set of running proxiers also feeds
+// kube_userspace_proxy_udp_flows_open): a gauge series per ejected endpoint only, so its
 // size follows failures, not the cluster, and an ejection that ran out
 // leaves no stale 1 behind.
 type ejectedCollector struct {

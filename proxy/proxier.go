@@ -35,6 +35,9 @@ type Config struct {
 
 	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
+	// FileLimit is the descriptor limit the budget is derived from (budget.go);
+	// 0: the process's RLIMIT_NOFILE when New is called.
+	FileLimit int
 	// Outlier is passive outlier detection (outlier.go); the zero value
 	// turns it off. A Service turns it off for itself with the annotation
 	// kube-userspace-proxy.io/outlier-detection: "off".
@@ -131,6 +134,7 @@ type Proxier struct {
 	cfg     Config
 	alloc   portAllocator
 	conns   connTable
+	budget  *descriptorBudget
 	workers workers // run the connection handlers: dial, then the upstream copy
 	copiers workers // run the downstream copy of each connection
 
@@ -172,6 +176,7 @@ func New(cfg Config) *Proxier {
 			cfg.log().WithError(err).Warn("Cannot read the kernel's local port range; listeners take a port from bind(0), slow beyond ~7000 listeners")
 		}},
 		kick:      make(chan struct{}, 1),
+		budget:    newDescriptorBudget(cfg.FileLimit),
 		frontends: make(map[frontendKey]*frontend),
 		workers:   workers{maxIdle: 10 * time.Second, maxParked: 1024},
 		copiers:   workers{maxIdle: 10 * time.Second, maxParked: 1024},
@@ -540,13 +545,17 @@ type Health struct {
 	// daemon's own trouble — the port range exhausted, out of
 	// descriptors, a bind address that is not local.
 	ListenFailures int
+	// OutOfFiles: a system call failed for want of descriptors less than
+	// 10 s ago (accept, dial, a flow's socket, a listener).
+	OutOfFiles bool
 }
 
 // Health returns the sync state for health checks.
 func (p *Proxier) Health() Health {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures}
+	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures,
+		OutOfFiles: p.budget.exhaustedWithin(10 * time.Second)}
 }
 
 // countChanges counts service ports added, removed or changed in their

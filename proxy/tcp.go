@@ -45,6 +45,9 @@ func (f *frontend) serveTCP(ln *sock.Listener) {
 			return
 		}
 		backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+		if sock.IsFileLimit(err) {
+			f.p.budget.ranOut()
+		}
 		f.log.WithError(err).WithField("retryIn", backoff).Warn("Accept failed")
 		select {
 		case <-time.After(backoff):
@@ -118,6 +121,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		if sock.IsFileLimit(err) {
 			// Out of descriptors: not the endpoint's fault, and trying
 			// more endpoints only makes it worse.
+			f.p.budget.ranOut()
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}

@@ -102,6 +102,7 @@ type udpFlows struct {
 	lru     list.List // front: most recently used
 	evicted atomic.Uint64
 	wg      sync.WaitGroup // one per flow reply goroutine
+	budget  *descriptorBudget
 }
 
 // serveUDP reads datagrams until the socket is closed.
@@ -188,6 +189,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		if err != nil {
 			f.log.WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
 			if sock.IsFileLimit(err) {
+				f.p.budget.ranOut()
 				return nil
 			}
 			continue
@@ -226,21 +228,19 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 	var victim *udpFlow
 	if max := f.p.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
-		if t.removeLocked(victim) {
-			f.m.get().udpActive.Dec()
-		}
-		t.evicted.Add(1)
-		f.m.get().evicted.Inc()
 	}
 	fl.elem = t.lru.PushFront(fl)
 	t.flows[client] = fl
 	f.m.get().udpActive.Inc()
+	overBudget := t.budget.flowOpened()
 	t.wg.Add(1)
 	t.mu.Unlock()
 
-	if victim != nil {
-		victim.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEvicted))
-		victim.backend.Close() // its reply goroutine logs and exits
+	switch {
+	case victim != nil:
+		f.evict(victim) // this service port's table is full
+	case overBudget:
+		t.budget.evictOldest() // the daemon's UDP share is: the oldest flow of any Service
 	}
 	go f.replies(s, fl, fl.backend)
 	return fl
@@ -250,9 +250,29 @@ func (t *udpFlows) removeLocked(fl *udpFlow) bool {
 	if cur, ok := t.flows[fl.client]; ok && cur == fl {
 		delete(t.flows, fl.client)
 		t.lru.Remove(fl.elem)
+		t.budget.flowClosed()
 		return true
 	}
 	return false
+}
+
+// evict ends fl to make room (the flow table or the daemon's UDP share is
+// full); its reply goroutine logs and exits. false: fl had ended meanwhile.
+func (f *frontend) evict(fl *udpFlow) bool {
+	f.udp.mu.Lock()
+	removed := f.udp.removeLocked(fl)
+	if removed {
+		f.m.get().udpActive.Dec()
+		f.udp.evicted.Add(1)
+	}
+	f.udp.mu.Unlock()
+	if !removed {
+		return false
+	}
+	f.m.get().evicted.Inc()
+	fl.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEvicted))
+	fl.backend.Close()
+	return true
 }
 
 // endFlow removes fl and closes its socket; its reply goroutine then exits.

@@ -181,3 +181,29 @@ func TestUDPEmptyDatagram(t *testing.T) {
 		t.Fatalf("reply %q, want %q", reply, "a:")
 	}
 }
+
+// The daemon's UDP flows together stay within their share of the descriptor
+// budget: past it a new flow evicts the least recently used flow of any
+// Service, here the older Service's.
+func TestUDPFlowsShareOneBudget(t *testing.T) {
+	h := startProxier(t, Config{FileLimit: 200}) // reserve 64, UDP share 68
+	h.apply(svc("old", config.UDP, udpBackend(t, "a")), svc("new", config.UDP, udpBackend(t, "b")))
+	share := h.p.budget.udpCap
+	for _, name := range []string{"old", "new"} {
+		for i := 0; i < 50; i++ {
+			c := dialUDP(t, h.addr(name))
+			udpExchange(t, c, []byte("q"))
+		}
+	}
+	oldFlows, oldEvicted := h.p.UDPFlows(h.udpFrontend("old"))
+	newFlows, _ := h.p.UDPFlows(h.udpFrontend("new"))
+	if oldFlows+newFlows > share {
+		t.Fatalf("%d + %d flows open, over the UDP share of %d", oldFlows, newFlows, share)
+	}
+	if newFlows != 50 || oldFlows != share-50 || oldEvicted != uint64(100-share) {
+		t.Fatalf("old %d (evicted %d), new %d: want the older Service's flows evicted first", oldFlows, oldEvicted, newFlows)
+	}
+	if got := h.p.budget.udpFlows.Load(); got != int64(share) {
+		t.Fatalf("budget counts %d flows, want %d", got, share)
+	}
+}

@@ -29,10 +29,13 @@ func healthHandler(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		h := p.Health()
 		now := time.Now()
-		healthy := h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod) && h.ListenFailures == 0
+		healthy := h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod) && h.ListenFailures == 0 && !h.OutOfFiles
 		body := map[string]any{"lastUpdated": h.LastUpdated, "currentTime": now, "healthy": healthy}
 		if h.LastErr != nil {
 			body["lastError"] = h.LastErr.Error()
+		}
+		if h.OutOfFiles {
+			body["outOfFiles"] = true // accepts or dials failed for want of descriptors, less than 10 s ago
 		}
 		if h.ListenFailures > 0 {
 			// Not one Service's conflict: the daemon cannot open

@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +19,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // splitSlices renders one EndpointSlice per (pod IP, port): endpoints of one
@@ -334,4 +337,72 @@ func TestUDPConntrackFollowsListeners(t *testing.T) {
 	d = l.Daemon(args...)
 	waitFor(t, "A served again", func() bool { return countRules(t, l, `lab/a:d`) > 0 })
 	answers("restarted", "pod1")
+}
+
+// A flood of UDP source ports over 6 Services, on a daemon limited to 2048
+// descriptors: the flows stay within their share of the budget, so TCP
+// connections are still served quickly, rule syncs still work and /healthz
+// stays 200.
+func TestUDPFloodLeavesDescriptorsForTCP(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	var content strings.Builder
+	for i := 1; i <= 6; i++ {
+		name := fmt.Sprintf("u%d", i)
+		content.WriteString(service(name, "ClusterIP", fmt.Sprintf("10.96.1.%d", i), "", `{name: d, port: 53, targetPort: 8080, protocol: UDP}`))
+		content.WriteString(splitSlices(name, "d", "UDP", "10.251.19.12:8080", "10.251.19.8:8080"))
+		content.WriteString("---\n")
+	}
+	content.WriteString(service("web", "ClusterIP", "10.96.0.50", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`))
+	content.WriteString(splitSlices("web", "h", "TCP", "10.251.19.12:8080"))
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, content.String())
+	d := l.Start("node", "prlimit", "--nofile=2048:2048", filepath.Join(binDir, "kube-userspace-proxy"),
+		"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/web`) > 0 && countRules(t, l, `lab/u6`) > 0 })
+
+	// 3000 client ports, 500 per Service: more flows than the UDP share
+	// (960 of 2048) and than the descriptors left after it.
+	err := cluster.InNetns(l.NS("client"), func() error {
+		for i := 0; i < 3000; i++ {
+			c, err := net.Dial("udp4", fmt.Sprintf("10.96.1.%d:53", i%6+1))
+			if err != nil {
+				return err
+			}
+			_, _ = c.Write([]byte("flood"))
+			c.Close()
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the flood's flows", func() bool {
+		return metricSum(scrape(t, l), "kube_userspace_proxy_udp_flows_open", nil) >= 900
+	})
+	fams := scrape(t, l)
+	open, share := metricSum(fams, "kube_userspace_proxy_udp_flows_open", nil), metricSum(fams, "kube_userspace_proxy_descriptor_budget", map[string]string{"use": "udp_flows"})
+	t.Logf("%v UDP flows open, share %v", open, share)
+	if open > share+1 {
+		t.Fatalf("%v UDP flows open, over their share of %v", open, share)
+	}
+	for i := 0; i < 20; i++ {
+		out, err := l.Exec("client", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", "--max-time", "5", "http://10.96.0.50/")
+		var code int
+		var secs float64
+		if _, serr := fmt.Sscanf(out, "%d %g", &code, &secs); err != nil || serr != nil || code != 200 || secs >= 0.1 {
+			t.Fatalf("TCP connection %d during the flood: %q %v, want 200 in under 100 ms\n%s", i, out, err, tail(d.Output(), 10))
+		}
+	}
+	// Rule syncs still work: a Service added is served.
+	content.WriteString("---\n" + service("late", "ClusterIP", "10.96.0.51", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`) +
+		splitSlices("late", "h", "TCP", "10.251.19.8:8080"))
+	writeManifest(t, m, content.String())
+	waitFor(t, "the added Service served", func() bool { return strings.HasPrefix(l.Curl("client", "http://10.96.0.51/"), "pod2") })
+	if code, body := l.get("node", "http://127.0.0.1:10256/healthz"); code != 200 {
+		t.Fatalf("/healthz %d during the flood: %s", code, body)
+	}
+	if strings.Contains(d.Output(), "too many open files") {
+		t.Fatalf("the daemon ran out of descriptors:\n%s", tail(d.Output(), 10))
+	}
 }

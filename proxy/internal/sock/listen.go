@@ -196,3 +196,12 @@ func RaiseFileLimit() (uint64, error) {
 	}
 	return lim.Cur, nil
 }
+
+// FileLimit is the process's soft RLIMIT_NOFILE (1024 when it cannot be read).
+func FileLimit() uint64 {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 1024
+	}
+	return lim.Cur
+}

@@ -1,0 +1,110 @@
+package proxy
+
+// One descriptor budget for the whole daemon. Every UDP flow holds a socket
+// and every TCP connection two; the flow cap per service port (4096) did not
+// stop a flood spread over several Services from taking every descriptor,
+// after which accepts, the rule check's iptables-save and the API watch
+// failed alike. So UDP flows, across all service ports, may hold at most a
+// share of RLIMIT_NOFILE, and a reserve is never theirs: past the share a
+// new flow evicts the least recently used flow of any Service.
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+)
+
+// descriptorBudget splits RLIMIT_NOFILE. Safe for concurrent use.
+type descriptorBudget struct {
+	limit   int // RLIMIT_NOFILE (soft)
+	reserve int // never for flows or connections: accepts, syncs, the API watch, HTTP
+	udpCap  int // UDP flows of all service ports together
+
+	udpFlows atomic.Int64 // flows open now, all service ports
+
+	mu  sync.Mutex
+	udp map[*frontend]bool // the UDP frontends, for eviction across Services
+
+	// fileLimitAt is when the daemon last ran out of descriptors (unix
+	// nanoseconds): /healthz is 503 for a while after.
+	fileLimitAt atomic.Int64
+}
+
+// newDescriptorBudget derives the budget from limit (0: the process's soft
+// RLIMIT_NOFILE): a reserve of 1/16 (at least 64), then half of the rest for
+// UDP flows; TCP connections and listeners have the other half.
+func newDescriptorBudget(limit int) *descriptorBudget {
+	if limit <= 0 {
+		limit = int(sock.FileLimit())
+	}
+	b := &descriptorBudget{limit: limit, udp: map[*frontend]bool{}}
+	b.reserve = max(64, limit/16)
+	b.udpCap = max(1, (limit-b.reserve)/2)
+	descriptorBudgetGauge.WithLabelValues("limit").Set(float64(b.limit))
+	descriptorBudgetGauge.WithLabelValues("reserve").Set(float64(b.reserve))
+	descriptorBudgetGauge.WithLabelValues("udp_flows").Set(float64(b.udpCap))
+	return b
+}
+
+func (b *descriptorBudget) addUDP(fe *frontend) {
+	b.mu.Lock()
+	b.udp[fe] = true
+	b.mu.Unlock()
+}
+
+func (b *descriptorBudget) removeUDP(fe *frontend) {
+	b.mu.Lock()
+	delete(b.udp, fe)
+	b.mu.Unlock()
+}
+
+// flowOpened counts a new flow and reports whether the UDP share is now
+// exceeded (the caller evicts).
+func (b *descriptorBudget) flowOpened() bool {
+	return b.udpFlows.Add(1) > int64(b.udpCap)
+}
+
+func (b *descriptorBudget) flowClosed() {
+	b.udpFlows.Add(-1)
+}
+
+// evictOldest ends the least recently used flow of any UDP frontend. Two
+// flows opened at once may pick the same victim: the one that finds it gone
+// picks again, so that every flow over the share evicts one.
+func (b *descriptorBudget) evictOldest() {
+	for try := 0; try < 8 && b.udpFlows.Load() > int64(b.udpCap); try++ {
+		if b.evictOne() {
+			return
+		}
+	}
+}
+
+func (b *descriptorBudget) evictOne() bool {
+	b.mu.Lock()
+	var victim *udpFlow
+	var owner *frontend
+	for fe := range b.udp {
+		fe.udp.mu.Lock()
+		if e := fe.udp.lru.Back(); e != nil {
+			fl := e.Value.(*udpFlow)
+			if victim == nil || fl.lastSeen.Load() < victim.lastSeen.Load() {
+				victim, owner = fl, fe
+			}
+		}
+		fe.udp.mu.Unlock()
+	}
+	b.mu.Unlock()
+	return victim == nil || owner.evict(victim)
+}
+
+// ranOut records that a system call failed for want of descriptors.
+func (b *descriptorBudget) ranOut() { b.fileLimitAt.Store(time.Now().UnixNano()) }
+
+// exhaustedWithin reports whether the daemon ran out of descriptors less
+// than d ago.
+func (b *descriptorBudget) exhaustedWithin(d time.Duration) bool {
+	at := b.fileLimitAt.Load()
+	return at != 0 && time.Since(time.Unix(0, at)) < d
+}
