@@ -406,3 +406,40 @@ func TestUDPFloodLeavesDescriptorsForTCP(t *testing.T) {
 		t.Fatalf("the daemon ran out of descriptors:\n%s", tail(d.Output(), 10))
 	}
 }
+
+// /healthz tells the truth: 503 while listeners cannot be opened (here a
+// one-port --proxy-port-range for two Services), 200 once they can.
+func TestHealthWhenListenersFail(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	two := service("h1", "ClusterIP", "10.96.0.60", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`) +
+		splitSlices("h1", "h", "TCP", "10.251.19.12:8080") + "---\n" +
+		service("h2", "ClusterIP", "10.96.0.61", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`) +
+		splitSlices("h2", "h", "TCP", "10.251.19.8:8080")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, two)
+	l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--proxy-port-range", "46100-46100")
+	waitFor(t, "/healthz 503 with a listener failing", func() bool {
+		code, body := l.get("node", "http://127.0.0.1:10256/healthz")
+		return code == 503 && strings.Contains(body, `"listenFailures":1`)
+	})
+	if v := metricSum(scrape(t, l), "kube_userspace_proxy_listener_failures", nil); v != 1 {
+		t.Errorf("kube_userspace_proxy_listener_failures = %v, want 1", v)
+	}
+	// One Service goes: the other gets the port at a retry, and health is back.
+	served := "h1"
+	if countRules(t, l, `lab/h1`) == 0 {
+		served = "h2"
+	}
+	keep := map[string]string{"h1": "h2", "h2": "h1"}[served]
+	ip := map[string]string{"h1": "10.96.0.60", "h2": "10.96.0.61"}[keep]
+	var rest strings.Builder
+	for _, doc := range strings.Split(two, "---\n") {
+		if strings.Contains(doc, "name: "+keep) || strings.Contains(doc, "service-name: "+keep) {
+			rest.WriteString("---\n" + doc)
+		}
+	}
+	writeManifest(t, m, rest.String())
+	waitFor(t, "the other Service served", func() bool { return strings.HasPrefix(l.Curl("client", "http://"+ip+"/"), "pod") })
+	waitFor(t, "/healthz 200", func() bool { code, _ := l.get("node", "http://127.0.0.1:10256/healthz"); return code == 200 })
+}
