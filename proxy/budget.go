@@ -22,7 +22,9 @@ type descriptorBudget struct {
 	reserve int // never for flows or connections: accepts, syncs, the API watch, HTTP
 	udpCap  int // UDP flows of all service ports together
 
-	udpFlows atomic.Int64 // flows open now, all service ports
+	udpFlows  atomic.Int64 // flows open now, all service ports
+	tcpConns  atomic.Int64 // TCP connections open now (two descriptors each)
+	listeners atomic.Int64 // listening sockets and NodePort holds
 
 	mu  sync.Mutex
 	udp map[*frontend]bool // the UDP frontends, for eviction across Services
@@ -34,7 +36,8 @@ type descriptorBudget struct {
 
 // newDescriptorBudget derives the budget from limit (0: the process's soft
 // RLIMIT_NOFILE): a reserve of 1/16 (at least 64), then half of the rest for
-// UDP flows; TCP connections and listeners have the other half.
+// UDP flows at most; TCP connections and listeners have what the flows do
+// not hold.
 func newDescriptorBudget(limit int) *descriptorBudget {
 	if limit <= 0 {
 		limit = int(sock.FileLimit())
@@ -98,6 +101,21 @@ func (b *descriptorBudget) evictOne() bool {
 	b.mu.Unlock()
 	return victim == nil || owner.evict(victim)
 }
+
+// admitTCP takes a place for a new TCP connection (its socket is already
+// accepted; the dial needs one more), or reports false when it would eat
+// into the reserve: the caller resets it at once, which the client sees at
+// once, instead of an accept or a rule sync failing later. release gives
+// the place back.
+func (b *descriptorBudget) admitTCP() bool {
+	if n := b.tcpConns.Add(1); 2*n+b.udpFlows.Load()+b.listeners.Load() > int64(b.limit-b.reserve) {
+		b.tcpConns.Add(-1)
+		return false
+	}
+	return true
+}
+
+func (b *descriptorBudget) releaseTCP() { b.tcpConns.Add(-1) }
 
 // ranOut records that a system call failed for want of descriptors.
 func (b *descriptorBudget) ranOut() { b.fileLimitAt.Store(time.Now().UnixNano()) }

@@ -173,6 +173,7 @@ func (t *connTable) add(f *frontend, client netip.AddrPort) *connRecord {
 
 func (t *connTable) remove(c *connRecord) {
 	c.fe.m.get().active.Dec()
+	c.fe.p.budget.releaseTCP()
 	t.mu.Lock()
 	delete(t.conns, c.ID)
 	t.mu.Unlock()

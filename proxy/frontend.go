@@ -158,6 +158,10 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 			return nil, err
 		}
 	}
+	p.budget.listeners.Add(1)
+	if hold != nil {
+		p.budget.listeners.Add(1)
+	}
 	fe := &frontend{
 		p: p, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(port)),
@@ -218,6 +222,10 @@ func (fe *frontend) discard() {
 }
 
 func (fe *frontend) shut() {
+	fe.p.budget.listeners.Add(-1)
+	if fe.hold != nil {
+		fe.p.budget.listeners.Add(-1)
+	}
 	if fe.tcp != nil {
 		fe.tcp.Close()
 	}

@@ -74,6 +74,10 @@ var (
 		}
 		return float64(n)
 	})
+	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_descriptor_budget_refusals_total",
+		Help: "TCP connections reset at accept because they would have eaten into the descriptor reserve.",
+	})
 	listenerFailures = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "kube_userspace_proxy_listener_failures",
 		Help: "Listeners the last sync could not open (port range exhausted, out of descriptors, bind address): /healthz is 503 while any.",
@@ -114,7 +118,7 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
 		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
-		descriptorBudgetGauge, udpFlowsTotal)
+		descriptorBudgetGauge, udpFlowsTotal, budgetRefusals)
 }
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking

@@ -12,6 +12,7 @@ package proxy
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"runtime"
 	"slices"
@@ -35,6 +36,9 @@ type Config struct {
 
 	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
+	// Events, when set, records a Service's own trouble as an Event on it
+	// (the cluster source): reason "NodePortConflict".
+	Events func(sp *config.ServicePort, reason, message string)
 	// FileLimit is the descriptor limit the budget is derived from (budget.go);
 	// 0: the process's RLIMIT_NOFILE when New is called.
 	FileLimit int
@@ -492,6 +496,9 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 				}
 				if fe.nodePortErr != nil {
 					fe.log.Error(fe.nodePortErr)
+					if p.cfg.Events != nil {
+						p.cfg.Events(sp, "NodePortConflict", fmt.Sprintf("%s (node %s)", fe.nodePortErr, st.Node))
+					}
 				}
 			}
 			fe.log.Info("Listening")

@@ -36,6 +36,14 @@ func (f *frontend) serveTCP(ln *sock.Listener) {
 	handle := func(client *sock.Conn, from netip.AddrPort) {
 		backoff = 0
 		f.m.get().accepted.Inc()
+		if !f.p.budget.admitTCP() {
+			// Over the descriptor budget: a reset now keeps the reserve
+			// for accepts, rule syncs and the API watch.
+			budgetRefusals.Inc()
+			_ = client.SetResetOnClose()
+			client.Close()
+			return
+		}
 		c := f.p.conns.add(f, from)
 		f.p.workers.Go(func() { f.handleTCP(c, client) })
 	}

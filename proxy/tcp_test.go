@@ -476,3 +476,41 @@ func TestShutdownGraceIsHardBound(t *testing.T) {
 		t.Fatalf("Run still running %v after shutdown began (grace %v)", grace+5*time.Second, grace)
 	}
 }
+
+// TCP connections stop at the descriptor budget: past it a new connection
+// is reset at once, so that the reserve stays for accepts, rule syncs and
+// the API watch; one that ends gives its place back.
+func TestTCPWithinDescriptorBudget(t *testing.T) {
+	h := startProxier(t, Config{FileLimit: 200}) // reserve 64: 136 for listeners and connections
+	h.apply(svc("full", config.TCP, tcpBackend(t, "a")))
+	room := (h.p.budget.limit - h.p.budget.reserve - 1) / 2 // one listener, two descriptors a connection
+	var open []net.Conn
+	defer func() {
+		for _, c := range open {
+			c.Close()
+		}
+	}()
+	served := 0
+	for i := 0; i < room+5; i++ {
+		c, err := net.Dial("tcp", h.addr("full"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, c)
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if line, err := bufio.NewReader(c).ReadString('\n'); err == nil && line == "a\n" {
+			served++
+		} else if !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatalf("connection %d: %q %v, want the name or a reset", i, line, err)
+		}
+	}
+	if served != room {
+		t.Fatalf("%d connections served, want %d (the budget's room)", served, room)
+	}
+	// One ends: its place goes to the next.
+	open[0].Close()
+	waitFor(t, "a place freed", func() bool { return h.p.budget.tcpConns.Load() < int64(room) })
+	if got := fetchName(t, h.addr("full")); got != "a" {
+		t.Fatalf("after a connection ended: %q", got)
+	}
+}

@@ -10,7 +10,11 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	v1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/record"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
@@ -87,7 +91,21 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	} else {
 		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
 	}
+	var events func(sp *config.ServicePort, reason, message string)
+	if client != nil {
+		// Service conflicts (a NodePort another process or Service holds)
+		// become Events on the Service, where its owner looks.
+		broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+		broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+		defer broadcaster.Shutdown()
+		recorder := broadcaster.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-userspace-proxy", Host: node})
+		events = func(sp *config.ServicePort, reason, message string) {
+			recorder.Event(&v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: sp.Name.Namespace, Name: sp.Name.Name},
+				v1.EventTypeWarning, reason, message)
+		}
+	}
 	p := proxy.New(proxy.Config{
+		Events:              events,
 		Rules:               rules,
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
 		BindAddress:         o.bindAddress,

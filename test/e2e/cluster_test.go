@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // clusterLab is a lab whose node namespace also runs a real control plane;
@@ -376,6 +377,37 @@ func TestClusterSource(t *testing.T) {
 			Endpoints:   []discovery.Endpoint{{Addresses: []string{"10.251.19.20"}}},
 		})
 		cl.expectPods(t, "client", "http://10.96.1.40/", "pod3")
+	})
+	t.Run("NodePort held by another process: an Event, then taken back", func(t *testing.T) {
+		holder := cl.Start("node", "nc", "-l", "-k", "31600")
+		waitFor(t, "nc listening", func() bool {
+			out, _ := cl.Exec("node", "ss", "-ltn", "sport = :31600")
+			return strings.Contains(out, "LISTEN")
+		})
+		svc := webService("conflict", "10.96.1.50")
+		svc.Spec.Selector = map[string]string{"app": "web"}
+		svc.Spec.Type = v1.ServiceTypeNodePort
+		svc.Spec.Ports[0].NodePort = 31600
+		cl.service(t, svc)
+		waitFor(t, "the ClusterIP served", func() bool { return strings.HasPrefix(cl.Curl("client", "http://10.96.1.50/"), "pod") })
+		waitFor(t, "a NodePortConflict Event on the Service", func() bool {
+			evs, err := cl.admin.CoreV1().Events("lab").List(cl.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=conflict"})
+			if err != nil {
+				return false
+			}
+			for _, e := range evs.Items {
+				if e.Reason == "NodePortConflict" && e.Type == v1.EventTypeWarning && e.InvolvedObject.Kind == "Service" &&
+					strings.Contains(e.Message, "31600") {
+					return true
+				}
+			}
+			return false
+		})
+		_ = holder.Cmd.Process.Kill()
+		_ = holder.Cmd.Wait()
+		testutil.WaitFor(t, "the NodePort taken back", 40*time.Second, 100*time.Millisecond, func() bool {
+			return strings.HasPrefix(cl.Curl("ext", "http://192.168.50.1:31600/"), "pod")
+		})
 	})
 	// Checked before the outage: a restarting kube-apiserver answers
 	// "forbidden" for a moment until its RBAC caches have synced.

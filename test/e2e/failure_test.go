@@ -443,3 +443,80 @@ func TestHealthWhenListenersFail(t *testing.T) {
 	waitFor(t, "the other Service served", func() bool { return strings.HasPrefix(l.Curl("client", "http://"+ip+"/"), "pod") })
 	waitFor(t, "/healthz 200", func() bool { code, _ := l.get("node", "http://127.0.0.1:10256/healthz"); return code == 200 })
 }
+
+// listenPort returns the listener port /debug/services shows for a service
+// port, or "".
+func listenPort(t *testing.T, l *Lab, service string) string {
+	_, body := l.get("node", "http://127.0.0.1:10249/debug/services")
+	var views []struct {
+		Service string `json:"service"`
+		Listen  string `json:"listen"`
+	}
+	_ = json.Unmarshal([]byte(body), &views)
+	for _, v := range views {
+		if v.Service == service {
+			return v.Listen
+		}
+	}
+	return ""
+}
+
+// The manifests file rewritten in place, in chunks with pauses, the way a
+// slow `kubectl get -o yaml > f.yaml` writes it: no connection fails and the
+// listener keeps its port.
+func TestManifestRewrittenInPlaceInTheLab(t *testing.T) {
+	l, _, m := startWeb(t, webManifest())
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	before := listenPort(t, l, "lab/web:http")
+	content, err := os.ReadFile(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	failures := make(chan string, 1000)
+	done := make(chan int)
+	go func() {
+		n := 0
+		for {
+			select {
+			case <-stop:
+				done <- n
+				return
+			default:
+			}
+			if body := l.Curl("client", "http://10.96.0.10:80/"); !strings.HasPrefix(body, "pod") {
+				failures <- body
+			}
+			n++
+		}
+	}()
+	for round := 0; round < 3; round++ {
+		f, err := os.OpenFile(m, os.O_WRONLY|os.O_TRUNC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < 4; i++ {
+			time.Sleep(150 * time.Millisecond)
+			if _, err := f.Write(content[len(content)*i/4 : len(content)*(i+1)/4]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		f.Close()
+		time.Sleep(300 * time.Millisecond)
+	}
+	time.Sleep(1500 * time.Millisecond) // past the settle time
+	close(stop)
+	n := <-done
+	close(failures)
+	var failed []string
+	for f := range failures {
+		failed = append(failed, f)
+	}
+	t.Logf("%d connections during 3 rewrites in place, %d failed", n, len(failed))
+	if len(failed) > 0 {
+		t.Fatalf("%d of %d connections failed during the rewrites (e.g. %q)", len(failed), n, failed[0])
+	}
+	if after := listenPort(t, l, "lab/web:http"); after != before {
+		t.Fatalf("listener moved from %s to %s", before, after)
+	}
+}
