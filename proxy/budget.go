@@ -35,7 +35,7 @@ type descriptorBudget struct {
 }
 
 // newDescriptorBudget derives the budget from limit (0: the process's soft
-// RLIMIT_NOFILE): a reserve of 1/16 (at least 64), then half of the rest for
+// RLIMIT_NOFILE): a reserve of 1/16 (at least 64, at most 1/4), then half of the rest for
 // UDP flows at most; TCP connections and listeners have what the flows do
 // not hold.
 func newDescriptorBudget(limit int) *descriptorBudget {
@@ -43,7 +43,7 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 		limit = int(sock.FileLimit())
 	}
 	b := &descriptorBudget{limit: limit, udp: map[*frontend]bool{}}
-	b.reserve = max(64, limit/16)
+	b.reserve = min(max(64, limit/16), limit/4) // a tiny limit keeps room for connections
 	b.udpCap = max(1, (limit-b.reserve)/2)
 	descriptorBudgetGauge.WithLabelValues("limit").Set(float64(b.limit))
 	descriptorBudgetGauge.WithLabelValues("reserve").Set(float64(b.reserve))

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -137,7 +138,9 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 
 // Running out of descriptors must make the daemon back off and recover, not
 // panic (the classic proxier's choice) or spin. The daemon runs with 48
-// descriptors; the test holds enough connections to exhaust them.
+// descriptors; the test holds connections until the daemon is at its limit:
+// its descriptor budget resets the next connections at accept (or, should
+// the budget not keep it off, accept fails with EMFILE and backs off).
 func TestRecoversFromFileLimit(t *testing.T) {
 	backend, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
@@ -197,12 +200,20 @@ func TestRecoversFromFileLimit(t *testing.T) {
 		}
 	}()
 	deadline := time.Now().Add(20 * time.Second)
-	for !strings.Contains(stderr.String(), "too many open files") {
-		if time.Now().After(deadline) {
-			t.Fatalf("the daemon never ran out of descriptors:\n%s", stderr.String())
+	atLimit := func() bool {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			return false
 		}
-		if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
-			clients = append(clients, c)
+		clients = append(clients, c)
+		c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		buf := make([]byte, 2)
+		_, err = io.ReadFull(c, buf)
+		return errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)
+	}
+	for !atLimit() && !strings.Contains(stderr.String(), "too many open files") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the daemon never reached its descriptor limit:\n%s", stderr.String())
 		}
 	}
 	for _, c := range clients {
