@@ -50,6 +50,9 @@ func SkipSlice(es *discovery.EndpointSlice) string {
 // for one Service.
 const AnnotationOutlierDetection = "kube-userspace-proxy.io/outlier-detection"
 
+// AnnotationScheduler chooses a Service's scheduler: rr, lc, sh or random.
+const AnnotationScheduler = "kube-userspace-proxy.io/scheduler"
+
 // ServicePorts converts one Service to its service ports (without endpoints).
 // The caller has already checked SkipReason. An invalid address or port is an
 // error naming the field.
@@ -131,6 +134,7 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 			ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
 
 			OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
+			Scheduler:        svc.Annotations[AnnotationScheduler],
 			Created:          svc.CreationTimestamp.Time,
 		}
 		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"math/rand/v2"
 	"net/netip"
 	"slices"
 	"sort"
@@ -22,6 +21,10 @@ const (
 	// ReasonAllEjected: every endpoint is ejected, so the pick ignores
 	// ejection (Envoy's panic mode): a guess beats refusing everyone.
 	ReasonAllEjected Reason = "all-ejected"
+	// The other schedulers' picks (schedulers.go).
+	ReasonLeastConn  Reason = "least-connections"
+	ReasonSourceHash Reason = "source-hash"
+	ReasonRandom     Reason = "random"
 )
 
 // Balancer chooses the endpoint for each new connection or UDP flow of one
@@ -38,9 +41,17 @@ type Balancer interface {
 	// returns how long ep is now ejected for, and whether a success just
 	// returned it from an ejection.
 	Report(ep netip.AddrPort, failed bool) (ejectedFor time.Duration, recovered bool)
-	// Update replaces the endpoint set, the affinity timeout (0: none) and
-	// the outlier detection; endpoints that stay keep their health.
-	Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig)
+	// Done says that a connection or flow that Pick sent to ep has ended
+	// (or its dial failed): the count of active connections, which lc and
+	// the debug view use, goes down. It takes no lock.
+	Done(ep netip.AddrPort)
+	// Update replaces the endpoint set, the affinity timeout (0: none), the
+	// outlier detection and the scheduler; endpoints that stay keep their
+	// health, drain and counts.
+	Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig, scheduler string)
+	// SetDrained stops (or, with false, resumes) new picks of ep while its
+	// connections go on; false when ep is not an endpoint of the balancer.
+	SetDrained(ep netip.AddrPort, drained bool) bool
 	// Affinities returns the live session-affinity pins, sorted by client,
 	// for the debug view (none for a balancer without affinity).
 	Affinities() []Affinity
@@ -51,18 +62,18 @@ type Balancer interface {
 // newBalancer returns the balancer for a new frontend of sp. The frontend
 // holds it only as a Balancer: schedulers plug in here without touching the
 // data path.
-func newBalancer(sp *config.ServicePort) Balancer { return NewRoundRobin() }
+func newBalancer(sp *config.ServicePort) Balancer { return NewBalancer(sp.Scheduler) }
 
-var _ Balancer = (*RoundRobin)(nil)
+var _ Balancer = (*EndpointBalancer)(nil)
 
-// RoundRobin cycles through the endpoints in rotation (not ejected); with
+// EndpointBalancer cycles through the endpoints in rotation (not ejected); with
 // affinity a client IP keeps its endpoint until it has been idle for the
 // affinity timeout or its endpoint is ejected.
 //
 // Unlike the classic userspace proxier, the timeout is read at every Pick, so a
 // changed timeoutSeconds applies to existing pins whatever order the Service
 // and endpoint updates arrived in.
-type RoundRobin struct {
+type EndpointBalancer struct {
 	now func() time.Time // for tests; time.Now when nil
 
 	// snapshot is endpoints for Report, which takes no lock.
@@ -71,7 +82,7 @@ type RoundRobin struct {
 
 	mu        sync.Mutex  // guards everything below
 	endpoints []*endpoint // sorted by address; never modified, only replaced
-	next      int
+	sched     scheduler
 	ttl       time.Duration // 0: no affinity
 	pins      map[netip.Addr]pin
 	nextSweep time.Time
@@ -82,10 +93,18 @@ type pin struct {
 	lastUsed time.Time
 }
 
-// NewRoundRobin returns an empty balancer; call Update to give it endpoints.
-func NewRoundRobin() *RoundRobin { return &RoundRobin{} }
+// NewRoundRobin returns an empty round-robin balancer.
+func NewRoundRobin() *EndpointBalancer { return NewBalancer(SchedRoundRobin) }
 
-func (rr *RoundRobin) clock() time.Time {
+// NewBalancer returns an empty balancer with the named scheduler (rr when
+// the name is unknown); call Update to give it endpoints.
+func NewBalancer(scheduler string) *EndpointBalancer {
+	b := &EndpointBalancer{}
+	b.sched, _ = newScheduler(scheduler)
+	return b
+}
+
+func (rr *EndpointBalancer) clock() time.Time {
 	if rr.now != nil {
 		return rr.now()
 	}
@@ -94,7 +113,7 @@ func (rr *RoundRobin) clock() time.Time {
 
 // Update implements Balancer. Pins to endpoints that are gone are dropped; the
 // others survive an endpoint change, and so does an endpoint's health.
-func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig) {
+func (rr *EndpointBalancer) Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig, scheduler string) {
 	addrs := slices.Clone(endpoints)
 	sort.Slice(addrs, func(i, j int) bool { return addrs[i].Compare(addrs[j]) < 0 })
 	if outlier.enabled() {
@@ -105,6 +124,9 @@ func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration,
 
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
+	if rr.sched == nil || rr.sched.name() != scheduler {
+		rr.sched, _ = newScheduler(scheduler)
+	}
 	if !slices.EqualFunc(addrs, rr.endpoints, func(a netip.AddrPort, e *endpoint) bool { return a == e.addr }) {
 		eps := make([]*endpoint, len(addrs))
 		for i, a := range addrs {
@@ -114,12 +136,7 @@ func (rr *RoundRobin) Update(endpoints []netip.AddrPort, affinity time.Duration,
 				eps[i] = &endpoint{addr: a}
 			}
 		}
-		// Start each new set at a random place so that many nodes do not all
-		// send their first connection to the same endpoint.
-		rr.next = 0
-		if len(eps) > 1 {
-			rr.next = rand.IntN(len(eps))
-		}
+		rr.sched.reset(len(eps))
 		rr.endpoints = eps
 		rr.snapshot.Store(&eps)
 	}
@@ -145,7 +162,7 @@ func findEndpoint(eps []*endpoint, a netip.AddrPort) *endpoint {
 }
 
 // Pick implements Balancer.
-func (rr *RoundRobin) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reason, bool) {
+func (rr *EndpointBalancer) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reason, bool) {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	n := len(rr.endpoints)
@@ -158,26 +175,26 @@ func (rr *RoundRobin) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reas
 	nanos := now.UnixNano()
 	if rr.ttl > 0 {
 		rr.sweepLocked(now)
-		if p, ok := rr.pins[client]; ok && attempt == 0 && now.Sub(p.lastUsed) < rr.ttl && !p.ep.ejected(nanos) {
+		if p, ok := rr.pins[client]; ok && attempt == 0 && now.Sub(p.lastUsed) < rr.ttl && !p.ep.ejected(nanos) && !p.ep.drained.Load() {
 			p.lastUsed = now
 			rr.pins[client] = p
+			p.ep.active.Add(1)
 			return p.ep.addr, ReasonAffinity, true
 		}
 	}
-	why := ReasonRoundRobin
-	if attempt > 0 {
+	// The scheduler chooses among the endpoints in rotation: not drained
+	// by hand, not ejected; with every one ejected, among the not drained.
+	e := rr.sched.choose(rr.endpoints, client, func(e *endpoint) bool { return !e.drained.Load() && !e.ejected(nanos) })
+	why := rr.sched.reason()
+	if e == nil {
+		if e = rr.sched.choose(rr.endpoints, client, func(e *endpoint) bool { return !e.drained.Load() }); e == nil {
+			return netip.AddrPort{}, "", false // every endpoint drained
+		}
+		why = ReasonAllEjected
+	} else if attempt > 0 {
 		why = ReasonRetry
 	}
-	i := rr.next % n
-	for tried := 0; rr.endpoints[i].ejected(nanos); {
-		if tried++; tried == n {
-			i, why = rr.next%n, ReasonAllEjected
-			break
-		}
-		i = (i + 1) % n
-	}
-	e := rr.endpoints[i]
-	rr.next = (i + 1) % n
+	e.active.Add(1)
 	if rr.ttl > 0 {
 		if rr.pins == nil {
 			rr.pins = make(map[netip.Addr]pin)
@@ -188,7 +205,7 @@ func (rr *RoundRobin) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reas
 }
 
 // Report implements Balancer.
-func (rr *RoundRobin) Report(ep netip.AddrPort, failed bool) (time.Duration, bool) {
+func (rr *EndpointBalancer) Report(ep netip.AddrPort, failed bool) (time.Duration, bool) {
 	o := rr.outlier.Load()
 	eps := rr.snapshot.Load()
 	if o == nil || eps == nil {
@@ -201,8 +218,35 @@ func (rr *RoundRobin) Report(ep netip.AddrPort, failed bool) (time.Duration, boo
 	return e.report(*o, failed, rr.clock())
 }
 
+// Done implements Balancer.
+func (rr *EndpointBalancer) Done(ep netip.AddrPort) {
+	if eps := rr.snapshot.Load(); eps != nil {
+		if e := findEndpoint(*eps, ep); e != nil {
+			e.active.Add(-1)
+		}
+	}
+}
+
+// SetDrained implements Balancer.
+func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {
+	if eps := rr.snapshot.Load(); eps != nil {
+		if e := findEndpoint(*eps, ep); e != nil {
+			e.drained.Store(drained)
+			return true
+		}
+	}
+	return false
+}
+
+// Scheduler is the name of the scheduler in use.
+func (rr *EndpointBalancer) Scheduler() string {
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	return rr.sched.name()
+}
+
 // Health implements Balancer.
-func (rr *RoundRobin) Health() []EndpointHealth {
+func (rr *EndpointBalancer) Health() []EndpointHealth {
 	eps := rr.snapshot.Load()
 	if eps == nil {
 		return nil
@@ -217,7 +261,7 @@ func (rr *RoundRobin) Health() []EndpointHealth {
 
 // sweepLocked drops expired pins at most once a minute, so that clients that
 // never come back do not grow the table forever.
-func (rr *RoundRobin) sweepLocked(now time.Time) {
+func (rr *EndpointBalancer) sweepLocked(now time.Time) {
 	if now.Before(rr.nextSweep) {
 		return
 	}
@@ -237,7 +281,7 @@ type Affinity struct {
 }
 
 // Affinities returns the live pins, sorted by client.
-func (rr *RoundRobin) Affinities() []Affinity {
+func (rr *EndpointBalancer) Affinities() []Affinity {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	now := rr.clock()

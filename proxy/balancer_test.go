@@ -19,7 +19,7 @@ type fakeClock struct{ t time.Time }
 func (c *fakeClock) now() time.Time          { return c.t }
 func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
 
-func newTestRR() (*RoundRobin, *fakeClock) {
+func newTestRR() (*EndpointBalancer, *fakeClock) {
 	clk := &fakeClock{t: time.Unix(1000, 0)}
 	rr := NewRoundRobin()
 	rr.now = clk.now
@@ -36,8 +36,8 @@ func TestRoundRobinNoEndpoints(t *testing.T) {
 	if _, _, ok := rr.Pick(clientA, 0); ok {
 		t.Fatal("Pick with no endpoints returned one")
 	}
-	rr.Update(eps("10.0.0.1:80"), 0, OutlierConfig{})
-	rr.Update(nil, 0, OutlierConfig{})
+	rr.Update(eps("10.0.0.1:80"), 0, OutlierConfig{}, "")
+	rr.Update(nil, 0, OutlierConfig{}, "")
 	if _, _, ok := rr.Pick(clientA, 0); ok {
 		t.Fatal("Pick after endpoints were removed returned one")
 	}
@@ -45,7 +45,7 @@ func TestRoundRobinNoEndpoints(t *testing.T) {
 
 func TestRoundRobinSpreadsEvenly(t *testing.T) {
 	rr, _ := newTestRR()
-	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"), 0, OutlierConfig{})
+	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"), 0, OutlierConfig{}, "")
 	counts := map[netip.AddrPort]int{}
 	var prev netip.AddrPort
 	for i := 0; i < 300; i++ {
@@ -68,7 +68,7 @@ func TestRoundRobinSpreadsEvenly(t *testing.T) {
 
 func TestAffinityPinsAndExpires(t *testing.T) {
 	rr, clk := newTestRR()
-	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 10*time.Second, OutlierConfig{})
+	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 10*time.Second, OutlierConfig{}, "")
 	first, why, _ := rr.Pick(clientA, 0)
 	if why != ReasonRoundRobin {
 		t.Fatalf("first pick reason %s", why)
@@ -95,15 +95,15 @@ func TestAffinityPinsAndExpires(t *testing.T) {
 func TestAffinityTimeoutChangeApplies(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
-		setup func(rr *RoundRobin)
+		setup func(rr *EndpointBalancer)
 	}{
-		{"endpoints first, then affinity", func(rr *RoundRobin) {
-			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 0, OutlierConfig{})
-			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{})
+		{"endpoints first, then affinity", func(rr *EndpointBalancer) {
+			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 0, OutlierConfig{}, "")
+			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "")
 		}},
-		{"affinity first, then endpoints", func(rr *RoundRobin) {
-			rr.Update(nil, time.Hour, OutlierConfig{})
-			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{})
+		{"affinity first, then endpoints", func(rr *EndpointBalancer) {
+			rr.Update(nil, time.Hour, OutlierConfig{}, "")
+			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "")
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -114,18 +114,18 @@ func TestAffinityTimeoutChangeApplies(t *testing.T) {
 			if ep, why, _ := rr.Pick(clientA, 0); ep != pinned || why != ReasonAffinity {
 				t.Fatalf("within 1h: got %s (%s), want %s", ep, why, pinned)
 			}
-			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 5*time.Second, OutlierConfig{}) // TTL lowered
+			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 5*time.Second, OutlierConfig{}, "") // TTL lowered
 			clk.advance(6 * time.Second)
 			if _, why, _ := rr.Pick(clientA, 0); why == ReasonAffinity {
 				t.Fatal("pin outlived the lowered timeout")
 			}
-			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}) // raised again
+			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "") // raised again
 			pinned, _, _ = rr.Pick(clientA, 0)
 			clk.advance(10 * time.Minute)
 			if ep, why, _ := rr.Pick(clientA, 0); ep != pinned || why != ReasonAffinity {
 				t.Fatalf("raised timeout not honoured: %s (%s)", ep, why)
 			}
-			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 0, OutlierConfig{}) // affinity off
+			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 0, OutlierConfig{}, "") // affinity off
 			if got := rr.Affinities(); len(got) != 0 {
 				t.Fatalf("affinity off but pins remain: %v", got)
 			}
@@ -135,7 +135,7 @@ func TestAffinityTimeoutChangeApplies(t *testing.T) {
 
 func TestAffinityDroppedForRemovedEndpoint(t *testing.T) {
 	rr, _ := newTestRR()
-	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{})
+	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "")
 	pinned, _, _ := rr.Pick(clientA, 0)
 	var remaining netip.AddrPort
 	for _, ep := range eps("10.0.0.1:80", "10.0.0.2:80") {
@@ -143,7 +143,7 @@ func TestAffinityDroppedForRemovedEndpoint(t *testing.T) {
 			remaining = ep
 		}
 	}
-	rr.Update([]netip.AddrPort{remaining}, time.Hour, OutlierConfig{})
+	rr.Update([]netip.AddrPort{remaining}, time.Hour, OutlierConfig{}, "")
 	if len(rr.Affinities()) != 0 {
 		t.Fatalf("pin to removed endpoint %s kept: %v", pinned, rr.Affinities())
 	}
@@ -151,7 +151,7 @@ func TestAffinityDroppedForRemovedEndpoint(t *testing.T) {
 		t.Fatalf("got %s, want %s", ep, remaining)
 	}
 	// An unrelated endpoint change keeps pins to endpoints that stay.
-	rr.Update(eps(remaining.String(), "10.0.0.3:80"), time.Hour, OutlierConfig{})
+	rr.Update(eps(remaining.String(), "10.0.0.3:80"), time.Hour, OutlierConfig{}, "")
 	if ep, why, _ := rr.Pick(clientA, 0); ep != remaining || why != ReasonAffinity {
 		t.Fatalf("pin lost on unrelated change: %s (%s)", ep, why)
 	}
@@ -159,7 +159,7 @@ func TestAffinityDroppedForRemovedEndpoint(t *testing.T) {
 
 func TestRetryBypassesAndRepinsAffinity(t *testing.T) {
 	rr, _ := newTestRR()
-	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{})
+	rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "")
 	first, _, _ := rr.Pick(clientA, 0)
 	retry, why, _ := rr.Pick(clientA, 1)
 	if retry == first || why != ReasonRetry {
@@ -172,7 +172,7 @@ func TestRetryBypassesAndRepinsAffinity(t *testing.T) {
 
 func TestSweepDropsIdlePins(t *testing.T) {
 	rr, clk := newTestRR()
-	rr.Update(eps("10.0.0.1:80"), time.Second, OutlierConfig{})
+	rr.Update(eps("10.0.0.1:80"), time.Second, OutlierConfig{}, "")
 	for i := 0; i < 100; i++ {
 		rr.Pick(netip.AddrFrom4([4]byte{192, 0, 2, byte(i)}), 0)
 	}

@@ -54,6 +54,12 @@ func (c *connRecord) addDown(n int64) {
 // moved is the bytes copied so far, both ways.
 func (c *connRecord) moved() int64 { return c.up.Load() + c.down.Load() }
 
+func (c *connRecord) endpoint() netip.AddrPort {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.Endpoint
+}
+
 func (c *connRecord) setOrigDst(dst netip.AddrPort) {
 	c.mu.Lock()
 	c.OrigDst = dst

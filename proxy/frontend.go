@@ -186,6 +186,10 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		fe.served.Add(1)
 		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
 	}
+	if !KnownScheduler(sp.Scheduler) {
+		fe.log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
+			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
+	}
 	if v := sp.OutlierDetection; v != "" && v != "on" && v != "off" {
 		fe.log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
 			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")

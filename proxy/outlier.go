@@ -60,6 +60,8 @@ type endpoint struct {
 	failures  atomic.Int32 // failed dials or UDP errors in a row
 	ejections atomic.Int32 // ejections in a row, without a success between them
 	until     atomic.Int64 // unix nanoseconds when the ejection ends; 0: not ejected
+	active    atomic.Int64 // connections and flows picked and not Done
+	drained   atomic.Bool  // no new picks (POST /debug/drain)
 }
 
 // ejected reports whether e is out of rotation at now (unix nanoseconds).
@@ -108,10 +110,15 @@ type EndpointHealth struct {
 	// EjectedUntil is when the current ejection ends; absent when the
 	// endpoint is in rotation.
 	EjectedUntil *time.Time `json:"ejectedUntil,omitempty"`
+	// Active is the connections and UDP flows open to it from this listener.
+	Active int `json:"active"`
+	// Drained: no new picks, by hand (POST /debug/drain).
+	Drained bool `json:"drained,omitempty"`
 }
 
 func (e *endpoint) health(now time.Time) EndpointHealth {
-	h := EndpointHealth{Endpoint: e.addr, Failures: int(e.failures.Load()), Ejections: int(e.ejections.Load())}
+	h := EndpointHealth{Endpoint: e.addr, Failures: int(e.failures.Load()), Ejections: int(e.ejections.Load()),
+		Active: int(e.active.Load()), Drained: e.drained.Load()}
 	if u := e.until.Load(); u > now.UnixNano() {
 		t := time.Unix(0, u)
 		h.EjectedUntil = &t

@@ -9,7 +9,7 @@ import (
 var testOutlier = OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: 25 * time.Second}
 
 // picks returns how often each endpoint is picked in n fresh picks.
-func picks(rr *RoundRobin, n int) map[netip.AddrPort]int {
+func picks(rr *EndpointBalancer, n int) map[netip.AddrPort]int {
 	out := map[netip.AddrPort]int{}
 	for i := 0; i < n; i++ {
 		ep, _, _ := rr.Pick(clientA, 0)
@@ -21,7 +21,7 @@ func picks(rr *RoundRobin, n int) map[netip.AddrPort]int {
 func TestOutlierEjectsAfterFailuresInARow(t *testing.T) {
 	rr, clk := newTestRR()
 	a, b := netip.MustParseAddrPort("10.0.0.1:80"), netip.MustParseAddrPort("10.0.0.2:80")
-	rr.Update([]netip.AddrPort{a, b}, 0, testOutlier)
+	rr.Update([]netip.AddrPort{a, b}, 0, testOutlier, "")
 	if d, _ := rr.Report(b, true); d != 0 {
 		t.Fatalf("ejected after one failure (for %v), want two in a row", d)
 	}
@@ -73,7 +73,7 @@ func TestOutlierEjectsAfterFailuresInARow(t *testing.T) {
 func TestOutlierAllEjectedPicksAnyway(t *testing.T) {
 	rr, _ := newTestRR()
 	all := eps("10.0.0.1:80", "10.0.0.2:80")
-	rr.Update(all, 0, testOutlier)
+	rr.Update(all, 0, testOutlier, "")
 	for _, ep := range all {
 		rr.Report(ep, true)
 		rr.Report(ep, true)
@@ -97,7 +97,7 @@ func TestOutlierAllEjectedPicksAnyway(t *testing.T) {
 func TestOutlierMovesPinsAndKeepsHealthAcrossUpdates(t *testing.T) {
 	rr, _ := newTestRR()
 	a, b, c := netip.MustParseAddrPort("10.0.0.1:80"), netip.MustParseAddrPort("10.0.0.2:80"), netip.MustParseAddrPort("10.0.0.3:80")
-	rr.Update([]netip.AddrPort{a, b}, time.Hour, testOutlier)
+	rr.Update([]netip.AddrPort{a, b}, time.Hour, testOutlier, "")
 	pinned, _, _ := rr.Pick(clientA, 0)
 	rr.Report(pinned, true)
 	rr.Report(pinned, true)
@@ -109,15 +109,15 @@ func TestOutlierMovesPinsAndKeepsHealthAcrossUpdates(t *testing.T) {
 		t.Fatalf("re-pinned to %v, then picked %v (%s)", ep, again, why)
 	}
 	// An endpoint added keeps the others' health.
-	rr.Update([]netip.AddrPort{a, b, c}, time.Hour, testOutlier)
+	rr.Update([]netip.AddrPort{a, b, c}, time.Hour, testOutlier, "")
 	for _, h := range rr.Health() {
 		if (h.Endpoint == pinned) != (h.EjectedUntil != nil) {
 			t.Fatalf("after adding %v: health %+v, want only %v ejected", c, rr.Health(), pinned)
 		}
 	}
 	// Removed and back: a new endpoint as far as health goes.
-	rr.Update([]netip.AddrPort{ep, c}, time.Hour, testOutlier)
-	rr.Update([]netip.AddrPort{a, b, c}, time.Hour, testOutlier)
+	rr.Update([]netip.AddrPort{ep, c}, time.Hour, testOutlier, "")
+	rr.Update([]netip.AddrPort{a, b, c}, time.Hour, testOutlier, "")
 	for _, h := range rr.Health() {
 		if h.EjectedUntil != nil {
 			t.Fatalf("health %+v: the removed endpoint came back ejected", rr.Health())
@@ -128,7 +128,7 @@ func TestOutlierMovesPinsAndKeepsHealthAcrossUpdates(t *testing.T) {
 func TestOutlierOff(t *testing.T) {
 	rr, _ := newTestRR()
 	all := eps("10.0.0.1:80", "10.0.0.2:80")
-	rr.Update(all, 0, OutlierConfig{})
+	rr.Update(all, 0, OutlierConfig{}, "")
 	for i := 0; i < 10; i++ {
 		if d, _ := rr.Report(all[0], true); d != 0 {
 			t.Fatal("ejected with detection off")
@@ -138,7 +138,7 @@ func TestOutlierOff(t *testing.T) {
 		t.Fatalf("picks %v, want round-robin", got)
 	}
 	// Turned on later: counting starts then.
-	rr.Update(all, 0, testOutlier)
+	rr.Update(all, 0, testOutlier, "")
 	rr.Report(all[0], true)
 	if d, _ := rr.Report(all[0], true); d == 0 {
 		t.Fatal("not ejected after detection was turned on")

@@ -91,6 +91,7 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 	// neither Close can wait on the other's I/O.
 	client.Close()
 	backend.Close()
+	f.bal.Done(c.endpoint())
 	c.finish(f, up, down, pr.endCause())
 }
 
@@ -118,6 +119,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 			f.report(ep, "")
 			return conn, causeNone
 		}
+		f.bal.Done(ep) // the pick counted it active
 		failure := sock.DialFailure(err)
 		c.addDialFailure(ep, failure)
 		dialFailures.WithLabelValues(f.m.service, ep.String(), failure).Inc()

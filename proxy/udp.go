@@ -177,6 +177,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 			return nil
 		}
 		if ep == avoid {
+			f.bal.Done(ep)
 			continue // the endpoint that just failed: the next pick moves on
 		}
 		c, err := sock.DialUDP(ep)
@@ -187,6 +188,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 			}
 		}
 		if err != nil {
+			f.bal.Done(ep)
 			f.log.WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
 			if sock.IsFileLimit(err) {
 				f.p.budget.ranOut()
@@ -216,6 +218,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 	if t.closed {
 		t.mu.Unlock()
 		fl.backend.Close()
+		f.bal.Done(fl.endpoint)
 		return nil
 	}
 	if cur, ok := t.flows[client]; ok {
@@ -223,6 +226,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		// datagram): keep that one.
 		t.mu.Unlock()
 		fl.backend.Close()
+		f.bal.Done(fl.endpoint)
 		return cur
 	}
 	var victim *udpFlow
@@ -324,6 +328,7 @@ type errBox struct{ error }
 // been idle for the UDP timeout or its socket is closed.
 func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 	defer f.udp.wg.Done()
+	defer f.bal.Done(fl.endpoint)
 	timeout := f.p.cfg.udpTimeout()
 	buf := make([]byte, maxDatagram)
 	// This goroutine's own, as they hold the datagram in flight.

@@ -1,10 +1,12 @@
 package proxy
 
 import (
+	"errors"
 	"net/netip"
 	"sort"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/sirupsen/logrus"
 )
 
 func lessFrontend(a, b Frontend) bool {
@@ -112,4 +114,43 @@ func (p *Proxier) eachLive(fn func(*frontend)) {
 	for _, fe := range p.frontends {
 		fn(fe)
 	}
+}
+
+// ErrUnknownEndpoint is Drain's answer for a service port or endpoint that
+// no listener serves.
+var ErrUnknownEndpoint = errors.New("no listener of this service port has this endpoint")
+
+// Drain stops (drained) or resumes new picks of endpoint ep on every listener
+// of the service port name, while the connections to it go on. It returns how
+// many are still open. The drain lasts while the endpoint stays in the
+// Service; a listener opened anew (its Service's addresses changed) starts
+// without it.
+func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained bool) (active int, err error) {
+	found := false
+	p.eachLive(func(fe *frontend) {
+		if fe.key.Name != name || !fe.bal.SetDrained(ep, drained) {
+			return
+		}
+		found = true
+		for _, h := range fe.bal.Health() {
+			if h.Endpoint == ep {
+				active += h.Active
+			}
+		}
+	})
+	if !found {
+		return 0, ErrUnknownEndpoint
+	}
+	p.cfg.log().WithFields(logrus.Fields{"service": name.String(), "endpoint": ep, "drained": drained, "active": active}).Info("Endpoint drain set by hand")
+	return active, nil
+}
+
+// Scheduler names the scheduler of the frontend fe names.
+func (p *Proxier) Scheduler(fe Frontend) string {
+	if live := p.liveFrontend(fe); live != nil {
+		if b, ok := live.bal.(*EndpointBalancer); ok {
+			return b.Scheduler()
+		}
+	}
+	return ""
 }

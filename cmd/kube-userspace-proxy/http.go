@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"net/netip"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -18,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
@@ -63,6 +65,7 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/connections", d.connections)
 	mux.HandleFunc("/debug/services", d.services)
 	mux.HandleFunc("/debug/rules", d.showRules)
+	mux.HandleFunc("/debug/drain", d.drain)
 	if profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
 		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -121,8 +124,10 @@ type serviceView struct {
 	Affinity    string           `json:"affinityTimeout,omitempty"`
 	Pins        []proxy.Affinity `json:"affinity,omitempty"`
 	UDPFlows    *int             `json:"udpFlows,omitempty"`
-	// Health is the outlier state of the endpoints this listener picks
-	// from: failures in a row, ejections, ejected until when.
+	// Scheduler picks among the endpoints: rr, lc, sh or random.
+	Scheduler string `json:"scheduler,omitempty"`
+	// Health is the state of the endpoints this listener picks from:
+	// failures in a row, ejection, drain, connections open.
 	Health []proxy.EndpointHealth `json:"endpointHealth,omitempty"`
 }
 
@@ -133,7 +138,8 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	for _, fe := range d.p.Frontends() {
 		sp := fe.Service
 		v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
-			Port: sp.Port, NodePort: sp.NodePort, Pins: d.p.Affinities(fe), Health: d.p.EndpointHealth(fe)}
+			Port: sp.Port, NodePort: sp.NodePort, Pins: d.p.Affinities(fe), Health: d.p.EndpointHealth(fe),
+			Scheduler: d.p.Scheduler(fe)}
 		if fe.Err != nil {
 			v.Error = fe.Err.Error()
 		} else {
@@ -188,12 +194,21 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(v.Endpoints, " "))
+		if v.Scheduler != "" {
+			fmt.Fprintf(w, "  scheduler: %s\n", v.Scheduler)
+		}
 		for _, h := range v.Health {
-			switch {
-			case h.EjectedUntil != nil:
-				fmt.Fprintf(w, "    %s EJECTED until %s (ejection %d in a row)\n", h.Endpoint, h.EjectedUntil.Format(time.RFC3339), h.Ejections)
-			case h.Failures > 0:
-				fmt.Fprintf(w, "    %s %d failure(s) in a row\n", h.Endpoint, h.Failures)
+			var notes []string
+			if h.EjectedUntil != nil {
+				notes = append(notes, fmt.Sprintf("EJECTED until %s (ejection %d in a row)", h.EjectedUntil.Format(time.RFC3339), h.Ejections))
+			} else if h.Failures > 0 {
+				notes = append(notes, fmt.Sprintf("%d failure(s) in a row", h.Failures))
+			}
+			if h.Drained {
+				notes = append(notes, "DRAINED")
+			}
+			if len(notes) > 0 || h.Active > 0 {
+				fmt.Fprintf(w, "    %s %d open %s\n", h.Endpoint, h.Active, strings.Join(notes, ", "))
 			}
 		}
 		if v.Affinity != "" {
@@ -258,4 +273,59 @@ func newRegistry() *prometheus.Registry {
 	proxy.RegisterMetrics(reg)
 	iptables.RegisterMetrics(reg)
 	return reg
+}
+
+// drainHeader must be on a drain request: a cross-site form cannot send a
+// custom header, nor DELETE, and a script that could would need a CORS
+// preflight, which this server never answers.
+const drainHeader = "X-Kube-Userspace-Proxy"
+
+// drain is POST (drain) or DELETE (undo) /debug/drain?service=ns/name[:port]&endpoint=ip:port
+// with the header X-Kube-Userspace-Proxy: drain. It answers the connections
+// still open to the endpoint.
+func (d *debugServer) drain(w http.ResponseWriter, r *http.Request) {
+	var drained bool
+	switch r.Method {
+	case http.MethodPost:
+		drained = true
+	case http.MethodDelete:
+	default:
+		w.Header().Set("Allow", "POST, DELETE")
+		http.Error(w, "POST drains an endpoint, DELETE undoes it", http.StatusMethodNotAllowed)
+		return
+	}
+	if r.Header.Get(drainHeader) != "drain" {
+		http.Error(w, "state-changing request without the header "+drainHeader+": drain", http.StatusForbidden)
+		return
+	}
+	if o := r.Header.Get("Origin"); o != "" && o != "http://"+r.Host {
+		http.Error(w, "cross-origin request refused", http.StatusForbidden)
+		return
+	}
+	name, err := parseServicePortName(r.URL.Query().Get("service"))
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	ep, err := netip.ParseAddrPort(r.URL.Query().Get("endpoint"))
+	if err != nil {
+		http.Error(w, "endpoint: want ip:port", http.StatusBadRequest)
+		return
+	}
+	active, err := d.p.Drain(name, ep, drained)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusNotFound)
+		return
+	}
+	writeJSON(w, map[string]any{"service": name.String(), "endpoint": ep.String(), "drained": drained, "active": active})
+}
+
+// parseServicePortName reads "namespace/name" or "namespace/name:port".
+func parseServicePortName(s string) (config.ServicePortName, error) {
+	ns, rest, ok := strings.Cut(s, "/")
+	name, port, _ := strings.Cut(rest, ":")
+	if !ok || ns == "" || name == "" {
+		return config.ServicePortName{}, fmt.Errorf("service: want namespace/name or namespace/name:port, got %q", s)
+	}
+	return config.ServicePortName{Namespace: ns, Name: name, Port: port}, nil
 }

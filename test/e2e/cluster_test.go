@@ -379,15 +379,15 @@ func TestClusterSource(t *testing.T) {
 		cl.expectPods(t, "client", "http://10.96.1.40/", "pod3")
 	})
 	t.Run("NodePort held by another process: an Event, then taken back", func(t *testing.T) {
-		holder := cl.Start("node", "nc", "-l", "-k", "31600")
+		holder := cl.Start("node", "nc", "-l", "-k", "31677")
 		waitFor(t, "nc listening", func() bool {
-			out, _ := cl.Exec("node", "ss", "-ltn", "sport = :31600")
+			out, _ := cl.Exec("node", "ss", "-ltn", "sport = :31677")
 			return strings.Contains(out, "LISTEN")
 		})
 		svc := webService("conflict", "10.96.1.50")
 		svc.Spec.Selector = map[string]string{"app": "web"}
 		svc.Spec.Type = v1.ServiceTypeNodePort
-		svc.Spec.Ports[0].NodePort = 31600
+		svc.Spec.Ports[0].NodePort = 31677
 		cl.service(t, svc)
 		waitFor(t, "the ClusterIP served", func() bool { return strings.HasPrefix(cl.Curl("client", "http://10.96.1.50/"), "pod") })
 		waitFor(t, "a NodePortConflict Event on the Service", func() bool {
@@ -397,7 +397,7 @@ func TestClusterSource(t *testing.T) {
 			}
 			for _, e := range evs.Items {
 				if e.Reason == "NodePortConflict" && e.Type == v1.EventTypeWarning && e.InvolvedObject.Kind == "Service" &&
-					strings.Contains(e.Message, "31600") {
+					strings.Contains(e.Message, "31677") {
 					return true
 				}
 			}
@@ -406,7 +406,7 @@ func TestClusterSource(t *testing.T) {
 		_ = holder.Cmd.Process.Kill()
 		_ = holder.Cmd.Wait()
 		testutil.WaitFor(t, "the NodePort taken back", 40*time.Second, 100*time.Millisecond, func() bool {
-			return strings.HasPrefix(cl.Curl("ext", "http://192.168.50.1:31600/"), "pod")
+			return strings.HasPrefix(cl.Curl("ext", "http://192.168.50.1:31677/"), "pod")
 		})
 	})
 	// Checked before the outage: a restarting kube-apiserver answers
