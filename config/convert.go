@@ -50,6 +50,10 @@ func SkipSlice(es *discovery.EndpointSlice) string {
 // for one Service.
 const AnnotationOutlierDetection = "kube-userspace-proxy.io/outlier-detection"
 
+// AnnotationProxyProtocol "v1" or "v2" sends a PROXY protocol header with the
+// client's address to the Service's TCP backends.
+const AnnotationProxyProtocol = "kube-userspace-proxy.io/proxy-protocol"
+
 // AnnotationScheduler chooses a Service's scheduler: rr, lc, sh or random.
 const AnnotationScheduler = "kube-userspace-proxy.io/scheduler"
 
@@ -135,6 +139,7 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 
 			OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
 			Scheduler:        svc.Annotations[AnnotationScheduler],
+			ProxyProtocol:    svc.Annotations[AnnotationProxyProtocol],
 			Created:          svc.CreationTimestamp.Time,
 		}
 		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {

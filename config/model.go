@@ -81,6 +81,11 @@ type ServicePort struct {
 	// listener opens, and rr is used.
 	Scheduler string
 
+	// ProxyProtocol is the annotation kube-userspace-proxy.io/proxy-protocol:
+	// "v1" or "v2" sends a PROXY protocol header to TCP backends; another
+	// value is warned about when the listener opens, and sends none.
+	ProxyProtocol string
+
 	// Created is the Service's creationTimestamp (zero when a manifest has
 	// none): of two Services that claim the same NodePort, the older keeps
 	// it, then the first by namespace/name.
@@ -155,7 +160,7 @@ func (sp *ServicePort) SameFrontend(o *ServicePort) bool {
 // Equal reports whether a and b are the same in every field.
 func (sp *ServicePort) Equal(o *ServicePort) bool {
 	return sp == o || (sp.SameFrontend(o) && sp.AffinityTimeout == o.AffinityTimeout &&
-		sp.OutlierDetection == o.OutlierDetection && sp.Scheduler == o.Scheduler && sp.Created.Equal(o.Created) && slices.Equal(sp.Endpoints, o.Endpoints))
+		sp.OutlierDetection == o.OutlierDetection && sp.Scheduler == o.Scheduler && sp.ProxyProtocol == o.ProxyProtocol && sp.Created.Equal(o.Created) && slices.Equal(sp.Endpoints, o.Endpoints))
 }
 
 // ReuseUnchanged replaces each port of next that equals its port in prev by

@@ -60,6 +60,12 @@ func (c *connRecord) endpoint() netip.AddrPort {
 	return c.Endpoint
 }
 
+func (c *connRecord) origDst() netip.AddrPort {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.OrigDst
+}
+
 func (c *connRecord) setOrigDst(dst netip.AddrPort) {
 	c.mu.Lock()
 	c.OrigDst = dst

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 
 	"github.com/sirupsen/logrus"
 
@@ -71,6 +72,10 @@ type frontend struct {
 	hold        *sock.Hold // holds the NodePort when the listener is elsewhere, or nil
 	release     func()
 	log         logrus.FieldLogger
+
+	// proxyProto is the PROXY protocol version of the spec (a string),
+	// read by connection goroutines while the sync goroutine may change it.
+	proxyProto atomic.Value
 
 	m      *feMetrics
 	ctx    context.Context // cancelled when the proxier shuts down
@@ -185,6 +190,11 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		p.budget.addUDP(fe)
 		fe.served.Add(1)
 		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
+	}
+	fe.proxyProto.Store(sp.ProxyProtocol)
+	if !KnownProxyProtocol(sp.ProxyProtocol) {
+		fe.log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
+			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
 	}
 	if !KnownScheduler(sp.Scheduler) {
 		fe.log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).

@@ -510,6 +510,7 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 			// Sources reuse an unchanged port's pointer: only changed
 			// ports cost anything here.
 			fe.spec = sp
+			fe.proxyProto.Store(sp.ProxyProtocol)
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout, p.outlierFor(sp), sp.Scheduler)
 		}
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,

@@ -15,6 +15,7 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"sync/atomic"
@@ -115,6 +116,9 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
 		conn, err := sock.DialTCP(f.ctx, ep, timeout)
 		if err == nil {
+			err = f.sendProxyHeader(conn, c)
+		}
+		if err == nil {
 			c.setDialLatency(time.Since(start))
 			f.report(ep, "")
 			return conn, causeNone
@@ -138,6 +142,25 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		f.report(ep, failure)
 	}
 	return nil, CauseDialFailed
+}
+
+// sendProxyHeader sends the PROXY protocol header the Service asks for, if
+// any, before any client byte: one send on the fresh connection, no round
+// trip; a retry on another endpoint sends it again. On error conn is closed.
+func (f *frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
+	v, _ := f.proxyProto.Load().(string)
+	if v == "" {
+		return nil
+	}
+	hdr := proxyHeader(v, c.Client, c.origDst())
+	if hdr == nil {
+		return nil // unknown version: warned about at open
+	}
+	if err := conn.WriteAll(hdr); err != nil {
+		conn.Close()
+		return fmt.Errorf("sending the PROXY protocol header: %w", err)
+	}
+	return nil
 }
 
 // report tells the balancer how a dial to ep (or a UDP flow's traffic) went:

@@ -237,3 +237,10 @@ func getsockopt(fd, level, opt int, p unsafe.Pointer, n *uint32) syscall.Errno {
 		uintptr(p), uintptr(unsafe.Pointer(n)), 0)
 	return errno
 }
+
+// WriteAll writes b before any copy starts (a PROXY protocol header), waiting
+// for the socket to become writable as needed: one send(2) on a fresh
+// connection, no round trip.
+func (c *Conn) WriteAll(b []byte) error {
+	return newSink(c).send(b, 0)
+}
