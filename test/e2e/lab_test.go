@@ -104,6 +104,10 @@ func (l *Lab) down() {
 	l.mu.Unlock()
 	for _, p := range procs {
 		if p.ProcessState == nil {
+			// The whole process group: servers that fork (nginx's
+			// workers) would otherwise keep running, and keep the
+			// output pipe that Wait drains.
+			_ = syscall.Kill(-p.Process.Pid, syscall.SIGKILL)
 			_ = p.Process.Kill()
 			_ = p.Wait()
 		}
@@ -149,7 +153,10 @@ func (l *Lab) Start(ns string, args ...string) *Proc {
 	cmd := exec.Command("ip", append([]string{"netns", "exec", l.NS(ns)}, args...)...)
 	buf := &testutil.Buffer{}
 	cmd.Stdout, cmd.Stderr = buf, buf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	// A child that outlives the process (a forked worker) must not hold
+	// Wait forever on the output pipe.
+	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Start(); err != nil {
 		l.t.Fatalf("start %v: %v", args, err)
 	}
