@@ -4,7 +4,7 @@ GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
 
-.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-tools
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-sched bench-tools
 
 all: build
 
@@ -77,6 +77,11 @@ bench-floor: bench-tools
 # and connections/s through a ClusterIP at scale (~6 minutes).
 bench-tax: bench-tools
 	BIN=$(BIN) bash test/bench/nodetax.sh
+
+# New connections/s with each scheduler and with the PROXY protocol v2 on and
+# off, in one run (~2 minutes).
+bench-sched: bench-tools
+	BIN=$(BIN) bash test/bench/sched.sh
 
 # The same harness in under a minute, so that it cannot rot (part of make test).
 bench-smoke: bench-tools
