@@ -176,7 +176,7 @@ func TestBlackholedEndpointEjected(t *testing.T) {
 		t.Fatal("no ejection logged")
 	}
 	// Seen on the debug page and in the metrics.
-	if _, page := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !strings.Contains(page, "10.251.19.8:9999 EJECTED until") {
+	if _, page := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !regexp.MustCompile(`10\.251\.19\.8:9999 .*EJECTED until`).MatchString(page) {
 		t.Errorf("/debug/services does not show the ejection:\n%s", page)
 	}
 	if v := metricSum(scrape(t, l), "kube_userspace_proxy_endpoints_ejected", map[string]string{"endpoint": "10.251.19.8:9999"}); v != 1 {
@@ -377,15 +377,19 @@ func TestUDPFloodLeavesDescriptorsForTCP(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the flood's flows", func() bool {
-		return metricSum(scrape(t, l), "kube_userspace_proxy_udp_flows_open", nil) >= 900
+	// While datagrams are still being read, each of the 6 read loops may
+	// hold one flow over the share until its eviction; then it is kept.
+	var open, share float64
+	waitFor(t, "the flood's flows, within their share", func() bool {
+		fams := scrape(t, l)
+		open = metricSum(fams, "kube_userspace_proxy_udp_flows_open", nil)
+		share = metricSum(fams, "kube_userspace_proxy_descriptor_budget", map[string]string{"use": "udp_flows"})
+		if open > share+6 {
+			t.Fatalf("%v UDP flows open, over their share of %v", open, share)
+		}
+		return open >= 900 && open <= share
 	})
-	fams := scrape(t, l)
-	open, share := metricSum(fams, "kube_userspace_proxy_udp_flows_open", nil), metricSum(fams, "kube_userspace_proxy_descriptor_budget", map[string]string{"use": "udp_flows"})
 	t.Logf("%v UDP flows open, share %v", open, share)
-	if open > share+1 {
-		t.Fatalf("%v UDP flows open, over their share of %v", open, share)
-	}
 	for i := 0; i < 20; i++ {
 		out, err := l.Exec("client", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", "--max-time", "5", "http://10.96.0.50/")
 		var code int
