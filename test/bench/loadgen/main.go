@@ -17,6 +17,8 @@ import (
 	"net"
 	"os"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -68,9 +70,11 @@ func readResponse(r *bufio.Reader) error {
 		if line == "\r\n" {
 			break
 		}
-		var n int
-		if _, err := fmt.Sscanf(line, "Content-Length: %d", &n); err == nil {
-			length = n
+		// Header names are case-insensitive (HAProxy sends lower case).
+		if name, v, ok := strings.Cut(line, ":"); ok && strings.EqualFold(name, "Content-Length") {
+			if n, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
+				length = n
+			}
 		}
 	}
 	if length < 0 {
