@@ -31,13 +31,12 @@ import (
 // with net.ErrClosed wherever it waits. count gets the bytes of every write,
 // so that a live connection's counters move while it runs.
 func Copy(dst, src *Conn, count func(int64)) (int64, error) {
+	// The sink counts every write as it lands, so that a transfer held up
+	// by a slow reader shows its bytes moving (a burst under backpressure
+	// can last as long as the connection).
 	out := newSink(dst)
-	var total int64
+	out.count = count
 	var cerr error // what ended the copy inside the callback; nil at EOF
-	moved := func(n int64) {
-		total += n
-		count(n)
-	}
 	// bulk: the last wake-up moved more than a buffer, so this one starts
 	// with splice(2) instead of copying the first 32 KiB through user space.
 	bulk := false
@@ -54,9 +53,6 @@ func Copy(dst, src *Conn, count func(int64)) (int64, error) {
 	messages := 0
 	burst := func(fd int) bool {
 		m, eof, err := spliceBurst(out, fd)
-		if m > 0 {
-			moved(m)
-		}
 		if err != nil {
 			cerr = err
 			return true
@@ -83,7 +79,6 @@ func Copy(dst, src *Conn, count func(int64)) (int64, error) {
 				cerr = werr
 				return true
 			}
-			moved(int64(n))
 		}
 		full := n == len(*b)
 		bufs.Put(b) // never held while waiting
@@ -99,9 +94,9 @@ func Copy(dst, src *Conn, count func(int64)) (int64, error) {
 		return burst(int(fd))
 	})
 	if err != nil {
-		return total, err // deadline or closed while waiting
+		return out.total, err // deadline or closed while waiting
 	}
-	return total, cerr
+	return out.total, cerr
 }
 
 // readAvailable reads from the non-blocking socket fd into b until b is
@@ -192,6 +187,9 @@ type sink struct {
 	pipeR      int
 	n, done, m int
 	err        error
+
+	total int64       // bytes written so far
+	count func(int64) // told of every write; nil: nobody asks
 }
 
 func newSink(dst *Conn) *sink {
@@ -231,6 +229,10 @@ func (s *sink) writeAll() error {
 			return io.ErrUnexpectedEOF
 		}
 		s.done += s.m
+		s.total += int64(s.m)
+		if s.count != nil {
+			s.count(int64(s.m))
+		}
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -59,4 +60,53 @@ func BenchmarkSpliceCopyMessage(b *testing.B) {
 	src.Close()
 	dst.Close()
 	server.Close()
+}
+
+// Under backpressure (a reader slower than the writer) a bulk transfer keeps
+// the copy in one long splice burst; its bytes must be counted as they land,
+// not when the burst ends (which was the end of the transfer).
+func TestCopyCountsUnderBackpressure(t *testing.T) {
+	src, client := sockPair(t)
+	dst, server := sockPair(t)
+	defer func() { src.Close(); dst.Close(); client.Close(); server.Close() }()
+	var counted atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		_, _ = Copy(dst, src, func(n int64) { counted.Add(n) })
+		close(done)
+	}()
+	const total = 32 << 20
+	go func() {
+		_, _ = client.Write(make([]byte, total))
+		client.CloseWrite()
+	}()
+	// The reader takes 256 KiB every 20 ms: the transfer lasts seconds.
+	seenMoving := 0
+	last := int64(0)
+	buf := make([]byte, 256<<10)
+	read := 0
+	for read < total {
+		_ = server.SetReadDeadline(time.Now().Add(10 * time.Second))
+		n, err := io.ReadFull(server, buf[:min(len(buf), total-read)])
+		if err != nil {
+			t.Fatalf("after %d bytes: %v", read, err)
+		}
+		read += n
+		if c := counted.Load(); c > last && read < total/2 {
+			select {
+			case <-done:
+			default:
+				seenMoving++ // counted while the copy still runs
+			}
+			last = c
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if seenMoving < 5 || last < 1<<20 {
+		t.Fatalf("the count moved %d times (to %d bytes) during the first half of a %d-byte transfer", seenMoving, last, total)
+	}
+	<-done
+	if c := counted.Load(); c != total {
+		t.Fatalf("counted %d, moved %d", c, total)
+	}
 }
