@@ -92,9 +92,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.healthzAddr, "healthz-bind-address", "0.0.0.0:10256", "Where /healthz and /livez are served (empty: off).")
 	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
-	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, timeouts...), all, or none.")
+	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
 	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
-	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (connection lines are debug).")
+	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (the connection lines of --connection-log are info).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: kube-userspace-proxy --manifests PATH | --kubeconfig PATH [flags]\n\n%s", fs.FlagUsages())

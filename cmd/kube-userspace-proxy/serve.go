@@ -2,11 +2,15 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -76,16 +80,22 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		// The guard covers the whole range with one rule: nobody else's
 		// socket may sit in it. Without rules there is no guard, and the
 		// node's settings are left alone.
-		if changed, err := proxy.ReservePorts(o.portRange); err != nil {
-			log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
-				"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
-		} else if changed {
-			log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+		if ok, err := hasNetAdmin(); err == nil && !ok {
+			return fmt.Errorf("programming iptables needs CAP_NET_ADMIN: run as root or grant the capability " +
+				"(--iptables=false runs the listeners only)")
 		}
 		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
 			ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
 		if err != nil {
 			return err
+		}
+		// Only once iptables is known to work: a daemon that cannot start
+		// leaves the node's settings alone.
+		if changed, err := proxy.ReservePorts(o.portRange); err != nil {
+			log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
+				"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
+		} else if changed {
+			log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
 		}
 		rules, ipt = r, r
 	} else {
@@ -228,4 +238,26 @@ func checkLocal(a netip.Addr) error {
 		}
 	}
 	return fmt.Errorf("%s is not an address of this node (listeners could not bind to it)", a)
+}
+
+// capNetAdmin is CAP_NET_ADMIN's bit in the capability sets.
+const capNetAdmin = 12
+
+// hasNetAdmin reports whether the process has CAP_NET_ADMIN in its effective
+// set (/proc/self/status, CapEff); an error when that cannot be read.
+func hasNetAdmin() (bool, error) {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			if err != nil {
+				return false, fmt.Errorf("CapEff %q: %w", v, err)
+			}
+			return caps&(1<<capNetAdmin) != 0, nil
+		}
+	}
+	return false, errors.New("no CapEff in /proc/self/status")
 }

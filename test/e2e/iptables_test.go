@@ -396,6 +396,31 @@ func TestMissingIptablesIsReported(t *testing.T) {
 	}
 }
 
+// Without CAP_NET_ADMIN (root without the capability, as a container without
+// it runs) the daemon says what it lacks, not that a kernel module is
+// missing, and leaves the node as it was: no reserved ports, no chains.
+func TestWithoutNetAdminSaysSo(t *testing.T) {
+	l := NewLab(t)
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, webManifest())
+	reserved := func() string { return strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports")) }
+	before := reserved()
+	out, err := l.Exec("node", "setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin",
+		filepath.Join(binDir, "kube-userspace-proxy"), "--manifests", m, "--healthz-bind-address", "", "--metrics-bind-address", "")
+	if err == nil {
+		t.Fatalf("started without CAP_NET_ADMIN:\n%s", out)
+	}
+	if !strings.Contains(out, "needs CAP_NET_ADMIN") || strings.Contains(out, "kernel needs") {
+		t.Fatalf("message does not say that the capability is missing:\n%s", out)
+	}
+	if after := reserved(); after != before {
+		t.Fatalf("ip_local_reserved_ports changed from %q to %q by a daemon that could not start", before, after)
+	}
+	if n := countRules(t, l, `KUBE-`); n != 0 {
+		t.Fatalf("%d rules of ours left by a daemon that could not start", n)
+	}
+}
+
 // bulkManifest: lab/web plus n ClusterIP Services bulk-0 … bulk-(n-1) on
 // 10.97.x.y, except those in skip.
 func bulkManifest(n int, skip ...int) string {
