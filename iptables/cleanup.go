@@ -40,6 +40,7 @@ func Cleanup(log logrus.FieldLogger) error {
 
 func cleanupFamily(ipt *goipt.IPTables, restore string) (int, error) {
 	removed := 0
+	var errs *multierror.Error
 	doomed := map[string][]string{}
 	for _, table := range []string{"nat", "filter"} {
 		// Our chains are found by name: the trees' chains depend on the
@@ -48,34 +49,50 @@ func cleanupFamily(ipt *goipt.IPTables, restore string) (int, error) {
 		if err != nil {
 			continue // the table does not exist: nothing of ours in it
 		}
-		ours := map[string]bool{}
-		for _, c := range all {
-			ours[c] = isOurs(table, c)
-		}
 		// Jumps first: a chain that is still referenced cannot be deleted.
+		// A jump that cannot be deleted does not stop the rest.
 		n, err := deleteJumps(ipt, table, nil)
 		removed += n
 		if err != nil {
-			return removed, err
+			errs = multierror.Append(errs, err)
 		}
 		for _, c := range all {
-			if ours[c] {
+			if isOurs(table, c) {
 				doomed[table] = append(doomed[table], c)
 			}
 		}
 	}
 	n := len(doomed["nat"]) + len(doomed["filter"])
 	if n == 0 {
-		return removed, nil
+		return removed, errs.ErrorOrNil()
 	}
 	// One restore flushes and deletes them all: a chain at a time would be
 	// two iptables runs each, for hundreds of tree chains.
 	cmd := exec.Command(restore, "-w", "--noflush")
 	cmd.Stdin = strings.NewReader(deleteChainsInput(doomed))
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return removed, fmt.Errorf("deleting chains with %s: %w: %s", restore, err, strings.TrimSpace(string(out)))
+	if _, err := cmd.CombinedOutput(); err == nil {
+		return removed + n, errs.ErrorOrNil()
 	}
-	return removed + n, nil
+	// The transaction failed as a whole (a chain of someone else's jumps
+	// to one of ours, say): remove what can be removed, one chain at a
+	// time, and name what cannot.
+	for table, chains := range doomed {
+		for _, c := range chains {
+			if err := ipt.ClearChain(table, c); err != nil {
+				errs = multierror.Append(errs, fmt.Errorf("flushing %s %s: %w", table, c, err))
+			}
+		}
+	}
+	for table, chains := range doomed {
+		for _, c := range chains {
+			if err := ipt.DeleteChain(table, c); err != nil {
+				errs = multierror.Append(errs, fmt.Errorf("deleting %s %s (still referenced?): %w", table, c, err))
+				continue
+			}
+			removed++
+		}
+	}
+	return removed, errs.ErrorOrNil()
 }
 
 // target returns the chain a rule jumps to.

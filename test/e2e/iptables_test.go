@@ -285,6 +285,38 @@ func TestCleanupLeavesNoTrace(t *testing.T) {
 	}
 }
 
+// A chain of someone else's that jumps to one of ours makes that one chain
+// undeletable, and the one-transaction cleanup fails as a whole: --cleanup
+// then removes everything else, and names what it could not.
+func TestCleanupRemovesWhatItCan(t *testing.T) {
+	l, d, _ := startWeb(t, webManifest())
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	_ = d.Cmd.Process.Signal(syscall.SIGKILL)
+	_ = d.Cmd.Wait()
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-N", "SOMEONE-ELSE")
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-A", "SOMEONE-ELSE", "-j", "KUBE-PORTALS-HOST")
+	out, err := l.Exec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup")
+	if err == nil || !strings.Contains(out, "KUBE-PORTALS-HOST") {
+		t.Fatalf("--cleanup: %v, want an error naming the chain it could not delete:\n%s", err, out)
+	}
+	var left []string
+	for _, line := range strings.Split(l.MustExec("node", "iptables-save")+l.MustExec("node", "ip6tables-save"), "\n") {
+		if strings.Contains(line, "KUBE-") {
+			left = append(left, line)
+		}
+	}
+	// What remains: the referenced chain (declared, now empty) and the
+	// other program's jump to it.
+	if len(left) != 2 {
+		t.Fatalf("after --cleanup, want only KUBE-PORTALS-HOST and the jump to it:\n%s", strings.Join(left, "\n"))
+	}
+	l.MustExec("node", "iptables", "-w", "-t", "nat", "-F", "SOMEONE-ELSE")
+	l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup")
+	if n := countRules(t, l, `KUBE-`); n != 0 {
+		t.Fatalf("%d lines mention KUBE- after the second --cleanup", n)
+	}
+}
+
 func TestClusterIPOnlyNotReachableViaProxyPort(t *testing.T) {
 	internal := service("internal", "ClusterIP", "10.96.0.30", "", `{name: http, port: 80, protocol: TCP}`) +
 		slices("internal", `{name: http, port: 8080, protocol: TCP}`, false)
