@@ -435,7 +435,9 @@ func TestWithoutNetAdminSaysSo(t *testing.T) {
 	l := NewLab(t)
 	m := filepath.Join(t.TempDir(), "m.yaml")
 	writeManifest(t, m, webManifest())
-	reserved := func() string { return strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports")) }
+	reserved := func() string {
+		return strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"))
+	}
 	before := reserved()
 	out, err := l.Exec("node", "setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin",
 		filepath.Join(binDir, "kube-userspace-proxy"), "--manifests", m, "--healthz-bind-address", "", "--metrics-bind-address", "")
