@@ -147,17 +147,23 @@ func newFEMetrics(service string, proto config.Protocol) *feMetrics {
 func (m *feMetrics) get() *feSeries {
 	m.once.Do(func() {
 		service, p := m.service, string(m.proto)
-		m.series = &feSeries{
-			accepted:    connsAccepted.WithLabelValues(service),
-			retries:     retries.WithLabelValues(service),
+		// Only the series of the port's protocol: a UDP port has no
+		// TCP connections to count, a TCP port no flows.
+		fs := &feSeries{
 			noEndpoints: noEndpointResets.WithLabelValues(service, p),
-			evicted:     udpFlowsEvicted.WithLabelValues(service),
 			bytesIn:     bytesTotal.WithLabelValues(service, p, "in"),
 			bytesOut:    bytesTotal.WithLabelValues(service, p, "out"),
-			active:      connsActive.WithLabelValues(service),
-			udpActive:   udpFlowsActive.WithLabelValues(service),
-			duration:    connDuration.WithLabelValues(service),
 		}
+		if m.proto == config.UDP {
+			fs.evicted = udpFlowsEvicted.WithLabelValues(service)
+			fs.udpActive = udpFlowsActive.WithLabelValues(service)
+		} else {
+			fs.accepted = connsAccepted.WithLabelValues(service)
+			fs.retries = retries.WithLabelValues(service)
+			fs.active = connsActive.WithLabelValues(service)
+			fs.duration = connDuration.WithLabelValues(service)
+		}
+		m.series = fs
 	})
 	return m.series
 }

@@ -107,6 +107,16 @@ func (d *debugServer) connections(w http.ResponseWriter, r *http.Request) {
 	tw.Flush()
 }
 
+// endpointView is one endpoint of a service port, as the source gave it.
+type endpointView struct {
+	Address     string `json:"address"`
+	Ready       bool   `json:"ready"`
+	Serving     bool   `json:"serving"`
+	Terminating bool   `json:"terminating,omitempty"`
+	Node        string `json:"node,omitempty"`
+	text        string // as the text view shows it
+}
+
 type serviceView struct {
 	Service     string           `json:"service"`
 	Kind        proxy.Kind       `json:"kind"`
@@ -120,7 +130,7 @@ type serviceView struct {
 	ClusterIPs  []string         `json:"clusterIPs"`
 	ExternalIPs []string         `json:"externalIPs,omitempty"`
 	LBIPs       []string         `json:"loadBalancerIPs,omitempty"`
-	Endpoints   []string         `json:"endpoints"`
+	Endpoints   []endpointView   `json:"endpoints"`
 	Affinity    string           `json:"affinityTimeout,omitempty"`
 	Pins        []proxy.Affinity `json:"affinity,omitempty"`
 	UDPFlows    *int             `json:"udpFlows,omitempty"`
@@ -157,13 +167,14 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 		for _, ip := range sp.LoadBalancerIPs {
 			v.LBIPs = append(v.LBIPs, ip.String())
 		}
-		v.Endpoints = []string{}
+		v.Endpoints = []endpointView{}
 		for _, ep := range sp.Endpoints {
-			s := ep.String()
+			text := ep.String()
 			if ep.NodeName != "" {
-				s += " node=" + ep.NodeName
+				text += " node=" + ep.NodeName
 			}
-			v.Endpoints = append(v.Endpoints, s)
+			v.Endpoints = append(v.Endpoints, endpointView{Address: ep.Addr.String(), Ready: ep.Ready, Serving: ep.Serving,
+				Terminating: ep.Terminating, Node: ep.NodeName, text: text})
 		}
 		if sp.AffinityTimeout > 0 {
 			v.Affinity = sp.AffinityTimeout.String()
@@ -193,7 +204,11 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 				fmt.Fprintf(w, "  ERROR: %s\n", e)
 			}
 		}
-		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(v.Endpoints, " "))
+		texts := make([]string, len(v.Endpoints))
+		for i, e := range v.Endpoints {
+			texts[i] = e.text
+		}
+		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(texts, " "))
 		if v.Scheduler != "" {
 			fmt.Fprintf(w, "  scheduler: %s\n", v.Scheduler)
 		}

@@ -177,6 +177,25 @@ endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
 			t.Errorf("%s%v did not move: %v -> %v", m.name, m.match, b, a)
 		}
 	}
+	// Per-protocol series only: no TCP connection counts for a UDP port,
+	// no UDP flow counts for a TCP one.
+	for _, c := range []struct{ name, service string }{
+		{"kube_userspace_proxy_connections_accepted_total", "lab/web:dns"},
+		{"kube_userspace_proxy_connections_active", "lab/web:dns"},
+		{"kube_userspace_proxy_connection_duration_seconds", "lab/web:dns"},
+		{"kube_userspace_proxy_udp_flows_active", "lab/web:http"},
+		{"kube_userspace_proxy_udp_flows_evicted_total", "lab/web:http"},
+	} {
+		if f := after[c.name]; f != nil {
+			for _, m := range f.Metric {
+				for _, lp := range m.Label {
+					if lp.GetName() == "service" && lp.GetValue() == c.service {
+						t.Errorf("%s has a series for %s, a port of the other protocol", c.name, c.service)
+					}
+				}
+			}
+		}
+	}
 	for _, name := range []string{"kubeproxy_sync_proxy_rules_duration_seconds", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
 		"kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", "kubeproxy_network_programming_duration_seconds",
 		"kubeproxy_sync_proxy_rules_service_changes_total", "kubeproxy_sync_proxy_rules_iptables_total",
@@ -211,6 +230,29 @@ endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
 
 	if _, svcs := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !strings.Contains(svcs, "lab/web:http") || !strings.Contains(svcs, "10.251.19.12:8080(ready,serving)") {
 		t.Errorf("/debug/services:\n%s", svcs)
+	}
+	// The JSON has structured fields, not packed strings.
+	_, svcJSON := l.get("node", "http://127.0.0.1:10249/debug/services")
+	var views []struct {
+		Service   string `json:"service"`
+		Endpoints []struct {
+			Address string `json:"address"`
+			Ready   bool   `json:"ready"`
+			Serving bool   `json:"serving"`
+			Node    string `json:"node"`
+		} `json:"endpoints"`
+	}
+	if err := json.Unmarshal([]byte(svcJSON), &views); err != nil {
+		t.Fatalf("/debug/services JSON: %v\n%s", err, svcJSON)
+	}
+	found := false
+	for _, v := range views {
+		for _, e := range v.Endpoints {
+			found = found || (v.Service == "lab/web:http" && e.Address == "10.251.19.12:8080" && e.Ready && e.Serving && e.Node == "node")
+		}
+	}
+	if !found {
+		t.Errorf("/debug/services JSON lacks lab/web:http's endpoint 10.251.19.12:8080 as a structured object:\n%s", svcJSON)
 	}
 	if _, rules := l.get("node", "http://127.0.0.1:10249/debug/rules"); !strings.Contains(rules, `-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "lab/web:http"`) {
 		t.Errorf("/debug/rules:\n%s", rules)
