@@ -14,9 +14,9 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/backend ./test/backend
 
 # The main job on the built-in example (needs root: it creates network namespaces).
+# KEEP=1 leaves the lab and the daemon up and prints how to look around.
 demo: build
-	BIN=$(BIN) ./test/demo.sh
-	$(MAKE) bench-smoke
+	BIN=$(BIN) KEEP=$(KEEP) ./test/demo.sh
 
 # The whole suite: formatting, vet, every test with the race detector, a short
 # fuzz run of the manifests parser, and the demo.

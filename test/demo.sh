@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # make demo: the seed article's dev/devpaasy Service served by
-# kube-userspace-proxy in a lab of network namespaces.
+# kube-userspace-proxy in a lab of network namespaces. With KEEP=1 (make demo
+# KEEP=1) the lab and the daemon stay up to look around in; the script prints
+# how to look and how to tear it down.
 set -u
 cd "$(dirname "$0")/.."
 . test/lab/lab.sh
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "make demo needs root (it creates network namespaces)" >&2; exit 1; }
 
-trap 'lab_down; rm -rf "$tmp"' EXIT
-trap 'exit 130' INT TERM
+KEEP=${KEEP:-0}
 tmp=$(mktemp -d)
+kept=0 # set once the demo succeeded with KEEP=1: the lab stays
+trap '[ "$kept" = 1 ] || { lab_down; rm -rf "$tmp"; }' EXIT
+trap 'exit 130' INT TERM
 lab_up || { echo "could not build the lab" >&2; exit 1; }
 
 for pod in pod1 pod2; do
@@ -60,3 +64,22 @@ for i in 1 2 3 4; do req "$LAB-client" http://10.0.0.41:8080/ "pod    -> Cluster
 [ $ok = 20 ] || { echo "demo failed" >&2; exit 1; }
 echo "== Done. The proxy's log (connection lines shortened):"
 grep -v 'level=debug' "$tmp/proxy.log" | sed -E 's/ (bytesDown|bytesUp|dialLatency|duration|component|protocol|attempts)=[^ ]*//g' | sed 's/^/   proxy: /' | tail -25
+
+if [ "$KEEP" = 1 ]; then
+  kept=1
+  cat <<HOWTO
+
+== The lab stays up (LAB=$LAB). Look around, as root:
+   ip netns exec $LAB-node curl -s '127.0.0.1:10249/debug/services?format=text'   # listeners, endpoints, scheduler
+   ip netns exec $LAB-node curl -s '127.0.0.1:10249/debug/connections?format=text'
+   ip netns exec $LAB-node curl -s 127.0.0.1:10249/metrics | grep kube_userspace_proxy
+   ip netns exec $LAB-node iptables-save -t nat | grep KUBE-                        # the rules
+   ip netns exec $LAB-node iptables -t nat -L KUBE-PORTALS-CONTAINER -v -n          # with packet counters
+   ip netns exec $LAB-node conntrack -L -p tcp                                      # REDIRECT entries (apt-get install conntrack)
+   ip netns exec $LAB-client curl -s http://10.0.0.41:8080/                         # a pod -> the ClusterIP
+   ip netns exec $LAB-ext curl -s http://192.168.50.1:31341/                        # outside -> the NodePort
+   The manifest it serves: $tmp/devpaasy.yaml (edit it: changes apply within a second); its log: $tmp/proxy.log
+== Tear it down:
+   LAB=$LAB bash -c '. test/lab/lab.sh && lab_down' && rm -rf $tmp
+HOWTO
+fi
