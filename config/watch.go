@@ -145,7 +145,9 @@ func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now tim
 	var held int
 	var out *State
 	for name, old := range m.last.Ports {
-		if sp := st.Ports[name]; sp != nil && !lostEndpoints(old, sp) {
+		// An unchanged port keeps its pointer (combineChanged,
+		// ReuseUnchanged): only changed ones are compared.
+		if sp := st.Ports[name]; sp != nil && (sp == old || !lostEndpoints(old, sp)) {
 			continue
 		}
 		if out == nil {

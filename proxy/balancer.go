@@ -57,6 +57,8 @@ type Balancer interface {
 	Affinities() []Affinity
 	// Health returns every endpoint's outlier state, sorted by address.
 	Health() []EndpointHealth
+	// Scheduler names how it chooses: rr, lc, sh or random.
+	Scheduler() string
 }
 
 // newBalancer returns the balancer for a new frontend of sp. The frontend
@@ -184,10 +186,10 @@ func (rr *EndpointBalancer) Pick(client netip.Addr, attempt int) (netip.AddrPort
 	}
 	// The scheduler chooses among the endpoints in rotation: not drained
 	// by hand, not ejected; with every one ejected, among the not drained.
-	e := rr.sched.choose(rr.endpoints, client, func(e *endpoint) bool { return !e.drained.Load() && !e.ejected(nanos) })
+	e := rr.sched.choose(rr.endpoints, client, rotation{nanos: nanos})
 	why := rr.sched.reason()
 	if e == nil {
-		if e = rr.sched.choose(rr.endpoints, client, func(e *endpoint) bool { return !e.drained.Load() }); e == nil {
+		if e = rr.sched.choose(rr.endpoints, client, rotation{ignoreEjection: true}); e == nil {
 			return netip.AddrPort{}, "", false // every endpoint drained
 		}
 		why = ReasonAllEjected
@@ -238,7 +240,7 @@ func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {
 	return false
 }
 
-// Scheduler is the name of the scheduler in use.
+// Scheduler implements Balancer.
 func (rr *EndpointBalancer) Scheduler() string {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()

@@ -192,18 +192,6 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
 	}
 	fe.proxyProto.Store(sp.ProxyProtocol)
-	if !KnownProxyProtocol(sp.ProxyProtocol) {
-		fe.log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
-			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
-	}
-	if !KnownScheduler(sp.Scheduler) {
-		fe.log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
-			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
-	}
-	if v := sp.OutlierDetection; v != "" && v != "on" && v != "off" {
-		fe.log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
-			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
-	}
 	return fe, nil
 }
 
@@ -252,4 +240,25 @@ func (fe *frontend) shut() {
 		fe.closeFlows()
 	}
 	fe.hold.Close()
+}
+
+// warnAnnotations warns once about each of sp's annotations that has a value
+// the proxy does not know, when the value is new (prev is nil for a listener
+// just opened): a sync that changes nothing else says nothing again.
+func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
+	if prev == nil {
+		prev = &config.ServicePort{}
+	}
+	if sp.ProxyProtocol != prev.ProxyProtocol && !KnownProxyProtocol(sp.ProxyProtocol) {
+		log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
+			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
+	}
+	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
+		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
+			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
+	}
+	if v := sp.OutlierDetection; v != prev.OutlierDetection && v != "" && v != "on" && v != "off" {
+		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
+			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
+	}
 }

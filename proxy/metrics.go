@@ -66,12 +66,8 @@ var (
 		Name: "kube_userspace_proxy_udp_flows_open",
 		Help: "UDP flows open now, all service ports together (each holds a descriptor; see kube_userspace_proxy_descriptor_budget).",
 	}, func() float64 {
-		ejected.mu.Lock()
-		defer ejected.mu.Unlock()
 		var n int64
-		for p := range ejected.proxiers {
-			n += p.budget.udpFlows.Load()
-		}
+		running.each(func(p *Proxier) { n += p.budget.udpFlows.Load() })
 		return float64(n)
 	})
 	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
@@ -168,42 +164,58 @@ func (m *feMetrics) get() *feSeries {
 	return m.series
 }
 
-// ejectedCollector reports the endpoints ejected now, read from the live
-// balancers at scrape time (its set of running proxiers also feeds
-// kube_userspace_proxy_udp_flows_open): a gauge series per ejected endpoint only, so its
-// size follows failures, not the cluster, and an ejection that ran out
-// leaves no stale 1 behind.
-type ejectedCollector struct {
-	mu       sync.Mutex
-	proxiers map[*Proxier]bool
+// running is the set of proxiers between the start and the end of Run: the
+// metrics computed at scrape time read their live state.
+var running proxierSet
+
+type proxierSet struct {
+	mu sync.Mutex
+	m  map[*Proxier]bool
 }
 
+func (s *proxierSet) add(p *Proxier) {
+	s.mu.Lock()
+	if s.m == nil {
+		s.m = map[*Proxier]bool{}
+	}
+	s.m[p] = true
+	s.mu.Unlock()
+}
+
+func (s *proxierSet) remove(p *Proxier) {
+	s.mu.Lock()
+	delete(s.m, p)
+	s.mu.Unlock()
+}
+
+// each calls fn for every running proxier; fn must not block.
+func (s *proxierSet) each(fn func(*Proxier)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for p := range s.m {
+		fn(p)
+	}
+}
+
+// ejectedCollector reports the endpoints ejected now, read from the live
+// balancers at scrape time: a gauge series per ejected endpoint only, so its
+// size follows failures, not the cluster, and an ejection that ran out
+// leaves no stale 1 behind.
+type ejectedCollector struct{}
+
 var (
-	ejected     = &ejectedCollector{proxiers: map[*Proxier]bool{}}
+	ejected     ejectedCollector
 	ejectedDesc = prometheus.NewDesc("kube_userspace_proxy_endpoints_ejected",
 		"1 for each endpoint ejected now from new picks after failures in a row (passive outlier detection).",
 		[]string{"service", "endpoint"}, nil)
 )
 
-// watch adds (or, with on false, removes) p's balancers to what is reported.
-func (c *ejectedCollector) watch(p *Proxier, on bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if on {
-		c.proxiers[p] = true
-	} else {
-		delete(c.proxiers, p)
-	}
-}
+func (ejectedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- ejectedDesc }
 
-func (c *ejectedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- ejectedDesc }
-
-func (c *ejectedCollector) Collect(ch chan<- prometheus.Metric) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
+func (ejectedCollector) Collect(ch chan<- prometheus.Metric) {
 	type series struct{ service, endpoint string }
 	seen := map[series]bool{} // two listeners of a port (traffic policies differ) may eject the same endpoint
-	for p := range c.proxiers {
+	running.each(func(p *Proxier) {
 		p.eachLive(func(fe *frontend) {
 			for _, h := range fe.bal.Health() {
 				s := series{fe.m.service, h.Endpoint.String()}
@@ -213,7 +225,7 @@ func (c *ejectedCollector) Collect(ch chan<- prometheus.Metric) {
 				}
 			}
 		})
-	}
+	})
 }
 
 // deleteServiceMetrics drops every series of a service port that is no longer

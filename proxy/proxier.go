@@ -216,8 +216,8 @@ func (p *Proxier) Update(st *config.State) {
 // closes every listener, waits up to grace for open connections and returns.
 func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	p.ctx = ctx
-	ejected.watch(p, true)
-	defer ejected.watch(p, false)
+	running.add(p)
+	defer running.remove(p)
 	stopWorkers, workersDone := make(chan struct{}), make(chan struct{})
 	go func() { p.workers.Run(stopWorkers); close(workersDone) }()
 	copiersDone := make(chan struct{})
@@ -509,6 +509,11 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 		if opened || fe.spec != sp {
 			// Sources reuse an unchanged port's pointer: only changed
 			// ports cost anything here.
+			prev := fe.spec
+			if opened {
+				prev = nil
+			}
+			warnAnnotations(fe.log, prev, sp)
 			fe.spec = sp
 			fe.proxyProto.Store(sp.ProxyProtocol)
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout, p.outlierFor(sp), sp.Scheduler)

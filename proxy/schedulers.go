@@ -27,14 +27,27 @@ const (
 )
 
 // scheduler chooses one of eps for a new connection from client, among those
-// for which ok holds, or returns nil when none does. Called with the
+// in rotation (in.ok), or returns nil when none is. Called with the
 // balancer's lock held.
 type scheduler interface {
 	name() string
 	reason() Reason
-	choose(eps []*endpoint, client netip.Addr, ok func(*endpoint) bool) *endpoint
+	choose(eps []*endpoint, client netip.Addr, in rotation) *endpoint
 	// reset is told of a new endpoint set of n.
 	reset(n int)
+}
+
+// rotation says which endpoints a pick may choose: never a drained one, and
+// no ejected one unless ejection is ignored (every endpoint is ejected). A
+// value, not a closure: a closure handed to an interface method escapes, one
+// allocation per pick.
+type rotation struct {
+	nanos          int64 // now, for ejection
+	ignoreEjection bool
+}
+
+func (r rotation) ok(e *endpoint) bool {
+	return !e.drained.Load() && (r.ignoreEjection || !e.ejected(r.nanos))
 }
 
 // newScheduler returns the named scheduler, or rr and false for a name it
@@ -71,11 +84,11 @@ func (r *roundRobin) reset(n int) {
 	}
 }
 
-func (r *roundRobin) choose(eps []*endpoint, _ netip.Addr, ok func(*endpoint) bool) *endpoint {
+func (r *roundRobin) choose(eps []*endpoint, _ netip.Addr, in rotation) *endpoint {
 	n := len(eps)
 	for tried := 0; tried < n; tried++ {
 		i := (r.next + tried) % n
-		if ok(eps[i]) {
+		if in.ok(eps[i]) {
 			r.next = (i + 1) % n
 			return eps[i]
 		}
@@ -90,13 +103,13 @@ type leastConn struct{ roundRobin }
 func (*leastConn) name() string   { return SchedLeastConn }
 func (*leastConn) reason() Reason { return ReasonLeastConn }
 
-func (l *leastConn) choose(eps []*endpoint, _ netip.Addr, ok func(*endpoint) bool) *endpoint {
+func (l *leastConn) choose(eps []*endpoint, _ netip.Addr, in rotation) *endpoint {
 	n := len(eps)
 	best := -1
 	var least int64
 	for tried := 0; tried < n; tried++ {
 		i := (l.next + tried) % n
-		if !ok(eps[i]) {
+		if !in.ok(eps[i]) {
 			continue
 		}
 		if a := eps[i].active.Load(); best < 0 || a < least {
@@ -121,12 +134,12 @@ func (sourceHash) name() string   { return SchedSourceHash }
 func (sourceHash) reason() Reason { return ReasonSourceHash }
 func (sourceHash) reset(int)      {}
 
-func (sourceHash) choose(eps []*endpoint, client netip.Addr, ok func(*endpoint) bool) *endpoint {
+func (sourceHash) choose(eps []*endpoint, client netip.Addr, in rotation) *endpoint {
 	var best *endpoint
 	var top uint64
 	c := client.Unmap().As16()
 	for _, e := range eps {
-		if !ok(e) {
+		if !in.ok(e) {
 			continue
 		}
 		if w := rendezvousWeight(c, e.addr); best == nil || w > top {
@@ -165,11 +178,11 @@ func (randomPick) name() string   { return SchedRandom }
 func (randomPick) reason() Reason { return ReasonRandom }
 func (randomPick) reset(int)      {}
 
-func (randomPick) choose(eps []*endpoint, _ netip.Addr, ok func(*endpoint) bool) *endpoint {
+func (randomPick) choose(eps []*endpoint, _ netip.Addr, in rotation) *endpoint {
 	var chosen *endpoint
 	seen := 0
 	for _, e := range eps { // reservoir sampling: one pass, no allocation
-		if ok(e) {
+		if in.ok(e) {
 			if seen++; rand.IntN(seen) == 0 {
 				chosen = e
 			}

@@ -247,3 +247,36 @@ func TestDrainByHand(t *testing.T) {
 		t.Fatal("after the drain was undone, a got no connection")
 	}
 }
+
+// A pick, on every new connection, allocates nothing, with outlier detection on.
+func TestPickAllocatesNothing(t *testing.T) {
+	for _, sched := range []string{SchedRoundRobin, SchedLeastConn, SchedSourceHash, SchedRandom} {
+		b := NewBalancer(sched)
+		b.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 0, DefaultOutlier, sched)
+		if n := testing.AllocsPerRun(1000, func() { ep, _, _ := b.Pick(clientA, 0); b.Done(ep) }); n != 0 {
+			t.Errorf("%s: %v allocations per pick", sched, n)
+		}
+	}
+}
+
+// Unknown annotation values are warned about once, when they appear, not at
+// every sync.
+func TestUnknownAnnotationsWarnedOnce(t *testing.T) {
+	h := startProxier(t, Config{})
+	sp := svc("odd", config.TCP, tcpBackend(t, "a"))
+	sp.Scheduler, sp.ProxyProtocol, sp.OutlierDetection = "wrr", "v9", "maybe"
+	h.apply(sp)
+	again := svc("odd", config.TCP, tcpBackend(t, "b")) // endpoints change, annotations stay
+	again.Scheduler, again.ProxyProtocol, again.OutlierDetection = "wrr", "v9", "maybe"
+	h.apply(again)
+	for _, msg := range []string{"Unknown scheduler (want rr, lc, sh or random); using rr",
+		"Unknown PROXY protocol version (want v1 or v2); no header is sent",
+		`Unknown value (want "on" or "off"); outlier detection stays on`} {
+		if n := len(h.logs.Find(msg)); n != 1 {
+			t.Errorf("%q logged %d times, want once", msg, n)
+		}
+	}
+	if got := fetchName(t, h.addr("odd")); got != "b" {
+		t.Fatalf("reached %q", got)
+	}
+}

@@ -148,9 +148,7 @@ func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained 
 // Scheduler names the scheduler of the frontend fe names.
 func (p *Proxier) Scheduler(fe Frontend) string {
 	if live := p.liveFrontend(fe); live != nil {
-		if b, ok := live.bal.(*EndpointBalancer); ok {
-			return b.Scheduler()
-		}
+		return live.bal.Scheduler()
 	}
 	return ""
 }
