@@ -110,10 +110,12 @@ func svc(name string, proto config.Protocol, backends ...netip.AddrPort) *config
 	return sp
 }
 
-// tcpBackend answers every connection with its name and a newline, then
-// echoes until the client half-closes, then closes. When the test ends it
-// closes its open connections too, so a failed test cannot hang in cleanup.
-func tcpBackend(t *testing.T, name string) netip.AddrPort {
+// serveBackend is a loopback TCP backend: each connection is handed to
+// handle on a goroutine of its own and closed when handle returns. When the
+// test ends the listener and every open connection are closed, done is
+// closed (for a handler that holds its connection), and the handlers are
+// waited for, so that a failed test cannot hang in cleanup.
+func serveBackend(t *testing.T, handle func(c net.Conn, done <-chan struct{})) netip.AddrPort {
 	t.Helper()
 	ln, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
@@ -122,8 +124,10 @@ func tcpBackend(t *testing.T, name string) netip.AddrPort {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	open := map[net.Conn]bool{}
+	done := make(chan struct{})
 	t.Cleanup(func() {
 		ln.Close()
+		close(done)
 		mu.Lock()
 		for c := range open {
 			c.Close()
@@ -146,12 +150,21 @@ func tcpBackend(t *testing.T, name string) netip.AddrPort {
 			go func() {
 				defer wg.Done()
 				defer func() { mu.Lock(); delete(open, c); mu.Unlock(); c.Close() }()
-				fmt.Fprintf(c, "%s\n", name)
-				_, _ = io.Copy(c, c)
+				handle(c, done)
 			}()
 		}
 	}()
 	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// tcpBackend answers every connection with its name and a newline, then
+// echoes until the client half-closes, then closes.
+func tcpBackend(t *testing.T, name string) netip.AddrPort {
+	t.Helper()
+	return serveBackend(t, func(c net.Conn, _ <-chan struct{}) {
+		fmt.Fprintf(c, "%s\n", name)
+		_, _ = io.Copy(c, c)
+	})
 }
 
 // udpBackend replies to every datagram with "name:" + the datagram.

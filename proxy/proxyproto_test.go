@@ -50,29 +50,12 @@ func TestProxyHeader(t *testing.T) {
 // v1 header, or for v2 its length and the bytes after the signature).
 func proxyBackend(t *testing.T) netip.AddrPort {
 	t.Helper()
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	t.Cleanup(func() { ln.Close(); <-done })
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-				buf := make([]byte, 256)
-				n, _ := io.ReadAtLeast(c, buf, 16)
-				fmt.Fprintf(c, "%q\n", buf[:n])
-			}()
-		}
-	}()
-	return ln.Addr().(*net.TCPAddr).AddrPort()
+	return serveBackend(t, func(c net.Conn, _ <-chan struct{}) {
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, 256)
+		n, _ := io.ReadAtLeast(c, buf, 16)
+		fmt.Fprintf(c, "%q\n", buf[:n])
+	})
 }
 
 // The header goes out before any client byte, with the client's address and

@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -105,52 +104,32 @@ func TestTCPConversationFINAfterLastMessage(t *testing.T) {
 // comes. The proxy must end the pair then, not wait for a backend that keeps
 // its side open: before, every such client kept two descriptors for good.
 func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
 	backendReset := make(chan error, 10)
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	backend := serveBackend(t, func(c net.Conn, _ <-chan struct{}) {
+		_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+		// Reply only once the client's FIN came through, so the reply
+		// always finds the client gone; then keep the connection open
+		// and silent until the proxy resets it. (Reads say EOF even then:
+		// the kernel reports the FIN before the error. The TCP state tells.)
+		if _, err := io.Copy(io.Discard, c); err != nil {
+			backendReset <- err
+			return
+		}
+		_, _ = c.Write([]byte("late reply\n"))
 		for {
-			c, err := ln.Accept()
-			if err != nil {
+			if testutil.TCPState(c.(*net.TCPConn)) == tcpClose {
+				backendReset <- nil
 				return
 			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-				// Reply only once the client's FIN came through, so the
-				// reply always finds the client gone; then keep the
-				// connection open and silent until the proxy resets it.
-				// (Reads say EOF even then: the kernel reports the FIN
-				// before the error. The TCP state tells.)
-				if _, err := io.Copy(io.Discard, c); err != nil {
-					backendReset <- err
-					return
-				}
-				_, _ = c.Write([]byte("late reply\n"))
-				for {
-					if testutil.TCPState(c.(*net.TCPConn)) == tcpClose {
-						backendReset <- nil
-						return
-					}
-					if _, err := c.Read(make([]byte, 1)); err != io.EOF {
-						backendReset <- err // the deadline
-						return
-					}
-					time.Sleep(10 * time.Millisecond)
-				}
-			}()
+			if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+				backendReset <- err // the deadline
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
-	}()
+	})
 	h := startProxier(t, Config{})
-	h.apply(svc("late", config.TCP, ln.Addr().(*net.TCPAddr).AddrPort()))
+	h.apply(svc("late", config.TCP, backend))
 	const clients = 5
 	for i := 0; i < clients; i++ {
 		c, err := net.Dial("tcp", h.addr("late"))
@@ -359,35 +338,7 @@ func TestShutdownClosesConnections(t *testing.T) {
 // parks writing to it.
 func stuckBackend(t *testing.T) netip.AddrPort {
 	t.Helper()
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var held []net.Conn
-	done := make(chan struct{})
-	t.Cleanup(func() {
-		ln.Close()
-		<-done
-		mu.Lock()
-		for _, c := range held {
-			c.Close()
-		}
-		mu.Unlock()
-	})
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			held = append(held, c)
-			mu.Unlock()
-		}
-	}()
-	return ln.Addr().(*net.TCPAddr).AddrPort()
+	return serveBackend(t, func(_ net.Conn, done <-chan struct{}) { <-done })
 }
 
 // pushUntilStuck connects to addr and writes until the writes stall (every
@@ -411,13 +362,7 @@ func pushUntilStuck(t *testing.T, addr string) net.Conn {
 			}
 		}
 	}()
-	last := int64(-1)
-	testutil.WaitFor(t, "the client's writes to stall", 20*time.Second, 200*time.Millisecond, func() bool {
-		w := written.Load()
-		stuck := w > 0 && w == last
-		last = w
-		return stuck
-	})
+	testutil.WaitStalled(t, "the client's writes to stall", 20*time.Second, 200*time.Millisecond, written.Load)
 	return c
 }
 

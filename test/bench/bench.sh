@@ -23,14 +23,8 @@ fi
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 . test/lab/lab.sh
-. test/bench/results.sh # record, jsonval, median, value
-LAB=kb$$
-work=$(mktemp -d)
-cleanup() { lab_down; rm -rf "$work"; }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-lab_up || { echo "lab_up failed" >&2; exit 1; }
-N() { ip netns exec "$LAB-$1" "${@:2}"; }
+. test/bench/results.sh # record, jsonval, median, value, bench_lab, N
+bench_lab kb
 
 # Backend pod: HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201.
 N pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 >/dev/null 2>&1 &

@@ -11,14 +11,8 @@ RUNS=${RUNS:-3}; DUR=${DUR:-5}; BIN=${BIN:-bin}
 command -v haproxy >/dev/null || { echo "haproxy is needed (apt-get install haproxy)" >&2; exit 1; }
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 . test/lab/lab.sh
-. test/bench/results.sh # record, jsonval, median, value
-LAB=ks$$
-work=$(mktemp -d)
-cleanup() { lab_down; rm -rf "$work"; }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-lab_up || { echo "lab_up failed" >&2; exit 1; }
-N() { ip netns exec "$LAB-$1" "${@:2}"; }
+. test/bench/results.sh # record, jsonval, median, value, bench_lab, N
+bench_lab ks
 
 for pod in pod1 pod2; do N "$pod" "$BIN/backend" --name "$pod" --tcp :8080 --udp "" >/dev/null 2>&1 & done
 cat > "$work/haproxy.cfg" <<'CFG'

@@ -6,12 +6,10 @@ package e2e
 // curl, dig).
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -21,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // splitSlices renders one EndpointSlice per (pod IP, port): endpoints of one
@@ -59,8 +58,7 @@ func stuckService(l *Lab) string {
 func pushStuck(t *testing.T, l *Lab) {
 	t.Helper()
 	l.Start("client", "socat", "-u", "/dev/zero", "TCP:10.96.0.20:80")
-	last := int64(-1)
-	testutil_waitStalled(t, "the pushed connection to stall", func() int64 {
+	testutil.WaitStalled(t, "the pushed connection to stall", 30*time.Second, 300*time.Millisecond, func() int64 {
 		_, body := l.get("node", "http://127.0.0.1:10249/debug/connections")
 		var conns []struct {
 			Service string `json:"service"`
@@ -73,25 +71,7 @@ func pushStuck(t *testing.T, l *Lab) {
 			}
 		}
 		return -1
-	}, &last)
-}
-
-// testutil_waitStalled polls value every 300 ms until it is positive and the
-// same twice in a row.
-func testutil_waitStalled(t *testing.T, what string, value func() int64, last *int64) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		v := value()
-		if v > 0 && v == *last {
-			return
-		}
-		*last = v
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s (last %d)", what, v)
-		}
-		time.Sleep(300 * time.Millisecond)
-	}
+	})
 }
 
 // SIGTERM while a client pushes into a backend that stopped reading: the
@@ -240,20 +220,8 @@ func TestDeadUDPEndpointAndQuietLog(t *testing.T) {
 		t.Fatalf("%d of 1000 batch queries answered", n)
 	}
 	waitFor(t, "the flows to expire", func() bool {
-		_, body := l.get("node", "http://127.0.0.1:10249/debug/services")
-		var views []struct {
-			Service  string `json:"service"`
-			UDPFlows *int   `json:"udpFlows"`
-		}
-		if err := json.Unmarshal([]byte(body), &views); err != nil {
-			return false
-		}
-		for _, v := range views {
-			if v.Service == "lab/dns2:d" && v.UDPFlows != nil {
-				return *v.UDPFlows == 0
-			}
-		}
-		return false
+		v := debugService(l, "lab/dns2:d")
+		return v != nil && v.UDPFlows != nil && *v.UDPFlows == 0
 	})
 	if n := len(lines(d.Output(), "UDP flow closed", "lab/dns2:d")); n != 0 {
 		t.Fatalf("%d log lines for 1000 answered queries, want none:\n%s", n, tail(d.Output(), 10))
@@ -273,18 +241,6 @@ func lines(out string, subs ...string) []string {
 		}
 	}
 	return found
-}
-
-// udpFrom sends msg from a fixed source port in the client namespace and
-// returns the reply, waiting up to 1 s: a resolver, syslog or game client
-// that keeps its port keeps its conntrack entry.
-func udpFrom(l *Lab, srcPort int, host, port, msg string) string {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", "netns", "exec", l.NS("client"), "nc", "-u", "-p", strconv.Itoa(srcPort), "-w", "1", host, port)
-	cmd.Stdin = strings.NewReader(msg)
-	out, _ := cmd.Output()
-	return strings.TrimSpace(string(out))
 }
 
 // A UDP client on one fixed source port keeps getting answers across a
@@ -313,7 +269,7 @@ func TestUDPConntrackFollowsListeners(t *testing.T) {
 		start := time.Now()
 		var got string
 		for tries := 0; tries < 3; tries++ {
-			if got = udpFrom(l, src, "10.96.0.40", "53", step); got == want+":"+step {
+			if got = l.UDPFrom(src, "10.96.0.40", "53", step); got == want+":"+step {
 				break
 			}
 		}
@@ -322,7 +278,7 @@ func TestUDPConntrackFollowsListeners(t *testing.T) {
 			t.Fatalf("%s: got %q after %v, want %q within about 1 s\n%s", step, got, took, want+":"+step, tail(d.Output(), 15))
 		}
 	}
-	waitFor(t, "A served", func() bool { return udpFrom(l, src, "10.96.0.40", "53", "hello") == "pod1:hello" })
+	waitFor(t, "A served", func() bool { return l.UDPFrom(src, "10.96.0.40", "53", "hello") == "pod1:hello" })
 	answers("steady", "pod1")
 
 	// Re-created: gone (its rules with it), then back.
@@ -331,7 +287,7 @@ func TestUDPConntrackFollowsListeners(t *testing.T) {
 	// C holds the only port now, A's old one: the client's old entry
 	// would take it there.
 	for i := 0; i < 3; i++ {
-		if got := udpFrom(l, src, "10.96.0.40", "53", "stale"); strings.HasPrefix(got, "pod2") {
+		if got := l.UDPFrom(src, "10.96.0.40", "53", "stale"); strings.HasPrefix(got, "pod2") {
 			t.Fatalf("a datagram to the removed Service A reached Service C's backend: %q", got)
 		}
 	}
@@ -468,19 +424,44 @@ func TestHealthWhenListenersFail(t *testing.T) {
 	waitFor(t, "/healthz 200", func() bool { code, _ := l.get("node", "http://127.0.0.1:10256/healthz"); return code == 200 })
 }
 
-// listenPort returns the listener port /debug/services shows for a service
-// port, or "".
-func listenPort(t *testing.T, l *Lab, service string) string {
+// serviceJSON is what a test reads of one listener in /debug/services.
+type serviceJSON struct {
+	Service   string `json:"service"`
+	Listen    string `json:"listen"`
+	UDPFlows  *int   `json:"udpFlows"`
+	Endpoints []struct {
+		Address string `json:"address"`
+		Ready   bool   `json:"ready"`
+		Serving bool   `json:"serving"`
+		Node    string `json:"node"`
+	} `json:"endpoints"`
+}
+
+// debugServices reads the daemon's /debug/services (nil when it cannot).
+func debugServices(l *Lab) []serviceJSON {
 	_, body := l.get("node", "http://127.0.0.1:10249/debug/services")
-	var views []struct {
-		Service string `json:"service"`
-		Listen  string `json:"listen"`
+	var views []serviceJSON
+	if json.Unmarshal([]byte(body), &views) != nil {
+		return nil
 	}
-	_ = json.Unmarshal([]byte(body), &views)
-	for _, v := range views {
+	return views
+}
+
+// debugService is the first listener of a service port in /debug/services, or nil.
+func debugService(l *Lab, service string) *serviceJSON {
+	for _, v := range debugServices(l) {
 		if v.Service == service {
-			return v.Listen
+			return &v
 		}
+	}
+	return nil
+}
+
+// listenPort returns the listener address /debug/services shows for a
+// service port, or "".
+func listenPort(l *Lab, service string) string {
+	if v := debugService(l, service); v != nil {
+		return v.Listen
 	}
 	return ""
 }
@@ -491,7 +472,7 @@ func listenPort(t *testing.T, l *Lab, service string) string {
 func TestManifestRewrittenInPlaceInTheLab(t *testing.T) {
 	l, _, m := startWeb(t, webManifest())
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
-	before := listenPort(t, l, "lab/web:http")
+	before := listenPort(l, "lab/web:http")
 	content, err := os.ReadFile(m)
 	if err != nil {
 		t.Fatal(err)
@@ -540,7 +521,7 @@ func TestManifestRewrittenInPlaceInTheLab(t *testing.T) {
 	if len(failed) > 0 {
 		t.Fatalf("%d of %d connections failed during the rewrites (e.g. %q)", len(failed), n, failed[0])
 	}
-	if after := listenPort(t, l, "lab/web:http"); after != before {
+	if after := listenPort(l, "lab/web:http"); after != before {
 		t.Fatalf("listener moved from %s to %s", before, after)
 	}
 }

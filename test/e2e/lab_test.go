@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -198,9 +199,21 @@ func (l *Lab) Curl(ns, url string) string {
 // connects its socket, so a reply from any other address than the one it
 // sent to is dropped: a reply proves the source address was right.
 func (l *Lab) UDP(ns, host, port, msg string) string {
+	return l.udpExchange(ns, host, port, msg, "-w", "2")
+}
+
+// UDPFrom is UDP from a fixed source port of the client namespace, waiting
+// up to 1 s: a resolver, syslog or game client that keeps its port keeps its
+// conntrack entry.
+func (l *Lab) UDPFrom(srcPort int, host, port, msg string) string {
+	return l.udpExchange("client", host, port, msg, "-p", strconv.Itoa(srcPort), "-w", "1")
+}
+
+func (l *Lab) udpExchange(ns, host, port, msg string, ncArgs ...string) string {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "ip", "netns", "exec", l.NS(ns), "nc", "-u", "-w", "2", host, port)
+	args := append(append([]string{"netns", "exec", l.NS(ns), "nc", "-u"}, ncArgs...), host, port)
+	cmd := exec.CommandContext(ctx, "ip", args...)
 	cmd.Stdin = strings.NewReader(msg)
 	out, _ := cmd.Output()
 	return strings.TrimSpace(string(out))

@@ -232,19 +232,7 @@ endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
 		t.Errorf("/debug/services:\n%s", svcs)
 	}
 	// The JSON has structured fields, not packed strings.
-	_, svcJSON := l.get("node", "http://127.0.0.1:10249/debug/services")
-	var views []struct {
-		Service   string `json:"service"`
-		Endpoints []struct {
-			Address string `json:"address"`
-			Ready   bool   `json:"ready"`
-			Serving bool   `json:"serving"`
-			Node    string `json:"node"`
-		} `json:"endpoints"`
-	}
-	if err := json.Unmarshal([]byte(svcJSON), &views); err != nil {
-		t.Fatalf("/debug/services JSON: %v\n%s", err, svcJSON)
-	}
+	views := debugServices(l)
 	found := false
 	for _, v := range views {
 		for _, e := range v.Endpoints {
@@ -252,7 +240,7 @@ endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
 		}
 	}
 	if !found {
-		t.Errorf("/debug/services JSON lacks lab/web:http's endpoint 10.251.19.12:8080 as a structured object:\n%s", svcJSON)
+		t.Errorf("/debug/services JSON lacks lab/web:http's endpoint 10.251.19.12:8080 as a structured object: %+v", views)
 	}
 	if _, rules := l.get("node", "http://127.0.0.1:10249/debug/rules"); !strings.Contains(rules, `-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "lab/web:http"`) {
 		t.Errorf("/debug/rules:\n%s", rules)

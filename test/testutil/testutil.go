@@ -26,6 +26,20 @@ func WaitFor(t testing.TB, what string, timeout, poll time.Duration, cond func()
 	}
 }
 
+// WaitStalled polls a counter every poll until it is positive and the same
+// at two polls in a row (bytes stopped moving: a peer stopped reading), or
+// fails the test once timeout has passed.
+func WaitStalled(t testing.TB, what string, timeout, poll time.Duration, counter func() int64) {
+	t.Helper()
+	last := int64(-1)
+	WaitFor(t, what, timeout, poll, func() bool {
+		v := counter()
+		stalled := v > 0 && v == last
+		last = v
+		return stalled
+	})
+}
+
 // Buffer is a bytes.Buffer safe to read while another goroutine (a child
 // process's output copier) writes it.
 type Buffer struct {

@@ -82,13 +82,7 @@ func TestAbortWakesCopyParkedInWrite(t *testing.T) {
 		}
 	}()
 	// Parked: bytes stop moving.
-	var last int64 = -1
-	testutil.WaitFor(t, "the copy to park on the full backend", 20*time.Second, 200*time.Millisecond, func() bool {
-		m := moved.Load()
-		stuck := m > 0 && m == last
-		last = m
-		return stuck
-	})
+	testutil.WaitStalled(t, "the copy to park on the full backend", 20*time.Second, 200*time.Millisecond, moved.Load)
 	within(t, 5*time.Second, "Abort", func() { src.Abort(); dst.Abort() })
 	select {
 	case err := <-copied:
