@@ -344,6 +344,15 @@ func placeholder(fe proxy.Frontend) string {
 	return fmt.Sprintf("PROXY_PORT(%s/%s/IPv%d)", fe.Service.Name, fe.Kind, fe.Family)
 }
 
+// TargetPort is the port the rules of fe redirect to, as Render writes it
+// (a placeholder with placeholders): explain finds a listener by it.
+func TargetPort(fe proxy.Frontend, placeholders bool) string {
+	if placeholders {
+		return placeholder(fe)
+	}
+	return fmt.Sprint(fe.Listen.Port())
+}
+
 // redirectTarget sends matching packets to the frontend's listener. With
 // listeners on the unspecified address it is REDIRECT in every chain: in
 // PREROUTING the packet goes to the address it arrived on, in OUTPUT to
@@ -351,10 +360,7 @@ func placeholder(fe proxy.Frontend) string {
 // the address each datagram arrived on (IP_PKTINFO), so conntrack maps the
 // reply back to the Service address. A specific --bind-address needs DNAT.
 func redirectTarget(fe proxy.Frontend, placeholders bool) string {
-	port := fmt.Sprint(fe.Listen.Port())
-	if placeholders {
-		port = placeholder(fe)
-	}
+	port := TargetPort(fe, placeholders)
 	if fe.Listen.Addr().IsUnspecified() || !fe.Listen.Addr().IsValid() {
 		return "-j REDIRECT --to-ports " + port
 	}

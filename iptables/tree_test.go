@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -12,69 +11,23 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
-// walk simulates a new connection's first packet through chain the way
-// netfilter does: rules in order, a jump returns when the chain ends without
-// a verdict. It returns the REDIRECT/DNAT rule that catches the packet ("" if
-// none) and how many rules the packet was tested against.
+// walk runs a packet for dst through chain and the chains it jumps to with
+// the tracer explain uses; it returns the REDIRECT or DNAT rule that
+// catches it ("" for none) and how many rules it was tested against.
 func walk(t *testing.T, rs *Ruleset, chain string, dst netip.Addr, proto string, dport int) (string, int) {
 	t.Helper()
-	tested := 0
-	var visit func(chain string, depth int) string
-	visit = func(chain string, depth int) string {
-		if depth > 40 {
-			t.Fatalf("chains nest deeper than 40 at %s", chain)
-		}
-		rules, ok := rs.Nat[chain]
-		if !ok {
-			t.Fatalf("jump to %s, which is not rendered", chain)
-		}
-		for _, r := range rules {
-			tested++
-			if !matches(t, r, dst, proto, dport) {
-				continue
-			}
-			target := target(splitRule(r))
-			if target == "REDIRECT" || target == "DNAT" {
-				return r
-			}
-			if v := visit(target, depth+1); v != "" {
-				return v
-			}
-		}
-		return ""
-	}
-	return visit(chain, 0), tested
-}
-
-// matches evaluates the basic matches our nat rules use: -d, -p and --dport.
-func matches(t *testing.T, rule string, dst netip.Addr, proto string, dport int) bool {
-	args := splitRule(rule)
-	for i := 0; i+1 < len(args); i++ {
-		switch args[i] {
-		case "-d":
-			if !netip.MustParsePrefix(args[i+1]).Contains(dst) {
-				return false
-			}
-		case "-p":
-			if args[i+1] != proto {
-				return false
-			}
-		case "--dport":
-			lo, hi, found := strings.Cut(args[i+1], ":")
-			if !found {
-				hi = lo
-			}
-			l, err1 := strconv.Atoi(lo)
-			h, err2 := strconv.Atoi(hi)
-			if err1 != nil || err2 != nil {
-				t.Fatalf("rule %q: bad --dport", rule)
-			}
-			if dport < l || dport > h {
-				return false
-			}
+	tr := tracer{in: TraceInput{Rules: rs}, p: Packet{Dst: dst, Protocol: proto, Port: dport}}
+	var steps []Step
+	v := tr.walk("nat", chain, false, &steps, 0)
+	for _, s := range steps {
+		if strings.HasPrefix(s.Note, "unsupported") || strings.HasPrefix(s.Note, "too deep") {
+			t.Fatalf("%s: %s", s.Chain, s.Note)
 		}
 	}
-	return true
+	if v.Target != "REDIRECT" && v.Target != "DNAT" {
+		return "", tr.walked
+	}
+	return steps[len(steps)-1].Rule, tr.walked
 }
 
 // frontendsAt returns ClusterIP frontends, one per address, each with port 80

@@ -59,6 +59,9 @@ type Balancer interface {
 	Health() []EndpointHealth
 	// Scheduler names how it chooses: rr, lc, sh or random.
 	Scheduler() string
+	// Predict says what Pick would answer for a first attempt from client
+	// now, changing nothing (explain).
+	Predict(client netip.Addr) Prediction
 }
 
 // newBalancer returns the balancer for a new frontend of sp. The frontend
@@ -295,4 +298,84 @@ func (rr *EndpointBalancer) Affinities() []Affinity {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Client.Less(out[j].Client) })
 	return out
+}
+
+// Prediction is what the next Pick for one client will return, and why.
+type Prediction struct {
+	// Endpoint is the endpoint the next connection gets; absent when no
+	// endpoint can take it, or when the scheduler picks at random.
+	Endpoint *netip.AddrPort `json:"endpoint,omitempty"`
+	Reason   Reason          `json:"reason,omitempty"`
+	// Candidates are the endpoints a random pick chooses among.
+	Candidates []netip.AddrPort `json:"candidates,omitempty"`
+	// Pin is the client's affinity pin, live or expired, that the
+	// prediction took into account.
+	Pin *Affinity `json:"pin,omitempty"`
+	// PinIgnored says why a pin the client has is not followed.
+	PinIgnored string `json:"pinIgnored,omitempty"`
+	// Position is round-robin's place in the sorted endpoint list: the
+	// index where the next pick starts looking (rr and lc only).
+	Position *int `json:"position,omitempty"`
+}
+
+// Predict implements Balancer: the same decisions as Pick, on copies.
+func (rr *EndpointBalancer) Predict(client netip.Addr) Prediction {
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	var pr Prediction
+	if pos, ok := rr.sched.(interface{ position() int }); ok {
+		i := pos.position()
+		pr.Position = &i
+	}
+	if len(rr.endpoints) == 0 {
+		return pr
+	}
+	now := rr.clock()
+	nanos := now.UnixNano()
+	if rr.ttl > 0 {
+		if p, ok := rr.pins[client]; ok {
+			pr.Pin = &Affinity{Client: client, Endpoint: p.ep.addr, Expires: p.lastUsed.Add(rr.ttl)}
+			switch {
+			case now.Sub(p.lastUsed) >= rr.ttl:
+				pr.PinIgnored = "expired"
+			case p.ep.ejected(nanos):
+				pr.PinIgnored = "its endpoint is ejected"
+			case p.ep.drained.Load():
+				pr.PinIgnored = "its endpoint is drained"
+			default:
+				ep := p.ep.addr
+				pr.Endpoint, pr.Reason = &ep, ReasonAffinity
+				return pr
+			}
+		}
+	}
+	in := rotation{nanos: nanos}
+	why := rr.sched.reason()
+	if !anyOK(rr.endpoints, in) {
+		in, why = rotation{ignoreEjection: true}, ReasonAllEjected
+		if !anyOK(rr.endpoints, in) {
+			return pr // every endpoint drained
+		}
+	}
+	pr.Reason = why
+	if e := rr.sched.peek(rr.endpoints, client, in); e != nil {
+		ep := e.addr
+		pr.Endpoint = &ep
+		return pr
+	}
+	for _, e := range rr.endpoints {
+		if in.ok(e) {
+			pr.Candidates = append(pr.Candidates, e.addr)
+		}
+	}
+	return pr
+}
+
+func anyOK(eps []*endpoint, in rotation) bool {
+	for _, e := range eps {
+		if in.ok(e) {
+			return true
+		}
+	}
+	return false
 }

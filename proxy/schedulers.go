@@ -33,6 +33,9 @@ type scheduler interface {
 	name() string
 	reason() Reason
 	choose(eps []*endpoint, client netip.Addr, in rotation) *endpoint
+	// peek returns what choose would, changing nothing; nil also when the
+	// choice cannot be known in advance (random).
+	peek(eps []*endpoint, client netip.Addr, in rotation) *endpoint
 	// reset is told of a new endpoint set of n.
 	reset(n int)
 }
@@ -84,6 +87,14 @@ func (r *roundRobin) reset(n int) {
 	}
 }
 
+func (r *roundRobin) peek(eps []*endpoint, client netip.Addr, in rotation) *endpoint {
+	c := *r
+	return c.choose(eps, client, in)
+}
+
+// position is the index in the sorted endpoints where the next pick starts looking.
+func (r *roundRobin) position() int { return r.next }
+
 func (r *roundRobin) choose(eps []*endpoint, _ netip.Addr, in rotation) *endpoint {
 	n := len(eps)
 	for tried := 0; tried < n; tried++ {
@@ -102,6 +113,11 @@ type leastConn struct{ roundRobin }
 
 func (*leastConn) name() string   { return SchedLeastConn }
 func (*leastConn) reason() Reason { return ReasonLeastConn }
+
+func (l *leastConn) peek(eps []*endpoint, client netip.Addr, in rotation) *endpoint {
+	c := *l
+	return c.choose(eps, client, in)
+}
 
 func (l *leastConn) choose(eps []*endpoint, _ netip.Addr, in rotation) *endpoint {
 	n := len(eps)
@@ -133,6 +149,10 @@ type sourceHash struct{}
 func (sourceHash) name() string   { return SchedSourceHash }
 func (sourceHash) reason() Reason { return ReasonSourceHash }
 func (sourceHash) reset(int)      {}
+
+func (s sourceHash) peek(eps []*endpoint, client netip.Addr, in rotation) *endpoint {
+	return s.choose(eps, client, in)
+}
 
 func (sourceHash) choose(eps []*endpoint, client netip.Addr, in rotation) *endpoint {
 	var best *endpoint
@@ -177,6 +197,8 @@ type randomPick struct{}
 func (randomPick) name() string   { return SchedRandom }
 func (randomPick) reason() Reason { return ReasonRandom }
 func (randomPick) reset(int)      {}
+
+func (randomPick) peek([]*endpoint, netip.Addr, rotation) *endpoint { return nil }
 
 func (randomPick) choose(eps []*endpoint, _ netip.Addr, in rotation) *endpoint {
 	var chosen *endpoint

@@ -57,6 +57,7 @@ func healthHandler(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 type debugServer struct {
 	p     *proxy.Proxier
 	rules *iptables.Rules // nil with --iptables=false
+	node  string          // this node's name, for traffic policies
 }
 
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
@@ -66,6 +67,7 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/services", d.services)
 	mux.HandleFunc("/debug/rules", d.showRules)
 	mux.HandleFunc("/debug/drain", d.drain)
+	mux.HandleFunc("/debug/explain", d.explainHTTP)
 	if profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
 		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)

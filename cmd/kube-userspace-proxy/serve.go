@@ -136,7 +136,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err != nil {
 		return err
 	}
-	dbg := &debugServer{p: p, rules: ipt}
+	dbg := &debugServer{p: p, rules: ipt, node: node}
 	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()

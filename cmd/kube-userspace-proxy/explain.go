@@ -1,0 +1,480 @@
+package main
+
+// explain: "this client, this address: which rule catches it, which
+// listener, which endpoint, and why" — offline from manifests (the
+// subcommand) or live from the daemon (GET /debug/explain). The rule walk is
+// iptables.Trace over the rules as rendered or as installed; the listener's
+// answer is proxy's Explain.
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+)
+
+// explainQuery is one question: a new connection from From to To.
+type explainQuery struct {
+	From     netip.Addr
+	To       netip.AddrPort
+	Protocol config.Protocol
+}
+
+func parseExplainQuery(from, to, protocol string) (explainQuery, error) {
+	var q explainQuery
+	var err error
+	if q.From, err = netip.ParseAddr(from); err != nil {
+		return q, fmt.Errorf("from: want the client's IP address, got %q", from)
+	}
+	if q.To, err = netip.ParseAddrPort(to); err != nil {
+		return q, fmt.Errorf("to: want IP:PORT ([IPv6]:PORT), got %q", to)
+	}
+	q.From, q.To = q.From.Unmap(), netip.AddrPortFrom(q.To.Addr().Unmap(), q.To.Port())
+	switch strings.ToUpper(protocol) {
+	case "", "TCP":
+		q.Protocol = config.TCP
+	case "UDP":
+		q.Protocol = config.UDP
+	default:
+		return q, fmt.Errorf("protocol: want tcp or udp, got %q", protocol)
+	}
+	if config.Family(q.From) != config.Family(q.To.Addr()) {
+		return q, errors.New("from and to are of different IP families")
+	}
+	return q, nil
+}
+
+// explainAnswer is explain's whole answer, JSON as /debug/explain serves it.
+type explainAnswer struct {
+	From     string          `json:"from"`
+	To       string          `json:"to"`
+	Protocol config.Protocol `json:"protocol"`
+	// Origin: "node" when the node itself connects (nat OUTPUT), else
+	// "pod or other host" (nat PREROUTING).
+	Origin   string `json:"origin"`
+	DstLocal bool   `json:"dstIsNodeAddress"`
+	// Rules is the packet's walk through our chains (absent without rules).
+	Rules *iptables.TraceResult `json:"rules,omitempty"`
+	// Delivery says where the first packet ends up.
+	Delivery string `json:"delivery"`
+	// Service is the listener's side, when a Service port takes the connection.
+	Service *proxy.Explanation `json:"service,omitempty"`
+	Notes   []string           `json:"notes,omitempty"`
+	// Offline: from manifests, before any listener exists.
+	Offline bool `json:"offline"`
+	Node    string `json:"node"`
+}
+
+// explainer answers queries from one view of frontends and rules.
+type explainer struct {
+	node      string
+	frontends []proxy.Frontend
+	// nodeAddrs are the node's addresses (NodePorts, and where the client is the node).
+	nodeAddrs []netip.Addr
+	// rules returns family fam's rules to walk; ok false without rules.
+	rules func(fam int) (in iptables.TraceInput, ok bool, err error)
+	// placeholders: the rules name listeners by placeholder (offline).
+	placeholders bool
+	// service explains a matched frontend.
+	service func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation
+	offline bool
+}
+
+func (e *explainer) isNodeAddr(a netip.Addr) bool {
+	return a.IsLoopback() || slices.Contains(e.nodeAddrs, a)
+}
+
+func (e *explainer) explain(q explainQuery) explainAnswer {
+	fam := config.Family(q.To.Addr())
+	ans := explainAnswer{From: q.From.String(), To: q.To.String(), Protocol: q.Protocol, Origin: "pod or other host",
+		DstLocal: e.isNodeAddr(q.To.Addr()), Offline: e.offline, Node: e.node}
+	fromNode := e.isNodeAddr(q.From)
+	if fromNode {
+		ans.Origin = "node"
+	}
+	pkt := iptables.Packet{Src: q.From, Dst: q.To.Addr(), Port: int(q.To.Port()), Protocol: strings.ToLower(string(q.Protocol)),
+		FromNode: fromNode, DstLocal: ans.DstLocal}
+
+	matched, as, found := proxy.Match(e.frontends, q.To, q.Protocol, ans.DstLocal)
+	var fe proxy.Frontend
+	haveFE := false
+	in, haveRules, err := e.rules(fam)
+	if err != nil {
+		ans.Notes = append(ans.Notes, "packet counters unavailable: "+err.Error())
+	}
+	if haveRules {
+		tr := iptables.Trace(in, pkt)
+		ans.Rules = &tr
+		switch tr.NAT.Target {
+		case "REDIRECT", "DNAT":
+			for _, f := range e.frontends {
+				if f.Family == fam && f.Err == nil && iptables.TargetPort(f, e.placeholders) == tr.NAT.ToPort {
+					fe, haveFE = f, true
+					break
+				}
+			}
+			where := "the address it arrived on"
+			if fromNode {
+				where = map[int]string{4: "127.0.0.1", 6: "::1"}[fam]
+			}
+			if tr.NAT.Target == "DNAT" {
+				where = tr.NAT.ToAddr
+			}
+			ans.Delivery = fmt.Sprintf("%s to port %s on %s: the listener there accepts the connection", tr.NAT.Target, tr.NAT.ToPort, where)
+			if !haveFE {
+				ans.Notes = append(ans.Notes, "no listener has port "+tr.NAT.ToPort+" now: the rules are older than the listeners (a sync is pending)")
+			}
+		default:
+			if found && as == proxy.AsNodePort && (matched.OnNodePort() || (e.offline && matched.Listen.Port() != 0)) {
+				fe, haveFE = matched, true
+				ans.Delivery = fmt.Sprintf("no nat rule needed: the listener sits on NodePort %d itself", matched.Service.NodePort)
+			} else if ans.DstLocal {
+				ans.Delivery = "no rule of ours catches it: it goes to whatever listens on that port of the node"
+			} else {
+				ans.Delivery = "no rule of ours catches it: the packet goes on to its destination unchanged"
+			}
+		}
+		switch tr.Filter.Target {
+		case "DROP":
+			ans.Delivery += "; then the guard DROPS it: a proxy port reached directly, not through a Service address"
+			haveFE = false
+		case "RETURN":
+			ans.Notes = append(ans.Notes, "the guard lets it through: a listener on its NodePort inside the proxy port range")
+		}
+	} else {
+		fe, haveFE = matched, found
+		ans.Delivery = "no rules on this node (--iptables=false): only connections to a listener's own port reach it"
+	}
+	if haveFE {
+		if !found || matched.Service != fe.Service || matched.Kind != fe.Kind {
+			// The rules caught it for a frontend; say what the
+			// destination is to that Service.
+			_, as, _ = proxy.Match([]proxy.Frontend{fe}, q.To, q.Protocol, true)
+		}
+		x := e.service(fe, as, q.From)
+		ans.Service = &x
+	} else if found && ans.Rules != nil && ans.Rules.Filter.Target != "DROP" {
+		ans.Notes = append(ans.Notes, fmt.Sprintf("%s has %s as its %s, but no rule leads there: its listener failed, or its NodePort is held by another process (see /debug/services)",
+			matched.Service.Name, q.To, as))
+	}
+	return ans
+}
+
+// writeExplainText prints an answer for people, step by step.
+func writeExplainText(w io.Writer, a explainAnswer) {
+	what := "connection"
+	if a.Protocol == config.UDP {
+		what = "flow (its first datagram)"
+	}
+	fmt.Fprintf(w, "A new %s %s from %s to %s", a.Protocol, what, a.From, a.To)
+	if a.Offline {
+		fmt.Fprintf(w, " (explained from manifests, node %q: nothing is running)", a.Node)
+	}
+	fmt.Fprintln(w)
+	step := 0
+	say := func(format string, args ...any) {
+		step++
+		fmt.Fprintf(w, "%2d. %s\n", step, fmt.Sprintf(format, args...))
+	}
+	if r := a.Rules; r != nil {
+		if a.Origin == "node" {
+			say("The node itself sends it: its first packet enters nat OUTPUT.")
+		} else {
+			say("It comes from a pod or another host: its first packet enters nat PREROUTING.")
+		}
+		for _, s := range r.Nat {
+			describeStep(say, s)
+		}
+		switch r.NAT.Target {
+		case "REDIRECT", "DNAT":
+		default:
+			say("No rule of ours in nat matched (%s of ours tested).", plural(r.Walked, "rule"))
+		}
+		for _, s := range r.Guard {
+			describeStep(say, s)
+		}
+	}
+	say("%s.", upperFirst(a.Delivery))
+	if x := a.Service; x != nil {
+		listen := x.Listen
+		if listen == "" {
+			listen = "(not open: offline)"
+		}
+		say("Listener %s serves %s %s (IPv%d, %s): %s is its %s.", listen, x.Service, x.Protocol, x.Family, x.Kind, a.To, x.As)
+		policy := "traffic policy " + x.TrafficPolicy
+		if x.TrafficPolicy == "Local" {
+			policy += fmt.Sprintf(" (only endpoints on node %q)", x.Node)
+		}
+		say("It dials one endpoint of the Service port: %s, scheduler %s.", policy, x.Scheduler)
+		for _, e := range x.Endpoints {
+			state := "not selected"
+			if e.Selected {
+				state = "SELECTED"
+			}
+			line := fmt.Sprintf("      %-24s %-12s %s", e.Address, state, e.Why)
+			if e.Node != "" {
+				line += ", node " + e.Node
+			}
+			if h := e.Health; h != nil {
+				line += fmt.Sprintf(", %d open", h.Active)
+				if h.EjectedUntil != nil {
+					line += fmt.Sprintf(", EJECTED until %s", h.EjectedUntil.Format(time.RFC3339))
+				} else if h.Failures > 0 {
+					line += fmt.Sprintf(", %d failed dial(s) in a row", h.Failures)
+				}
+				if h.Drained {
+					line += ", DRAINED"
+				}
+			}
+			fmt.Fprintln(w, line)
+		}
+		describeNext(say, a.From, x)
+	}
+	for _, n := range a.Notes {
+		fmt.Fprintf(w, "Note: %s\n", n)
+	}
+}
+
+func describeStep(say func(string, ...any), s iptables.Step) {
+	counter := ""
+	if s.Counter != nil {
+		counter = fmt.Sprintf("  [%d packets, %d bytes so far]", s.Counter.Packets, s.Counter.Bytes)
+	}
+	switch {
+	case s.Rule == "" && s.Chain == iptables.ChainGuard:
+		say("%s %s: no rule matched, the packet passes (%s tested).", s.Table, s.Chain, plural(s.Tested, "rule"))
+	case s.Rule == "":
+		say("%s %s: %s (%s tested).", s.Table, s.Chain, s.Note, plural(s.Tested, "rule"))
+	case strings.HasPrefix(s.Note, "not taken"):
+		say("%s %s: our jump is %s: -A %s %s", s.Table, s.Chain, s.Note, s.Chain, s.Rule)
+	case s.Note != "":
+		say("%s %s: %s: -A %s %s", s.Table, s.Chain, s.Note, s.Chain, s.Rule)
+	case s.Tested == 0:
+		say("%s %s jumps to our chain: -A %s %s%s", s.Table, s.Chain, s.Chain, s.Rule, counter)
+	default:
+		say("%s %s, rule %d matches: -A %s %s%s", s.Table, s.Chain, s.Tested, s.Chain, s.Rule, counter)
+	}
+}
+
+func describeNext(say func(string, ...any), client string, x *proxy.Explanation) {
+	n := x.Next
+	if n.Pin != nil {
+		if n.PinIgnored != "" {
+			say("Affinity: %s was pinned to %s until %s; the pin is not followed: %s.", client, n.Pin.Endpoint, n.Pin.Expires.Format(time.RFC3339), n.PinIgnored)
+		} else {
+			say("Affinity: %s is pinned to %s until %s (ClientIP, timeout %s).", client, n.Pin.Endpoint, n.Pin.Expires.Format(time.RFC3339), x.AffinityTimeout)
+		}
+	} else if x.AffinityTimeout != "" {
+		say("Affinity: ClientIP for %s; %s has no pin yet, so the connection it makes pins it.", x.AffinityTimeout, client)
+	}
+	switch {
+	case n.Endpoint != nil:
+		why := string(n.Reason)
+		if n.Position != nil && n.Reason != proxy.ReasonAffinity {
+			why += fmt.Sprintf(", rotation at index %d of the sorted endpoints", *n.Position)
+		}
+		say("The next connection from %s goes to %s (%s).", client, *n.Endpoint, why)
+	case len(n.Candidates) > 0 && x.Scheduler == proxy.SchedRandom:
+		say("The next connection goes to one of %d endpoints, at random: %s.", len(n.Candidates), joinAddrs(n.Candidates))
+	case len(n.Candidates) > 0:
+		say("The first connection goes to one of %s (%s): a new listener starts its rotation at a random endpoint, so that nodes do not all pick the same one first; the running daemon's explain (--server) knows which.",
+			joinAddrs(n.Candidates), n.Reason)
+	default:
+		say("No endpoint can take it: the connection is refused (TCP reset) or the datagram dropped.")
+	}
+}
+
+func joinAddrs(a []netip.AddrPort) string {
+	s := make([]string, len(a))
+	for i, x := range a {
+		s[i] = x.String()
+	}
+	return strings.Join(s, " ")
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
+}
+
+func upperFirst(s string) string {
+	if s == "" {
+		return s
+	}
+	return strings.ToUpper(s[:1]) + s[1:]
+}
+
+// explainHTTP is GET /debug/explain?from=IP&to=IP:PORT&protocol=TCP: JSON,
+// or text with ?format=text or Accept: text/plain.
+func (d *debugServer) explainHTTP(w http.ResponseWriter, r *http.Request) {
+	q, err := parseExplainQuery(r.URL.Query().Get("from"), r.URL.Query().Get("to"), r.URL.Query().Get("protocol"))
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	ans := d.explainer().explain(q)
+	if wantsText(r) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		writeExplainText(w, ans)
+		return
+	}
+	writeJSON(w, ans)
+}
+
+// explainer is the live view: the frontends as last synced, the rules as
+// last written with the kernel's counters, the real balancers.
+func (d *debugServer) explainer() *explainer {
+	e := &explainer{node: d.node, frontends: d.p.Frontends(),
+		service: func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation {
+			return d.p.Explain(fe, as, client, d.node)
+		},
+		rules: func(int) (iptables.TraceInput, bool, error) { return iptables.TraceInput{}, false, nil },
+	}
+	for _, fam := range []int{4, 6} {
+		e.nodeAddrs = append(e.nodeAddrs, iptables.LocalAddrs(fam, nil)...)
+	}
+	if d.rules != nil {
+		e.rules = func(fam int) (iptables.TraceInput, bool, error) { return d.rules.TraceInput(fam, true) }
+	}
+	return e
+}
+
+// runExplain is the explain subcommand.
+func runExplain(args []string, stdout, stderr io.Writer) int {
+	fs := pflag.NewFlagSet("kube-userspace-proxy explain", pflag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.SortFlags = false
+	var manifests, from, to, protocol, node, bind, output, server string
+	var nodeIPs, nodePortAddrs []string
+	fs.StringVar(&manifests, "manifests", "", "The Services and EndpointSlices to explain (a YAML/JSON file or directory).")
+	fs.StringVar(&from, "from", "", "The client's IP address: a pod, another host, or one of the node's own addresses (then the node connects).")
+	fs.StringVar(&to, "to", "", "The destination IP:PORT ([IPv6]:PORT): a ClusterIP, externalIP or LoadBalancer IP with the Service port, or a node address with a NodePort.")
+	fs.StringVar(&protocol, "protocol", "tcp", "tcp or udp.")
+	fs.StringVar(&node, "hostname-override", "", "The node's name, for traffic policy Local (default: $NODE_NAME, else the hostname).")
+	fs.StringSliceVar(&nodeIPs, "node-ip", nil, "The node's addresses, for NodePorts and to tell the node's own connections (comma-separated; default: this machine's).")
+	fs.StringVar(&bind, "bind-address", "0.0.0.0", "As the daemon's flag: where listeners would bind.")
+	fs.StringSliceVar(&nodePortAddrs, "nodeport-addresses", nil, "As the daemon's flag: NodePorts only on node addresses inside these CIDRs.")
+	fs.StringVar(&output, "output", "text", "text or json.")
+	fs.StringVar(&server, "server", "", "Ask a running daemon instead, at its metrics address (http://127.0.0.1:10249): its real listeners, rules, counters, pins and round-robin positions.")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: kube-userspace-proxy explain --manifests FILE --from IP --to IP:PORT [--protocol tcp|udp]\n"+
+			"       kube-userspace-proxy explain --server http://127.0.0.1:10249 --from IP --to IP:PORT\n\n"+
+			"Walks a connection's first packet through the rules the daemon installs, to the listener and the endpoint\n"+
+			"the balancer would choose, and says why. Needs no root and changes nothing.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	fail := func(err error) int {
+		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %v\n", err)
+		return exitUsage
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
+			return 0
+		}
+		return exitUsage
+	}
+	if output != "text" && output != "json" {
+		return fail(fmt.Errorf("--output: want text or json, got %q", output))
+	}
+	q, err := parseExplainQuery(from, to, protocol)
+	if err != nil {
+		return fail(fmt.Errorf("--%w", err))
+	}
+	if server != "" {
+		return explainRemote(server, q, output, stdout, stderr)
+	}
+	if manifests == "" {
+		return fail(errors.New("--manifests (or --server) is required"))
+	}
+	o := &options{hostnameOverride: node}
+	if o.bindAddress, err = netip.ParseAddr(bind); err != nil {
+		return fail(fmt.Errorf("--bind-address: %w", err))
+	}
+	for _, c := range nodePortAddrs {
+		p, err := netip.ParsePrefix(c)
+		if err != nil {
+			return fail(fmt.Errorf("--nodeport-addresses: %w", err))
+		}
+		o.nodePortCIDRs = append(o.nodePortCIDRs, p)
+	}
+	e := &explainer{node: o.nodeName(), placeholders: true, offline: true}
+	for _, s := range nodeIPs {
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return fail(fmt.Errorf("--node-ip: %w", err))
+		}
+		e.nodeAddrs = append(e.nodeAddrs, a.Unmap())
+	}
+	if len(nodeIPs) == 0 {
+		e.nodeAddrs = append(iptables.LocalAddrs(4, nil), iptables.LocalAddrs(6, nil)...)
+	}
+	st, _, err := config.LoadManifests(manifests, e.node)
+	if err != nil {
+		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %v\n", err)
+		return exitFailure
+	}
+	e.frontends = proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
+	features := iptables.Features{Comment: true, Addrtype: true, Conntrack: true}
+	e.rules = func(fam int) (iptables.TraceInput, bool, error) {
+		ro := iptables.RenderOptions{Family: fam, Features: features, AllLocal: len(o.nodePortCIDRs) == 0, Placeholders: true,
+			ProxyPorts: proxy.DefaultPortRange}
+		if !ro.AllLocal {
+			for _, a := range e.nodeAddrs {
+				for _, c := range o.nodePortCIDRs {
+					if config.Family(a) == fam && c.Contains(a) {
+						ro.NodePortAddresses = append(ro.NodePortAddresses, a)
+					}
+				}
+			}
+		}
+		return iptables.TraceInput{Rules: iptables.Render(e.frontends, ro), Features: features}, true, nil
+	}
+	e.service = func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation {
+		return proxy.ExplainPlanned(fe, as, client, e.node)
+	}
+	ans := e.explain(q)
+	if output == "json" {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(ans)
+	} else {
+		writeExplainText(stdout, ans)
+	}
+	return 0
+}
+
+// explainRemote asks a running daemon's /debug/explain.
+func explainRemote(server string, q explainQuery, output string, stdout, stderr io.Writer) int {
+	v := url.Values{"from": {q.From.String()}, "to": {q.To.String()}, "protocol": {string(q.Protocol)}}
+	if output == "text" {
+		v.Set("format", "text")
+	}
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Get(strings.TrimRight(server, "/") + "/debug/explain?" + v.Encode())
+	if err != nil {
+		fmt.Fprintf(stderr, "kube-userspace-proxy explain: asking the daemon: %v\n", err)
+		return exitFailure
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %s: %s\n", resp.Status, strings.TrimSpace(string(body)))
+		return exitFailure
+	}
+	_, _ = io.Copy(stdout, resp.Body)
+	return 0
+}

@@ -1,0 +1,200 @@
+package proxy
+
+// Explain: the service side of "where does this connection go, and why".
+// The rule side (which chain catches the packet) is the iptables package's
+// Trace; the command glues the two.
+
+import (
+	"net/netip"
+	"slices"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// Address kinds a destination can be of a Service port.
+const (
+	AsClusterIP      = "clusterIP"
+	AsExternalIP     = "externalIP"
+	AsLoadBalancerIP = "loadBalancerIP"
+	AsNodePort       = "nodePort"
+)
+
+// Match finds the frontend of frontends that serves a connection to dst of
+// protocol (TCP or UDP), and what dst is to its Service. dstLocal says
+// whether dst is an address of this node, for NodePorts. Service addresses
+// win over NodePorts, as the rules order them.
+func Match(frontends []Frontend, dst netip.AddrPort, protocol config.Protocol, dstLocal bool) (Frontend, string, bool) {
+	addr, port := dst.Addr().Unmap(), int(dst.Port())
+	fam := config.Family(addr)
+	for _, fe := range frontends {
+		sp := fe.Service
+		if fe.Family != fam || fe.Protocol != protocol || sp.Port != port {
+			continue
+		}
+		if fe.Kind != KindExternal && slices.Contains(sp.ClusterIPs, addr) {
+			return fe, AsClusterIP, true
+		}
+		if fe.Kind != KindInternal {
+			if slices.Contains(sp.ExternalIPs, addr) {
+				return fe, AsExternalIP, true
+			}
+			if slices.Contains(sp.LoadBalancerIPs, addr) {
+				return fe, AsLoadBalancerIP, true
+			}
+		}
+	}
+	if dstLocal {
+		for _, fe := range frontends {
+			if fe.Family == fam && fe.Protocol == protocol && fe.Kind != KindInternal && fe.Service.NodePort == port {
+				return fe, AsNodePort, true
+			}
+		}
+	}
+	return Frontend{}, "", false
+}
+
+// ExplainedEndpoint is one endpoint of the Service port, with whether this
+// listener may pick it and why.
+type ExplainedEndpoint struct {
+	Address     netip.AddrPort `json:"address"`
+	Ready       bool           `json:"ready"`
+	Serving     bool           `json:"serving"`
+	Terminating bool           `json:"terminating,omitempty"`
+	Node        string         `json:"node,omitempty"`
+	// Selected: the listener picks among it (traffic policy, readiness).
+	Selected bool `json:"selected"`
+	// Why says why it is or is not selected.
+	Why string `json:"why"`
+	// Health is its outlier, drain and connection state (selected only).
+	Health *EndpointHealth `json:"health,omitempty"`
+}
+
+// Explanation is what a listener does with a new connection from a client.
+type Explanation struct {
+	Service  string          `json:"service"`
+	Protocol config.Protocol `json:"protocol"`
+	Family   int             `json:"family"`
+	Kind     Kind            `json:"kind"`
+	// As is what the destination is to the Service: clusterIP,
+	// externalIP, loadBalancerIP or nodePort.
+	As string `json:"as"`
+	// Listen is the listener's address ("" before it exists, offline).
+	Listen string `json:"listen,omitempty"`
+	Port   int    `json:"port"`
+	// NodePort, and whether the listener sits on it (no rule needed).
+	NodePort   int  `json:"nodePort,omitempty"`
+	OnNodePort bool `json:"onNodePort,omitempty"`
+	// TrafficPolicy is the policy that applies to this kind of address:
+	// Cluster, or Local (only endpoints on this node).
+	TrafficPolicy string `json:"trafficPolicy"`
+	Node          string `json:"node,omitempty"`
+	Scheduler     string `json:"scheduler"`
+	// AffinityTimeout is ClientIP affinity's timeout ("" without).
+	AffinityTimeout string              `json:"affinityTimeout,omitempty"`
+	Endpoints       []ExplainedEndpoint `json:"endpoints"`
+	// Next is what the balancer will pick for the client's next connection.
+	Next Prediction `json:"next"`
+	// Live is false when the explanation comes from manifests, with no
+	// listener: the round-robin position is then unknown.
+	Live bool `json:"live"`
+}
+
+// Explain explains what the listener behind fe does with a new connection
+// from client. as is Match's answer. Without a live listener (offline, or
+// one that failed) it explains with a new balancer, as the listener would
+// start.
+func (p *Proxier) Explain(fe Frontend, as string, client netip.Addr, node string) Explanation {
+	var bal Balancer
+	live := false
+	if l := p.liveFrontend(fe); l != nil {
+		bal, live = l.bal, true
+	}
+	return explain(fe, as, client, node, bal, live)
+}
+
+// ExplainPlanned explains a frontend of Plan: no listener, a balancer as a
+// new listener would start it.
+func ExplainPlanned(fe Frontend, as string, client netip.Addr, node string) Explanation {
+	return explain(fe, as, client, node, nil, false)
+}
+
+func explain(fe Frontend, as string, client netip.Addr, node string, bal Balancer, live bool) Explanation {
+	sp := fe.Service
+	local := fe.key().localOnly(sp)
+	if as == AsClusterIP {
+		local = sp.InternalLocal
+	} else if as != "" {
+		local = sp.ExternalLocal
+	}
+	usable := config.UsableEndpoints(sp.Endpoints, fe.Family, local, node)
+	if bal == nil {
+		nb := NewBalancer(sp.Scheduler)
+		nb.Update(usable, sp.AffinityTimeout, OutlierConfig{}, sp.Scheduler)
+		bal = nb
+	}
+	x := Explanation{Service: sp.Name.String(), Protocol: fe.Protocol, Family: fe.Family, Kind: fe.Kind, As: as,
+		Port: sp.Port, NodePort: sp.NodePort, OnNodePort: fe.Err == nil && fe.OnNodePort() && live,
+		TrafficPolicy: "Cluster", Node: node, Scheduler: bal.Scheduler(), Live: live}
+	if x.Scheduler == "" {
+		x.Scheduler = SchedRoundRobin
+	}
+	if local {
+		x.TrafficPolicy = "Local"
+	}
+	if live {
+		x.Listen = fe.Listen.String()
+	} else {
+		x.OnNodePort = sp.NodePort != 0 && fe.Listen.Port() != 0 && int(fe.Listen.Port()) == sp.NodePort
+	}
+	if sp.AffinityTimeout > 0 {
+		x.AffinityTimeout = sp.AffinityTimeout.String()
+	}
+	health := map[netip.AddrPort]EndpointHealth{}
+	for _, h := range bal.Health() {
+		health[h.Endpoint] = h
+	}
+	anyReady := false
+	for _, ep := range sp.Endpoints {
+		anyReady = anyReady || (ep.Ready && config.Family(ep.Addr.Addr()) == fe.Family && (!local || ep.NodeName == node))
+	}
+	x.Endpoints = []ExplainedEndpoint{}
+	for _, ep := range sp.Endpoints {
+		e := ExplainedEndpoint{Address: ep.Addr, Ready: ep.Ready, Serving: ep.Serving, Terminating: ep.Terminating, Node: ep.NodeName}
+		e.Selected = slices.Contains(usable, ep.Addr)
+		e.Why = endpointWhy(ep, e.Selected, fe.Family, local, node, anyReady)
+		if h, ok := health[ep.Addr]; ok && e.Selected && live {
+			h := h
+			e.Health = &h
+		}
+		x.Endpoints = append(x.Endpoints, e)
+	}
+	x.Next = bal.Predict(client.Unmap())
+	if !live {
+		x.Next.Position = nil
+		if (x.Scheduler == SchedRoundRobin || x.Scheduler == SchedLeastConn) && x.Next.Reason != ReasonAffinity && len(usable) > 1 {
+			// A new listener starts its rotation at a random place:
+			// any of them can be first.
+			x.Next.Endpoint, x.Next.Candidates = nil, usable
+		}
+	}
+	return x
+}
+
+func endpointWhy(ep config.Endpoint, selected bool, family int, local bool, node string, anyReady bool) string {
+	switch {
+	case config.Family(ep.Addr.Addr()) != family:
+		return "another IP family: served by the other family's listener"
+	case local && ep.NodeName != node:
+		if ep.NodeName == "" {
+			return "traffic policy Local, and the endpoint names no node"
+		}
+		return "traffic policy Local, and the endpoint is on node " + ep.NodeName
+	case selected && ep.Ready:
+		return "ready"
+	case selected:
+		return "no endpoint is ready: serving and terminating endpoints take the traffic"
+	case ep.Serving && ep.Terminating && anyReady:
+		return "terminating: used only when no endpoint is ready"
+	}
+	return "not ready"
+}
