@@ -128,7 +128,7 @@ type tracer struct {
 	in         TraceInput
 	p          Packet
 	nat, guard []Step
-	walked      int
+	walked     int
 }
 
 // walk runs the packet through chain and the chains it jumps to; it returns

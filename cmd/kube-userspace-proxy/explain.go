@@ -73,7 +73,7 @@ type explainAnswer struct {
 	Service *proxy.Explanation `json:"service,omitempty"`
 	Notes   []string           `json:"notes,omitempty"`
 	// Offline: from manifests, before any listener exists.
-	Offline bool `json:"offline"`
+	Offline bool   `json:"offline"`
 	Node    string `json:"node"`
 }
 
