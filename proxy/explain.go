@@ -159,9 +159,12 @@ func explain(fe Frontend, as string, client netip.Addr, node string, bal Balance
 	}
 	x.Endpoints = []ExplainedEndpoint{}
 	for _, ep := range sp.Endpoints {
+		if config.Family(ep.Addr.Addr()) != fe.Family {
+			continue // the other family's listener serves those
+		}
 		e := ExplainedEndpoint{Address: ep.Addr, Ready: ep.Ready, Serving: ep.Serving, Terminating: ep.Terminating, Node: ep.NodeName}
 		e.Selected = slices.Contains(usable, ep.Addr)
-		e.Why = endpointWhy(ep, e.Selected, fe.Family, local, node, anyReady)
+		e.Why = endpointWhy(ep, e.Selected, local, node, anyReady)
 		if h, ok := health[ep.Addr]; ok && e.Selected && live {
 			h := h
 			e.Health = &h
@@ -180,10 +183,8 @@ func explain(fe Frontend, as string, client netip.Addr, node string, bal Balance
 	return x
 }
 
-func endpointWhy(ep config.Endpoint, selected bool, family int, local bool, node string, anyReady bool) string {
+func endpointWhy(ep config.Endpoint, selected bool, local bool, node string, anyReady bool) string {
 	switch {
-	case config.Family(ep.Addr.Addr()) != family:
-		return "another IP family: served by the other family's listener"
 	case local && ep.NodeName != node:
 		if ep.NodeName == "" {
 			return "traffic policy Local, and the endpoint names no node"

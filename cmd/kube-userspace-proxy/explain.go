@@ -120,7 +120,7 @@ func (e *explainer) explain(q explainQuery) explainAnswer {
 		switch tr.NAT.Target {
 		case "REDIRECT", "DNAT":
 			for _, f := range e.frontends {
-				if f.Family == fam && f.Err == nil && iptables.TargetPort(f, e.placeholders) == tr.NAT.ToPort {
+				if f.Family == fam && f.Protocol == q.Protocol && f.Err == nil && iptables.TargetPort(f, e.placeholders) == tr.NAT.ToPort {
 					fe, haveFE = f, true
 					break
 				}
