@@ -97,6 +97,11 @@ type ConnInfo struct {
 	Age         time.Duration `json:"ageNs"`
 	BytesUp     int64         `json:"bytesUp"`
 	BytesDown   int64         `json:"bytesDown"`
+	// AckedUp and AckedDown are the bytes the endpoint and the client
+	// have acknowledged: they move smoothly with a slow reader, while
+	// BytesUp/Down move in socket-buffer-sized steps.
+	AckedUp   uint64 `json:"ackedUp"`
+	AckedDown uint64 `json:"ackedDown"`
 }
 
 func (c *connRecord) info(now time.Time) ConnInfo {
@@ -214,7 +219,16 @@ func (p *Proxier) Connections() []ConnInfo {
 	now := time.Now()
 	var out []ConnInfo
 	for _, c := range p.conns.list() {
-		out = append(out, c.info(now))
+		ci := c.info(now)
+		c.mu.Lock()
+		paired, pair := c.paired, &c.pair
+		c.mu.Unlock()
+		if paired {
+			// Two getsockopts per connection, only when someone looks.
+			ci.AckedDown, _ = pair.client.Acked()
+			ci.AckedUp, _ = pair.backend.Acked()
+		}
+		out = append(out, ci)
 	}
 	return out
 }

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
-	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -58,6 +57,7 @@ type debugServer struct {
 	p     *proxy.Proxier
 	rules *iptables.Rules // nil with --iptables=false
 	node  string          // this node's name, for traffic policies
+	log   *recentLog      // the latest connection log lines, for the page
 }
 
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
@@ -68,6 +68,8 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/rules", d.showRules)
 	mux.HandleFunc("/debug/drain", d.drain)
 	mux.HandleFunc("/debug/explain", d.explainHTTP)
+	mux.HandleFunc("/debug/log", d.connLog)
+	mux.HandleFunc("/", page)
 	if profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
 		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
@@ -101,10 +103,10 @@ func (d *debugServer) connections(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tSERVICE\tCLIENT\tSENT TO\tENDPOINT\tWHY\tTRIES\tDIAL\tAGE\tBYTES UP\tBYTES DOWN")
+	fmt.Fprintln(tw, "ID\tSERVICE\tCLIENT\tSENT TO\tENDPOINT\tWHY\tTRIES\tDIAL\tAGE\tBYTES UP\tBYTES DOWN\tACKED DOWN")
 	for _, c := range conns {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%d\t%d\n", c.ID, c.Service, c.Client, c.OrigDst, c.Endpoint,
-			c.Reason, c.Attempts, c.DialLatency.Round(time.Microsecond), c.Age.Round(time.Millisecond), c.BytesUp, c.BytesDown)
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%d\t%d\t%d\n", c.ID, c.Service, c.Client, c.OrigDst, c.Endpoint,
+			c.Reason, c.Attempts, c.DialLatency.Round(time.Microsecond), c.Age.Round(time.Millisecond), c.BytesUp, c.BytesDown, c.AckedDown)
 	}
 	tw.Flush()
 }
@@ -237,21 +239,45 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// showRules prints the rules as last written, as iptables-restore input.
+// showRules prints our rules as last written, with the kernel's packet
+// and byte counters: text as iptables-save -c prints it, or JSON with
+// ?format=json.
 func (d *debugServer) showRules(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	if d.rules == nil {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprintln(w, "# --iptables=false: no rules are programmed")
 		return
 	}
-	text, counts := d.rules.Installed()
-	fams := make([]int, 0, len(text))
-	for f := range text {
-		fams = append(fams, f)
+	rules, errs := d.ruleViews()
+	if r.URL.Query().Get("format") == "json" {
+		writeJSON(w, map[string]any{"rules": rules, "counterErrors": errs})
+		return
 	}
-	sort.Ints(fams)
-	for _, f := range fams {
-		fmt.Fprintf(w, "# IPv%d: %d nat and %d filter rules in our chains\n%s", f, counts[fmt.Sprintf("nat/%d", f)], counts[fmt.Sprintf("filter/%d", f)], text[f])
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	for _, e := range errs {
+		fmt.Fprintf(w, "# counters unavailable: %s\n", e)
+	}
+	_, counts := d.rules.Installed()
+	fam, table := 0, ""
+	for _, v := range rules {
+		if v.Family != fam {
+			if table != "" {
+				fmt.Fprintln(w, "COMMIT")
+			}
+			fam, table = v.Family, ""
+			fmt.Fprintf(w, "# IPv%d: %d nat and %d filter rules in our chains, with [packets:bytes] counters\n", fam, counts[fmt.Sprintf("nat/%d", fam)], counts[fmt.Sprintf("filter/%d", fam)])
+		}
+		if v.Table != table {
+			if table != "" {
+				fmt.Fprintln(w, "COMMIT")
+			}
+			table = v.Table
+			fmt.Fprintf(w, "*%s\n", table)
+		}
+		fmt.Fprintf(w, "[%d:%d] -A %s %s\n", v.Packets, v.Bytes, v.Chain, v.Rule)
+	}
+	if table != "" {
+		fmt.Fprintln(w, "COMMIT")
 	}
 }
 

@@ -136,7 +136,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err != nil {
 		return err
 	}
-	dbg := &debugServer{p: p, rules: ipt, node: node}
+	recent := newRecentLog(200)
+	log.AddHook(recent)
+	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent}
 	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()

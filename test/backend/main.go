@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 )
 
 func main() {
@@ -69,11 +70,34 @@ func main() {
 	if *tcp != "" {
 		go func() {
 			errc <- http.ListenAndServe(*tcp, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/bytes" {
+					serveBytes(w, r)
+					return
+				}
 				fmt.Fprintf(w, "%s (client %s)\n", *name, r.RemoteAddr)
 			}))
 		}()
 	}
 	log.Fatal(<-errc)
+}
+
+// serveBytes answers GET /bytes?n=N with N zero bytes: a download as long
+// as a test needs (a slow client makes it a transfer under backpressure).
+func serveBytes(w http.ResponseWriter, r *http.Request) {
+	n, err := strconv.ParseInt(r.URL.Query().Get("n"), 10, 64)
+	if err != nil || n < 0 {
+		http.Error(w, "n: want a byte count", http.StatusBadRequest)
+		return
+	}
+	w.Header().Set("Content-Length", strconv.FormatInt(n, 10))
+	chunk := make([]byte, 64<<10)
+	for n > 0 {
+		k := min(n, int64(len(chunk)))
+		if _, err := w.Write(chunk[:k]); err != nil {
+			return
+		}
+		n -= k
+	}
 }
 
 // serveUDP answers every datagram on addr with what answer returns for it

@@ -113,6 +113,20 @@ func (c *Conn) control(fn func(fd int)) error {
 	return c.wrap(c.raw.Control(func(fd uintptr) { fn(int(fd)) }))
 }
 
+// Acked returns how many bytes written to the socket the peer has
+// acknowledged (TCP_INFO tcpi_bytes_acked): what has reached the peer's
+// kernel, which moves smoothly while a slow reader keeps our writes
+// blocked. ok is false once the socket is closed.
+func (c *Conn) Acked() (acked uint64, ok bool) {
+	err := c.control(func(fd int) {
+		if info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			// bytes_acked counts the SYN's sequence number too.
+			acked, ok = max(info.Bytes_acked, 1)-1, true
+		}
+	})
+	return acked, ok && err == nil
+}
+
 // CloseWrite sends a FIN: shutdown(SHUT_WR).
 func (c *Conn) CloseWrite() error {
 	var errno syscall.Errno

@@ -110,3 +110,34 @@ func TestCopyCountsUnderBackpressure(t *testing.T) {
 		t.Fatalf("counted %d, moved %d", c, total)
 	}
 }
+
+// Acked follows what the peer took in: nothing while it reads nothing,
+// every byte once it has read them all, and no answer once closed.
+func TestAckedFollowsThePeer(t *testing.T) {
+	a, b := sockPair(t)
+	defer b.Close()
+	if n, ok := a.Acked(); !ok || n != 0 {
+		t.Fatalf("before any write: %d %v", n, ok)
+	}
+	msg := make([]byte, 300<<10)
+	go func() { _ = a.WriteAll(msg) }()
+	got, err := io.ReadFull(b, make([]byte, len(msg)))
+	if err != nil {
+		t.Fatal(got, err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, ok := a.Acked()
+		if ok && n == uint64(len(msg)) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("acked %d (ok %v) of %d read by the peer", n, ok, len(msg))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	a.Close()
+	if _, ok := a.Acked(); ok {
+		t.Fatal("Acked answered on a closed socket")
+	}
+}
