@@ -3,6 +3,8 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   ?= bin
 PKGS  := ./...
+# The Go that test/setup.sh installs when the machine has none new enough.
+export PATH := /usr/local/go/bin:$(PATH)
 
 .PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-sched bench-tools
 
@@ -15,16 +17,21 @@ build:
 
 # The main job on the built-in example (needs root: it creates network namespaces).
 # KEEP=1 leaves the lab and the daemon up and prints how to look around.
-demo: build
+demo: setup-demo build
 	BIN=$(BIN) KEEP=$(KEEP) ./test/demo.sh
 
 # The whole suite: formatting, vet, every test with the race detector, a short
 # fuzz run of the manifests parser, and the demo.
-test: fmt-check vet build image-check
+test: setup-test fmt-check vet build image-check
 	$(GO) test -race -count=1 -timeout 40m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
 	BIN=$(BIN) ./test/demo.sh
 	$(MAKE) bench-smoke
+
+# Installs what a job lacks on Debian (packages; Go when missing or too old),
+# saying what: test/setup.sh demo|test|bench.
+setup-%:
+	@bash test/setup.sh $*
 
 vet:
 	$(GO) vet $(PKGS)
@@ -59,7 +66,7 @@ image-check:
 	@grep -q 'ldflags "-s -w" -o /out/kube-userspace-proxy ./cmd/kube-userspace-proxy' Dockerfile || { echo "Dockerfile build command changed: update image-check"; exit 1; }
 	@echo "image-check: build stage OK, static binary"
 
-bench-tools: build
+bench-tools: setup-bench build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/gofloor ./test/bench/gofloor
 

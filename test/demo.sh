@@ -75,7 +75,12 @@ if [ "$KEEP" = 1 ]; then
    ip netns exec $LAB-node curl -s 127.0.0.1:10249/metrics | grep kube_userspace_proxy
    ip netns exec $LAB-node iptables-save -t nat | grep KUBE-                        # the rules
    ip netns exec $LAB-node iptables -t nat -L KUBE-PORTALS-CONTAINER -v -n          # with packet counters
-   ip netns exec $LAB-node conntrack -L -p tcp                                      # REDIRECT entries (apt-get install conntrack)
+   ip netns exec $LAB-node conntrack -L -p tcp                                      # REDIRECT entries
+   $BIN/kube-userspace-proxy explain --manifests $tmp/devpaasy.yaml --from 10.251.19.20 --to 10.0.0.41:8080 --node-ip 192.168.50.1,10.251.19.1
+   ip netns exec $LAB-node $BIN/kube-userspace-proxy explain --server http://127.0.0.1:10249 --from 10.251.19.20 --to 10.0.0.41:8080
+   ip netns exec $LAB-node $BIN/kube-userspace-proxy explain --server http://127.0.0.1:10249 --from 192.168.50.2 --to 192.168.50.1:31341
+   The live page: forward it to this machine's loopback and open http://127.0.0.1:10249/ in a browser here:
+   socat TCP-LISTEN:10249,bind=127.0.0.1,reuseaddr,fork EXEC:"ip netns exec $LAB-node socat STDIO TCP\:127.0.0.1\:10249"
    ip netns exec $LAB-client curl -s http://10.0.0.41:8080/                         # a pod -> the ClusterIP
    ip netns exec $LAB-ext curl -s http://192.168.50.1:31341/                        # outside -> the NodePort
    The manifest it serves: $tmp/devpaasy.yaml (edit it: changes apply within a second); its log: $tmp/proxy.log

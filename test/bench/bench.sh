@@ -14,12 +14,7 @@ LG_DUR=${LG_DUR:-$DUR} # loadgen's runs; iperf3 takes whole seconds only
 RATE=${RATE:-2000}
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
-need=()
-for c in haproxy:haproxy iperf3:iperf3 socat:socat sockperf:sockperf; do command -v "${c%%:*}" >/dev/null || need+=("${c#*:}"); done
-if [ ${#need[@]} -gt 0 ]; then
-  [ -d /var/lib/apt/lists/partial ] && ls /var/lib/apt/lists/ | grep -q _Packages || apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null || { echo "cannot install ${need[*]}" >&2; exit 1; }
-fi
+bash test/setup.sh bench # haproxy, iperf3, socat, sockperf when missing
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 . test/lab/lab.sh

@@ -7,10 +7,10 @@ median() { sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int(
 value() { awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | median; } # metric key → median
 
 # bench_lab PREFIX: the lab of test/lab/lab.sh (sourced before) under the name
-# PREFIX<pid>, a work directory $work, both removed on exit; N NS CMD… runs a
-# command in one of the lab's namespaces.
+# $LAB when set, else PREFIX<pid>, a work directory $work, both removed on
+# exit; N NS CMD… runs a command in one of the lab's namespaces.
 bench_lab() {
-  LAB=$1$$
+  [ -n "${LAB_GIVEN:-}" ] || LAB=$1$$
   work=$(mktemp -d)
   trap 'lab_down; rm -rf "$work"' EXIT
   trap 'exit 130' INT TERM

@@ -11,6 +11,7 @@
 # Every name carries LAB (a per-run prefix) so that parallel runs and
 # leftovers of a killed run never collide; lab_down removes everything.
 
+LAB_GIVEN=${LAB:+1} # bench_lab keeps a name the caller gave
 LAB=${LAB:-kup$$}
 
 lab_ns() { echo "$LAB-$1"; }
