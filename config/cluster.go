@@ -12,6 +12,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/client-go/informers"
@@ -116,11 +117,16 @@ type informerSet struct {
 	cancel   context.CancelFunc
 	services listersv1.ServiceLister
 	slices   discoverylisters.EndpointSliceLister
+	// nodes watches this node's Node object only (a field selector): its
+	// zone for topology hints, and whether it is going away.
+	nodeFactory informers.SharedInformerFactory
+	nodes       listersv1.NodeLister
 }
 
 func (s *informerSet) stop() {
 	s.cancel()
 	s.factory.Shutdown()
+	s.nodeFactory.Shutdown()
 }
 
 // startInformers starts Service and EndpointSlice informers with
@@ -134,12 +140,17 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 		}))
 	svcInformer := factory.Core().V1().Services()
 	sliceInformer := factory.Discovery().V1().EndpointSlices()
+	nodeFactory := informers.NewSharedInformerFactoryWithOptions(c.Client, c.Resync,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", c.Node).String()
+		}))
+	nodeInformer := nodeFactory.Core().V1().Nodes()
 	handler := cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { c.changed() },
 		UpdateFunc: func(any, any) { c.changed() },
 		DeleteFunc: func(any) { c.changed() },
 	}
-	for _, inf := range []cache.SharedIndexInformer{svcInformer.Informer(), sliceInformer.Informer()} {
+	for _, inf := range []cache.SharedIndexInformer{svcInformer.Informer(), sliceInformer.Informer(), nodeInformer.Informer()} {
 		if _, err := inf.AddEventHandler(handler); err != nil {
 			return nil, fmt.Errorf("adding event handler: %w", err)
 		}
@@ -150,12 +161,16 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 		}
 	}
 	runCtx, cancel := context.WithCancel(ctx)
-	set := &informerSet{factory: factory, cancel: cancel, services: svcInformer.Lister(), slices: sliceInformer.Lister()}
+	set := &informerSet{factory: factory, cancel: cancel, services: svcInformer.Lister(), slices: sliceInformer.Lister(),
+		nodeFactory: nodeFactory, nodes: nodeInformer.Lister()}
 	factory.Start(runCtx.Done())
-	for typ, ok := range factory.WaitForCacheSync(runCtx.Done()) {
-		if !ok {
-			set.stop()
-			return nil, fmt.Errorf("%v cache did not sync: %w", typ, ctx.Err())
+	nodeFactory.Start(runCtx.Done())
+	for _, f := range []informers.SharedInformerFactory{factory, nodeFactory} {
+		for typ, ok := range f.WaitForCacheSync(runCtx.Done()) {
+			if !ok {
+				set.stop()
+				return nil, fmt.Errorf("%v cache did not sync: %w", typ, ctx.Err())
+			}
 		}
 	}
 	return set, nil
@@ -174,6 +189,11 @@ func (c *ClusterSource) build(inf *informerSet) {
 		return
 	}
 	st := c.buildState(services, slices)
+	if n, err := inf.nodes.Get(c.Node); err == nil {
+		st.Zone, st.NodeDeleting = NodeState(n)
+	} else if c.last == nil {
+		c.Log.WithField("node", c.Node).Warn("No Node object of this name: topology hints and the node's deletion are not seen (set --hostname-override to the node's name)")
+	}
 	ReuseUnchanged(st, c.last)
 	c.last = st
 	c.Sink.Update(st)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"sort"
+	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -100,6 +101,19 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 		}
 	}
 
+	var sourceRanges []netip.Prefix
+	for i, r := range svc.Spec.LoadBalancerSourceRanges {
+		p, err := netip.ParsePrefix(strings.TrimSpace(r))
+		if err != nil {
+			return nil, fmt.Errorf("spec.loadBalancerSourceRanges[%d]: %q is not a CIDR", i, r)
+		}
+		sourceRanges = append(sourceRanges, p.Masked())
+	}
+	trafficDistribution := ""
+	if svc.Spec.TrafficDistribution != nil {
+		trafficDistribution = *svc.Spec.TrafficDistribution
+	}
+
 	if len(svc.Spec.Ports) == 0 {
 		return nil, errors.New("spec.ports: a Service with a clusterIP needs at least one port")
 	}
@@ -141,6 +155,10 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 			Scheduler:        svc.Annotations[AnnotationScheduler],
 			ProxyProtocol:    svc.Annotations[AnnotationProxyProtocol],
 			Created:          svc.CreationTimestamp.Time,
+
+			HealthCheckNodePort: int(svc.Spec.HealthCheckNodePort),
+			SourceRanges:        sourceRanges,
+			TrafficDistribution: trafficDistribution,
 		}
 		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.NodePort = int(p.NodePort)
@@ -180,6 +198,15 @@ func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) 
 			if ep.NodeName != nil {
 				node = *ep.NodeName
 			}
+			var zoneHints, nodeHints []string
+			if h := ep.Hints; h != nil {
+				for _, z := range h.ForZones {
+					zoneHints = append(zoneHints, z.Name)
+				}
+				for _, n := range h.ForNodes {
+					nodeHints = append(nodeHints, n.Name)
+				}
+			}
 			for ai, a := range ep.Addresses {
 				ip, err := parseAddr(fmt.Sprintf("endpoints[%d].addresses[%d]", ei, ai), a)
 				if err != nil {
@@ -191,6 +218,7 @@ func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) 
 				out[name] = append(out[name], Endpoint{
 					Addr:  netip.AddrPortFrom(ip, uint16(*p.Port)),
 					Ready: ready, Serving: serving, Terminating: terminating, NodeName: node,
+					ZoneHints: strings.Join(zoneHints, ","), NodeHints: strings.Join(nodeHints, ","),
 				})
 				break // kube-proxy uses only the first address of an endpoint
 			}

@@ -227,6 +227,7 @@ func combineChanged(results []*fileResult, node string, prev *State, changed []*
 	for name, sp := range joined.Ports {
 		st.Ports[name] = sp
 	}
+	applyNode(st, results)
 	return st, append(skipped, subSkipped...), nil
 }
 
@@ -275,7 +276,28 @@ type fileResult struct {
 	sum      [sha256.Size]byte
 	services []parsedService
 	slices   []parsedSlice
+	nodes    []parsedNode
 	skipped  []Skipped
+}
+
+// parsedNode is a Node object: the one named like this node gives its zone
+// and whether it is going away (NodeState).
+type parsedNode struct {
+	name     string
+	zone     string
+	deleting bool
+}
+
+// applyNode sets st's zone and NodeDeleting from the Node object of st's
+// node, if the files have one.
+func applyNode(st *State, results []*fileResult) {
+	for _, fr := range results {
+		for _, n := range fr.nodes {
+			if n.name == st.Node {
+				st.Zone, st.NodeDeleting = n.zone, n.deleting
+			}
+		}
+	}
 }
 
 type parsedService struct {
@@ -321,7 +343,9 @@ func combine(results []*fileResult, node string) (*State, []Skipped, error) {
 			b.addEndpoints(sl.key, sl.eps)
 		}
 	}
-	return b.State(), skipped, nil
+	st := b.State()
+	applyNode(st, results)
+	return st, skipped, nil
 }
 
 // parseFile splits a file into documents and converts them in parallel (a
@@ -371,6 +395,7 @@ func parseFile(file string, data []byte) (*fileResult, error) {
 		}
 		fr.services = append(fr.services, parts[i].services...)
 		fr.slices = append(fr.slices, parts[i].slices...)
+		fr.nodes = append(fr.nodes, parts[i].nodes...)
 		fr.skipped = append(fr.skipped, parts[i].skipped...)
 	}
 	return fr, nil
@@ -469,6 +494,15 @@ func (fr *fileResult) parseObject(js []byte, at where) error {
 		default:
 			fr.slices = append(fr.slices, parsedSlice{at: at, key: key, eps: eps})
 		}
+		return nil
+
+	case tm.APIVersion == "v1" && tm.Kind == "Node":
+		var n v1.Node
+		if err := strict(&n); err != nil {
+			return err
+		}
+		zone, deleting := NodeState(&n)
+		fr.nodes = append(fr.nodes, parsedNode{name: n.Name, zone: zone, deleting: deleting})
 		return nil
 
 	case tm.APIVersion == "v1" && tm.Kind == "Endpoints":

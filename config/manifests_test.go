@@ -52,7 +52,7 @@ func TestDevpaasyExample(t *testing.T) {
 	if sp.Port != 8080 || sp.NodePort != 31341 || sp.Protocol != TCP || sp.ClusterIPs[0] != netip.MustParseAddr("10.0.0.41") {
 		t.Fatalf("service port %+v", sp)
 	}
-	got := UsableEndpoints(sp.Endpoints, 4, false, "")
+	got := UsableEndpoints(sp.Endpoints, 4, false, "", "")
 	want := []netip.AddrPort{netip.MustParseAddrPort("10.251.19.8:8080"), netip.MustParseAddrPort("10.251.19.12:8080")}
 	if len(got) != 2 || got[0] != want[0] || got[1] != want[1] {
 		t.Fatalf("endpoints %v, want %v", got, want)
@@ -129,7 +129,7 @@ func TestKubectlListOutput(t *testing.T) {
 	if len(http.Endpoints) != 3 {
 		t.Fatalf("http endpoints %v, want 3 merged from two slices", http.Endpoints)
 	}
-	if v6 := UsableEndpoints(http.Endpoints, 6, false, ""); len(v6) != 1 || v6[0].String() != "[fd00:1::1]:8080" {
+	if v6 := UsableEndpoints(http.Endpoints, 6, false, "", ""); len(v6) != 1 || v6[0].String() != "[fd00:1::1]:8080" {
 		t.Fatalf("IPv6 endpoints %v", v6)
 	}
 	dns := port(t, st, "prod/web:dns")
@@ -141,14 +141,14 @@ func TestKubectlListOutput(t *testing.T) {
 func TestUsableEndpointsFallbackAndLocal(t *testing.T) {
 	st := mustState(t, kubectlList)
 	eps := port(t, st, "prod/web:http").Endpoints
-	if got := UsableEndpoints(eps, 4, false, ""); len(got) != 1 || got[0].String() != "10.1.0.1:8080" {
+	if got := UsableEndpoints(eps, 4, false, "", ""); len(got) != 1 || got[0].String() != "10.1.0.1:8080" {
 		t.Fatalf("ready only: %v", got)
 	}
 	// Local to node-b: no ready endpoint there, so the serving+terminating one.
-	if got := UsableEndpoints(eps, 4, true, "node-b"); len(got) != 1 || got[0].String() != "10.1.0.2:8080" {
+	if got := UsableEndpoints(eps, 4, true, "node-b", ""); len(got) != 1 || got[0].String() != "10.1.0.2:8080" {
 		t.Fatalf("node-b local: %v", got)
 	}
-	if got := UsableEndpoints(eps, 4, true, "node-c"); len(got) != 0 {
+	if got := UsableEndpoints(eps, 4, true, "node-c", ""); len(got) != 0 {
 		t.Fatalf("node-c has no endpoint, got %v", got)
 	}
 }
@@ -174,7 +174,7 @@ subsets:
 	if sp.Protocol != TCP || len(sp.Endpoints) != 3 {
 		t.Fatalf("%+v", sp)
 	}
-	if got := UsableEndpoints(sp.Endpoints, 4, false, ""); len(got) != 2 {
+	if got := UsableEndpoints(sp.Endpoints, 4, false, "", ""); len(got) != 2 {
 		t.Fatalf("usable %v, want the 2 ready addresses", got)
 	}
 	if sp.Endpoints[0].NodeName != "n1" {

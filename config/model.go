@@ -97,6 +97,18 @@ type ServicePort struct {
 	// other value (warned about when the listener opens) leave it on.
 	OutlierDetection string
 
+	// HealthCheckNodePort is the Service's spec.healthCheckNodePort (0: none):
+	// with externalTrafficPolicy Local, load balancers ask it whether this
+	// node has a local endpoint.
+	HealthCheckNodePort int
+	// SourceRanges are spec.loadBalancerSourceRanges: only these clients
+	// reach the LoadBalancer IPs (empty: everyone). ClusterIPs, NodePorts
+	// and externalIPs are not affected, as in kube-proxy.
+	SourceRanges []netip.Prefix
+	// TrafficDistribution is spec.trafficDistribution, for the debug
+	// views: what the endpoint hints say is what decides (UsableEndpoints).
+	TrafficDistribution string
+
 	Endpoints []Endpoint // sorted by address
 }
 
@@ -157,10 +169,18 @@ func (sp *ServicePort) SameFrontend(o *ServicePort) bool {
 		equalAddrs(sp.LoadBalancerIPs, o.LoadBalancerIPs)
 }
 
+// SameRules reports whether a and b need the same kernel rules: the same
+// frontend and the same source ranges.
+func (sp *ServicePort) SameRules(o *ServicePort) bool {
+	return sp == o || (sp.SameFrontend(o) && slices.Equal(sp.SourceRanges, o.SourceRanges))
+}
+
 // Equal reports whether a and b are the same in every field.
 func (sp *ServicePort) Equal(o *ServicePort) bool {
 	return sp == o || (sp.SameFrontend(o) && sp.AffinityTimeout == o.AffinityTimeout &&
-		sp.OutlierDetection == o.OutlierDetection && sp.Scheduler == o.Scheduler && sp.ProxyProtocol == o.ProxyProtocol && sp.Created.Equal(o.Created) && slices.Equal(sp.Endpoints, o.Endpoints))
+		sp.OutlierDetection == o.OutlierDetection && sp.Scheduler == o.Scheduler && sp.ProxyProtocol == o.ProxyProtocol && sp.Created.Equal(o.Created) &&
+		sp.HealthCheckNodePort == o.HealthCheckNodePort && slices.Equal(sp.SourceRanges, o.SourceRanges) &&
+		sp.TrafficDistribution == o.TrafficDistribution && slices.Equal(sp.Endpoints, o.Endpoints))
 }
 
 // ReuseUnchanged replaces each port of next that equals its port in prev by
@@ -198,6 +218,22 @@ type Endpoint struct {
 	Serving     bool
 	Terminating bool
 	NodeName    string
+	// ZoneHints and NodeHints are the EndpointSlice's hints.forZones and
+	// hints.forNodes, comma-separated (a string keeps Endpoint comparable).
+	ZoneHints string
+	NodeHints string
+}
+
+// hinted reports whether name is in the comma-separated list.
+func hinted(list, name string) bool {
+	for list != "" {
+		var h string
+		h, list, _ = strings.Cut(list, ",")
+		if h == name {
+			return true
+		}
+	}
+	return false
 }
 
 func (e Endpoint) String() string {
@@ -216,15 +252,23 @@ func (e Endpoint) String() string {
 
 // UsableEndpoints applies kube-proxy's endpoint selection: ready endpoints; when
 // none is ready, the serving and terminating ones (KEP-1669). When localOnly is
-// set only endpoints whose NodeName is node count. family (4 or 6) keeps only
-// endpoints of that family; 0 keeps all.
-func UsableEndpoints(eps []Endpoint, family int, localOnly bool, node string) []netip.AddrPort {
+// set only endpoints whose NodeName is node count; otherwise topology hints
+// narrow them (see TopologyMode). family (4 or 6) keeps only endpoints of that
+// family; 0 keeps all.
+func UsableEndpoints(eps []Endpoint, family int, localOnly bool, node, zone string) []netip.AddrPort {
+	mode := ""
+	if !localOnly {
+		mode = TopologyMode(eps, family, node, zone)
+	}
 	var ready, fallback []netip.AddrPort
 	for _, ep := range eps {
 		if family != 0 && Family(ep.Addr.Addr()) != family {
 			continue
 		}
 		if localOnly && ep.NodeName != node {
+			continue
+		}
+		if !InTopology(ep, mode, node, zone) {
 			continue
 		}
 		switch {
@@ -240,6 +284,59 @@ func UsableEndpoints(eps []Endpoint, family int, localOnly bool, node string) []
 	return fallback
 }
 
+// Topology modes: which hints narrow the endpoints.
+const (
+	TopologyNone = ""
+	TopologyNode = "PreferSameNode" // hints.forNodes
+	TopologyZone = "PreferSameZone" // hints.forZones
+)
+
+// TopologyMode is kube-proxy's choice of hints for a Service port's
+// endpoints (of family, 0 for all): node hints when every ready endpoint has
+// them and one is for this node; else zone hints when every ready endpoint
+// has them and one is for this node's zone; else none, and every endpoint
+// counts. Hints are what the EndpointSlice controller writes for
+// spec.trafficDistribution (PreferSameZone, PreferClose, PreferSameNode).
+func TopologyMode(eps []Endpoint, family int, node, zone string) string {
+	allNode, allZone, forNode, forZone, any := true, true, false, false, false
+	for _, ep := range eps {
+		if !ep.Ready || (family != 0 && Family(ep.Addr.Addr()) != family) {
+			continue
+		}
+		any = true
+		if ep.NodeHints == "" {
+			allNode = false
+		} else if hinted(ep.NodeHints, node) {
+			forNode = true
+		}
+		if ep.ZoneHints == "" {
+			allZone = false
+		} else if zone != "" && hinted(ep.ZoneHints, zone) {
+			forZone = true
+		}
+	}
+	switch {
+	case !any:
+		return TopologyNone
+	case allNode && forNode:
+		return TopologyNode
+	case allZone && forZone:
+		return TopologyZone
+	}
+	return TopologyNone
+}
+
+// InTopology reports whether ep is hinted for this node or zone under mode.
+func InTopology(ep Endpoint, mode, node, zone string) bool {
+	switch mode {
+	case TopologyNode:
+		return hinted(ep.NodeHints, node)
+	case TopologyZone:
+		return hinted(ep.ZoneHints, zone)
+	}
+	return true
+}
+
 // State is one complete, immutable view of every service port to proxy on this
 // node. Sources build a new State for every change; nobody mutates one after
 // it is handed over.
@@ -247,6 +344,14 @@ type State struct {
 	Ports map[ServicePortName]*ServicePort
 	// Node is the name this node is known by (endpoint nodeName), for traffic policies.
 	Node string
+	// Zone is this node's topology.kubernetes.io/zone label, for topology
+	// hints ("" when unknown: zone hints are then not used).
+	Zone string
+	// NodeDeleting: this node's Node object is being deleted or carries the
+	// cluster autoscaler's ToBeDeletedByClusterAutoscaler taint. /healthz
+	// then fails, so that load balancers move traffic away first (/livez
+	// does not).
+	NodeDeleting bool
 }
 
 // Sorted returns the ports ordered by name.

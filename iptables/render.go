@@ -31,7 +31,11 @@ const (
 	ChainNodePortContainer = "KUBE-NODEPORT-CONTAINER" // nat PREROUTING, last
 	ChainNodePortHost      = "KUBE-NODEPORT-HOST"      // nat OUTPUT, last
 	ChainGuard             = "KUBE-PORTALS-GUARD"      // filter INPUT: proxy ports only via a redirect
-	chainProbe             = "KUBE-PORTALS-PROBE"      // created and deleted while probing
+	// ChainSourceRanges drops what reaches a LoadBalancer IP with
+	// loadBalancerSourceRanges without having been redirected: the clients
+	// outside the ranges (filter INPUT, FORWARD and OUTPUT).
+	ChainSourceRanges = "KUBE-SOURCE-RANGES"
+	chainProbe        = "KUBE-PORTALS-PROBE" // created and deleted while probing
 )
 
 var natChains = []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortContainer, ChainNodePortHost}
@@ -39,6 +43,7 @@ var natChains = []string{ChainPortalsContainer, ChainPortalsHost, ChainNodePortC
 // Name prefixes of the tree chains below the entry chains (see tree.go).
 const (
 	chainPortalTree   = "KUBE-PT-" // + the address prefix in hex
+	chainRangeTree    = "KUBE-SR-" // + the address prefix in hex (source ranges)
 	chainNodePortTree = "KUBE-NP-" // + TCP-/UDP- + the port prefix in hex
 )
 
@@ -57,7 +62,7 @@ func isOurs(table, name string) bool {
 			}
 		}
 	case "filter":
-		return name == ChainGuard || isShardOf(name, ChainGuard)
+		return name == ChainGuard || isShardOf(name, ChainGuard) || name == ChainSourceRanges || strings.HasPrefix(name, chainRangeTree)
 	}
 	return false
 }
@@ -75,9 +80,9 @@ func entryChains(table string, f Features) []string {
 		return natChains
 	}
 	if f.Conntrack {
-		return []string{ChainGuard}
+		return []string{ChainGuard, ChainSourceRanges}
 	}
-	return nil
+	return []string{ChainSourceRanges}
 }
 
 // deleteChainsInput renders an iptables-restore --noflush input that deletes
@@ -139,6 +144,17 @@ func jumps(f Features) []jump {
 		// traffic passes one rule of ours, however many service ports.
 		guard := append([]string{"-m", "conntrack", "--ctstate", "NEW"}, comment("keep proxy ports reachable only through service addresses")...)
 		js = append(js, jump{"filter", "INPUT", append(guard, "-j", ChainGuard), true})
+	}
+	// Source ranges: a first packet to a LoadBalancer IP that was not
+	// redirected came from outside the ranges. Every packet without
+	// conntrack; the chain is a tree on the destination either way.
+	var ranges []string
+	if f.Conntrack {
+		ranges = []string{"-m", "conntrack", "--ctstate", "NEW"}
+	}
+	ranges = append(ranges, comment("loadBalancerSourceRanges: drop clients outside the ranges")...)
+	for _, hook := range []string{"INPUT", "FORWARD", "OUTPUT"} {
+		js = append(js, jump{"filter", hook, append(append([]string(nil), ranges...), "-j", ChainSourceRanges), true})
 	}
 	return js
 }
@@ -205,9 +221,10 @@ type leafRule struct {
 }
 
 const (
-	treePortals   = "portals"
-	treeNodePorts = "nodeports/" // + tcp or udp
-	treeGuard     = "guard"      // exceptions to the guard, before its drops
+	treePortals      = "portals"
+	treeNodePorts    = "nodeports/"   // + tcp or udp
+	treeGuard        = "guard"        // exceptions to the guard, before its drops
+	treeSourceRanges = "sourceranges" // drops of LoadBalancer IPs with source ranges
 )
 
 // guardedProtocols are the protocols whose proxy ports the guard covers.
@@ -257,6 +274,7 @@ func assembleTrees(byTree map[string][]treeItem, o RenderOptions) *Ruleset {
 		}
 		rs.Filter[ChainGuard] = guard
 	}
+	rs.Filter[ChainSourceRanges] = buildTree(rangeTree(o.Family), byTree[treeSourceRanges], rs.Filter)
 	for _, m := range []map[string][]string{rs.Nat, rs.Filter} {
 		for c, rules := range m {
 			if rules == nil {
@@ -287,8 +305,11 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 	proto := strings.ToLower(string(fe.Protocol))
 	target := redirectTarget(fe, o.Placeholders)
 	var out []leafRule
-	rule := func(dst netip.Addr, port int) string {
+	ruleTo := func(src netip.Prefix, dst netip.Addr, port int, target string) string {
 		var b strings.Builder
+		if src.IsValid() {
+			fmt.Fprintf(&b, "-s %s ", src)
+		}
 		if dst.IsValid() {
 			fmt.Fprintf(&b, "-d %s/%d ", dst, dst.BitLen())
 		}
@@ -299,8 +320,20 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 		fmt.Fprintf(&b, "-m %s --dport %d %s", proto, port, target)
 		return b.String()
 	}
+	rule := func(dst netip.Addr, port int) string { return ruleTo(netip.Prefix{}, dst, port, target) }
 	portal := func(ip netip.Addr) {
 		out = append(out, leafRule{treePortals, addrKey(ip), rule(ip, sp.Port)})
+	}
+	// A LoadBalancer IP with source ranges is redirected only for clients
+	// inside them (no range of this family: for none); the filter drops the
+	// rest, which keep the LoadBalancer IP as their destination.
+	limitedPortal := func(ip netip.Addr) {
+		for _, r := range sp.SourceRanges {
+			if r.Addr().Is4() == (o.Family == 4) {
+				out = append(out, leafRule{treePortals, addrKey(ip), ruleTo(r, ip, sp.Port, target)})
+			}
+		}
+		out = append(out, leafRule{treeSourceRanges, addrKey(ip), ruleTo(netip.Prefix{}, ip, sp.Port, "-j DROP")})
 	}
 	if fe.Kind != proxy.KindExternal {
 		for _, ip := range sp.ClusterIPs {
@@ -310,11 +343,18 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 		}
 	}
 	if fe.Kind != proxy.KindInternal {
-		for _, ips := range [][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs} {
-			for _, ip := range ips {
-				if config.Family(ip) == o.Family {
-					portal(ip)
-				}
+		for _, ip := range sp.ExternalIPs {
+			if config.Family(ip) == o.Family {
+				portal(ip)
+			}
+		}
+		for _, ip := range sp.LoadBalancerIPs {
+			switch {
+			case config.Family(ip) != o.Family:
+			case len(sp.SourceRanges) > 0:
+				limitedPortal(ip)
+			default:
+				portal(ip)
 			}
 		}
 		if sp.NodePort != 0 && fe.NodePortErr == nil && !fe.OnNodePort() {

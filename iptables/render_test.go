@@ -59,10 +59,14 @@ func TestRenderBasicNetfilterOnly(t *testing.T) {
 	addrs := []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("127.0.0.1")}
 	rs := Render(fes, RenderOptions{Family: 4, NodePortAddresses: addrs})
 	in := rs.RestoreInput()
-	for _, forbidden := range []string{"comment", "addrtype", "conntrack", "*filter"} {
+	for _, forbidden := range []string{"comment", "addrtype", "conntrack", "-m state", "mark"} {
 		if strings.Contains(in, forbidden) {
 			t.Errorf("basic ruleset uses %q:\n%s", forbidden, in)
 		}
+	}
+	// The filter table holds only the (here empty) source-range drops.
+	if len(rs.Filter) != 1 || len(rs.Filter[ChainSourceRanges]) != 0 {
+		t.Errorf("basic filter chains: %v", rs.Filter)
 	}
 	if got := rs.Nat[ChainNodePortContainer]; len(got) != 2 || !strings.HasPrefix(got[0], "-d 127.0.0.1/32 -p tcp -m tcp --dport 31341") {
 		t.Fatalf("NodePort rules per address: %v", got)
@@ -178,5 +182,62 @@ func TestDeleteChainsInput(t *testing.T) {
 	want := "*nat\n:A - [0:0]\n:B - [0:0]\n-X A\n-X B\nCOMMIT\n*filter\n:C - [0:0]\n-X C\nCOMMIT\n"
 	if got != want {
 		t.Fatalf("got\n%s\nwant\n%s", got, want)
+	}
+}
+
+// loadBalancerSourceRanges: the LoadBalancer IP is redirected only for
+// clients inside the ranges of its family, and a DROP in the filter table
+// catches the rest; the ClusterIP, the NodePort and externalIPs are left
+// alone.
+func TestRenderSourceRanges(t *testing.T) {
+	sp := &config.ServicePort{
+		Name: config.ServicePortName{Namespace: "ns", Name: "lb"}, Protocol: config.TCP, Port: 80, NodePort: 30080,
+		ClusterIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.5")},
+		ExternalIPs:     []netip.Addr{netip.MustParseAddr("203.0.113.9")},
+		LoadBalancerIPs: []netip.Addr{netip.MustParseAddr("203.0.113.10"), netip.MustParseAddr("2001:db8::10")},
+		SourceRanges:    []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24"), netip.MustParsePrefix("192.0.2.0/28"), netip.MustParsePrefix("2001:db8:1::/48")},
+	}
+	fe := proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: config.TCP, Listen: netip.MustParseAddrPort("0.0.0.0:45001")}
+	rs := Render([]proxy.Frontend{fe}, all4)
+	want := []string{
+		`-d 10.96.0.5/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j REDIRECT --to-ports 45001`,
+		`-d 203.0.113.9/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j REDIRECT --to-ports 45001`,
+		`-s 10.244.1.0/24 -d 203.0.113.10/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j REDIRECT --to-ports 45001`,
+		`-s 192.0.2.0/28 -d 203.0.113.10/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j REDIRECT --to-ports 45001`,
+	}
+	if got := rs.Nat[ChainPortalsContainer]; !reflect.DeepEqual(got, want) {
+		t.Fatalf("portals:\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	if got := rs.Filter[ChainSourceRanges]; len(got) != 1 || got[0] != `-d 203.0.113.10/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j DROP` {
+		t.Fatalf("drops: %v", got)
+	}
+	fe6 := fe
+	fe6.Family, fe6.Listen = 6, netip.MustParseAddrPort("[::]:45001")
+	sp6 := *sp
+	sp6.SourceRanges = sp.SourceRanges[:1] // no IPv6 range: no IPv6 client is let in
+	fe6.Service = &sp6
+	o6 := all4
+	o6.Family = 6
+	rs6 := Render([]proxy.Frontend{fe6}, o6)
+	if got := rs6.Nat[ChainPortalsContainer]; len(got) != 0 {
+		t.Fatalf("IPv6 portals without an IPv6 range: %v", got)
+	}
+	if got := rs6.Filter[ChainSourceRanges]; len(got) != 1 || !strings.HasPrefix(got[0], "-d 2001:db8::10/128 ") {
+		t.Fatalf("IPv6 drops: %v", got)
+	}
+
+	// The tracer agrees: inside, redirected; outside, dropped in FORWARD.
+	in := TraceInput{Rules: rs, Features: allFeatures}
+	res := Trace(in, Packet{Src: netip.MustParseAddr("10.244.1.7"), Dst: netip.MustParseAddr("203.0.113.10"), Port: 80, Protocol: "tcp"})
+	if res.NAT.Target != "REDIRECT" || res.Filter.Target != "" {
+		t.Fatalf("inside the range: %+v %+v", res.NAT, res.Filter)
+	}
+	res = Trace(in, Packet{Src: netip.MustParseAddr("192.168.100.2"), Dst: netip.MustParseAddr("203.0.113.10"), Port: 80, Protocol: "tcp"})
+	if res.NAT.Target != "" || res.Filter.Target != "DROP" || res.FilterHook != "FORWARD" {
+		t.Fatalf("outside the range: %+v %+v", res.NAT, res)
+	}
+	res = Trace(in, Packet{Src: netip.MustParseAddr("192.168.100.2"), Dst: netip.MustParseAddr("10.96.0.5"), Port: 80, Protocol: "tcp"})
+	if res.NAT.Target != "REDIRECT" || res.Filter.Target != "" {
+		t.Fatalf("the ClusterIP from outside the range: %+v %+v", res.NAT, res.Filter)
 	}
 }

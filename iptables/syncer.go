@@ -96,7 +96,7 @@ type feRules struct {
 // sameRules reports whether a and b render the same rules.
 // Sources reuse an unchanged port's pointer, which settles most cases cheaply.
 func sameRules(a, b proxy.Frontend) bool {
-	return (a.Service == b.Service || a.Service.SameFrontend(b.Service)) && a.Listen == b.Listen &&
+	return a.Service.SameRules(b.Service) && a.Listen == b.Listen &&
 		a.Kind == b.Kind && a.Protocol == b.Protocol && (a.NodePortErr == nil) == (b.NodePortErr == nil)
 }
 

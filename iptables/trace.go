@@ -65,9 +65,14 @@ type TraceResult struct {
 	Hook  string  `json:"hook"`
 	Nat   []Step  `json:"nat"`
 	NAT   Verdict `json:"natVerdict"`
-	Guard []Step  `json:"guard,omitempty"`
-	// Filter is the guard's verdict ("" when the packet passes it, or
-	// never meets it).
+	// FilterHook is the filter chain where the walk ended: INPUT, FORWARD
+	// or OUTPUT.
+	FilterHook string `json:"filterHook,omitempty"`
+	// Guard is the walk through our filter chains: the proxy-port guard
+	// and the source-range drops.
+	Guard []Step `json:"filter,omitempty"`
+	// Filter is their verdict: DROP, RETURN (an exception of the guard let
+	// it through), or "" (no rule of ours stopped it).
 	Filter Verdict `json:"filterVerdict"`
 	// Walked is the number of rules of ours in nat the packet was tested
 	// against: what it costs, growing with log16 of the Service count.
@@ -108,19 +113,53 @@ func Trace(in TraceInput, p Packet) TraceResult {
 		}
 	}
 	res.Nat, res.NAT, res.Walked = t.nat, v, t.walked
-	delivered := v.Target == "REDIRECT" || v.Target == "DNAT" || p.DstLocal
-	if delivered && in.Features.Conntrack {
-		// The guard sees the first packet of every connection to the node;
-		// a redirected one carries the conntrack state DNAT.
-		dnat := v.Target != ""
+	// Then the filter table: OUTPUT for the node's own packets, INPUT for
+	// what is delivered to the node (redirected, or to its own address),
+	// FORWARD for what is routed on. A redirected packet carries the
+	// conntrack state DNAT.
+	redirected := v.Target == "REDIRECT" || v.Target == "DNAT"
+	if redirected {
+		// The filter table sees the rewritten destination: the proxy port
+		// on the node (REDIRECT: the address it arrived on, which is no
+		// Service address) or DNAT's.
+		t.p.Dst, t.p.DstLocal = netip.Addr{}, true
+		if a, err := netip.ParseAddr(v.ToAddr); err == nil {
+			t.p.Dst = a
+		}
+		t.p.Port, _ = strconv.Atoi(v.ToPort) // a placeholder: 0
+	}
+	var hooks []string
+	if p.FromNode {
+		hooks = append(hooks, "OUTPUT")
+	}
+	if redirected || p.DstLocal {
+		hooks = append(hooks, "INPUT")
+	} else if !p.FromNode {
+		hooks = append(hooks, "FORWARD")
+	}
+	for _, hook := range hooks {
+		res.FilterHook = hook
 		for _, j := range jumps(in.Features) {
-			if j.table == "filter" {
-				t.guard = append(t.guard, Step{Table: "filter", Chain: j.chain, Rule: j.text()[len(j.chain)+1:]})
+			if j.table != "filter" || j.chain != hook {
+				continue
+			}
+			if ok, _ := t.matches(j.rule, redirected); !ok {
+				continue
+			}
+			t.guard = append(t.guard, Step{Table: "filter", Chain: hook, Rule: j.text()[len(j.chain)+1:]})
+			fv := t.walk("filter", target(j.rule), redirected, &t.guard, 0)
+			if fv.Target == "RETURN" {
+				res.Filter = fv // an exception of the guard: on to the next jump
+				continue
+			}
+			if fv.Target != "" {
+				res.Filter = fv
+				res.Guard = t.guard
+				return res
 			}
 		}
-		res.Filter = t.walk("filter", ChainGuard, dnat, &t.guard, 0)
-		res.Guard = t.guard
 	}
+	res.Guard = t.guard
 	return res
 }
 

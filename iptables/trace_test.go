@@ -34,7 +34,7 @@ func TestTraceDevpaasy(t *testing.T) {
 		{"NodePort over UDP: no such Service", Packet{Src: ext, Dst: node, Port: 31341, Protocol: "udp", DstLocal: true},
 			"PREROUTING", "", "", "", true},
 		{"the ClusterIP's other port", Packet{Src: pod, Dst: netip.MustParseAddr("10.0.0.41"), Port: 8081, Protocol: "tcp"},
-			"PREROUTING", "", "", "", false},
+			"PREROUTING", "", "", "", true},
 		{"a proxy port reached directly from outside", Packet{Src: ext, Dst: node, Port: 45123, Protocol: "tcp", DstLocal: true},
 			"PREROUTING", "", "", "DROP", true},
 		{"a proxy port from the node itself", Packet{Src: node, Dst: node, Port: 45123, Protocol: "tcp", DstLocal: true, FromNode: true},

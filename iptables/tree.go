@@ -92,6 +92,13 @@ func portalTree(family int) treeSpec {
 	}}
 }
 
+// rangeTree is the portal tree's shape for the source-range drops (filter).
+func rangeTree(family int) treeSpec {
+	s := portalTree(family)
+	s.chainPrefix = chainRangeTree
+	return s
+}
+
 func nodePortTree(proto string) treeSpec {
 	return treeSpec{bits: 16, chainPrefix: chainNodePortTree + strings.ToUpper(proto) + "-", match: func(k treeKey, plen int) string {
 		lo := int(binary.BigEndian.Uint16(k[:2])) &^ (1<<(16-plen) - 1)

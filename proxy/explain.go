@@ -5,6 +5,7 @@ package proxy
 // Trace; the command glues the two.
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 
@@ -88,7 +89,14 @@ type Explanation struct {
 	// Cluster, or Local (only endpoints on this node).
 	TrafficPolicy string `json:"trafficPolicy"`
 	Node          string `json:"node,omitempty"`
-	Scheduler     string `json:"scheduler"`
+	Zone          string `json:"zone,omitempty"`
+	// Topology is the hints that narrow the endpoints: PreferSameNode
+	// (hints.forNodes), PreferSameZone (hints.forZones) or "" (none used:
+	// traffic policy Local, no trafficDistribution, or hints that do not
+	// cover every endpoint or name no endpoint for this node).
+	Topology            string `json:"topology,omitempty"`
+	TrafficDistribution string `json:"trafficDistribution,omitempty"`
+	Scheduler           string `json:"scheduler"`
 	// AffinityTimeout is ClientIP affinity's timeout ("" without).
 	AffinityTimeout string              `json:"affinityTimeout,omitempty"`
 	Endpoints       []ExplainedEndpoint `json:"endpoints"`
@@ -103,22 +111,25 @@ type Explanation struct {
 // from client. as is Match's answer. Without a live listener (offline, or
 // one that failed) it explains with a new balancer, as the listener would
 // start.
-func (p *Proxier) Explain(fe Frontend, as string, client netip.Addr, node string) Explanation {
+func (p *Proxier) Explain(fe Frontend, as string, client netip.Addr) Explanation {
 	var bal Balancer
 	live := false
 	if l := p.liveFrontend(fe); l != nil {
 		bal, live = l.bal, true
 	}
-	return explain(fe, as, client, node, bal, live)
+	p.viewMu.Lock()
+	node, zone := p.viewNode, p.viewZone
+	p.viewMu.Unlock()
+	return explain(fe, as, client, node, zone, bal, live)
 }
 
 // ExplainPlanned explains a frontend of Plan: no listener, a balancer as a
 // new listener would start it.
-func ExplainPlanned(fe Frontend, as string, client netip.Addr, node string) Explanation {
-	return explain(fe, as, client, node, nil, false)
+func ExplainPlanned(fe Frontend, as string, client netip.Addr, node, zone string) Explanation {
+	return explain(fe, as, client, node, zone, nil, false)
 }
 
-func explain(fe Frontend, as string, client netip.Addr, node string, bal Balancer, live bool) Explanation {
+func explain(fe Frontend, as string, client netip.Addr, node, zone string, bal Balancer, live bool) Explanation {
 	sp := fe.Service
 	local := fe.key().localOnly(sp)
 	if as == AsClusterIP {
@@ -126,7 +137,11 @@ func explain(fe Frontend, as string, client netip.Addr, node string, bal Balance
 	} else if as != "" {
 		local = sp.ExternalLocal
 	}
-	usable := config.UsableEndpoints(sp.Endpoints, fe.Family, local, node)
+	usable := config.UsableEndpoints(sp.Endpoints, fe.Family, local, node, zone)
+	mode := config.TopologyNone
+	if !local {
+		mode = config.TopologyMode(sp.Endpoints, fe.Family, node, zone)
+	}
 	if bal == nil {
 		nb := NewBalancer(sp.Scheduler)
 		nb.Update(usable, sp.AffinityTimeout, OutlierConfig{}, sp.Scheduler)
@@ -134,7 +149,8 @@ func explain(fe Frontend, as string, client netip.Addr, node string, bal Balance
 	}
 	x := Explanation{Service: sp.Name.String(), Protocol: fe.Protocol, Family: fe.Family, Kind: fe.Kind, As: as,
 		Port: sp.Port, NodePort: sp.NodePort, OnNodePort: fe.Err == nil && fe.OnNodePort() && live,
-		TrafficPolicy: "Cluster", Node: node, Scheduler: bal.Scheduler(), Live: live}
+		TrafficPolicy: "Cluster", Node: node, Zone: zone, Topology: mode, TrafficDistribution: sp.TrafficDistribution,
+		Scheduler: bal.Scheduler(), Live: live}
 	if x.Scheduler == "" {
 		x.Scheduler = SchedRoundRobin
 	}
@@ -165,6 +181,9 @@ func explain(fe Frontend, as string, client netip.Addr, node string, bal Balance
 		e := ExplainedEndpoint{Address: ep.Addr, Ready: ep.Ready, Serving: ep.Serving, Terminating: ep.Terminating, Node: ep.NodeName}
 		e.Selected = slices.Contains(usable, ep.Addr)
 		e.Why = endpointWhy(ep, e.Selected, local, node, anyReady)
+		if !config.InTopology(ep, mode, node, zone) {
+			e.Why = fmt.Sprintf("topology %s: hinted for zones %q, nodes %q, not this node (%s, zone %q)", mode, ep.ZoneHints, ep.NodeHints, node, zone)
+		}
 		if h, ok := health[ep.Addr]; ok && e.Selected && live {
 			h := h
 			e.Health = &h

@@ -91,7 +91,7 @@ func TestExplainEndpointSelection(t *testing.T) {
 	if _, _, ok := Match(fes, netip.MustParseAddrPort("10.96.0.10:80"), config.UDP, false); ok {
 		t.Fatal("UDP matched a TCP port")
 	}
-	x := ExplainPlanned(internal, AsClusterIP, clientA, "a")
+	x := ExplainPlanned(internal, AsClusterIP, clientA, "a", "")
 	if x.TrafficPolicy != "Cluster" || !x.Endpoints[0].Selected || !x.Endpoints[1].Selected || x.Endpoints[2].Selected || x.Endpoints[3].Selected {
 		t.Fatalf("internal: %+v", x.Endpoints)
 	}
@@ -101,7 +101,7 @@ func TestExplainEndpointSelection(t *testing.T) {
 	if x.Next.Endpoint != nil || len(x.Next.Candidates) != 2 {
 		t.Fatalf("offline round-robin with two endpoints predicted %+v; want the two candidates", x.Next)
 	}
-	x = ExplainPlanned(external, AsNodePort, clientA, "a")
+	x = ExplainPlanned(external, AsNodePort, clientA, "a", "")
 	if x.TrafficPolicy != "Local" || !x.Endpoints[0].Selected || x.Endpoints[1].Selected ||
 		x.Endpoints[1].Why != "traffic policy Local, and the endpoint is on node b" {
 		t.Fatalf("external: %+v", x.Endpoints)

@@ -23,6 +23,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
 // Config holds the Proxier's settings; the zero value of every field is a
@@ -60,6 +61,9 @@ type Config struct {
 
 	// Rules programs the kernel redirects; nil means none (listeners only).
 	Rules Rules
+	// ServiceHealth serves the Services' health check node ports
+	// (healthcheck.Server); nil serves none.
+	ServiceHealth interface{ Sync([]healthcheck.Service) }
 
 	Log     logrus.FieldLogger // logrus.StandardLogger() when nil
 	ConnLog logrus.FieldLogger // per-connection lines; Log when nil
@@ -150,7 +154,9 @@ type Proxier struct {
 	lastErr     error         // of the last sync
 	// healthListenFailures is listenFailures as of the last sync.
 	healthListenFailures int
-	kick                 chan struct{} // capacity 1: merges bursts
+	// nodeDeleting is the State's NodeDeleting as of the last sync.
+	nodeDeleting bool
+	kick         chan struct{} // capacity 1: merges bursts
 
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
@@ -163,10 +169,18 @@ type Proxier struct {
 	// point at (the rule sync after their closing failed); their ports go
 	// back to the allocator after the next successful one.
 	unreleased []*frontend
+	// zone is the node's zone the balancers' endpoints were chosen for: a
+	// new zone chooses again for every port.
+	zone string
+	// healthChecks is what ServiceHealth was last given.
+	healthChecks []healthcheck.Service
 
 	viewMu sync.Mutex // guards view and sorted, the frontends as last synced, for readers
 	view   []Frontend // also handed to Rules.Sync: never reordered
 	sorted []Frontend // a sorted copy of view, made on first read
+	// viewNode and viewZone are the node's name and zone the view's
+	// endpoints were chosen for (explain).
+	viewNode, viewZone string
 	// liveMu orders the sync goroutine's writes to frontends before the
 	// reads of other goroutines (debug views of live listeners).
 	liveMu sync.RWMutex
@@ -283,6 +297,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		p.mu.Lock()
 		p.lastErr = err
 		p.healthListenFailures = p.listenFailures
+		p.nodeDeleting = current.NodeDeleting
 		if err == nil {
 			p.lastUpdated = end
 		}
@@ -374,6 +389,8 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		}
 	}
 	kept := len(p.frontends)
+	rezone := st.Zone != p.zone
+	p.zone = st.Zone
 	view := make([]Frontend, 0, max(len(p.frontends), len(st.Ports))+8)
 	// Ports with a NodePort first, the oldest Service first: of two that
 	// claim the same NodePort, the same one wins at every start.
@@ -386,14 +403,15 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	sort.Slice(claims, func(i, j int) bool { return claimsFirst(claims[i], claims[j]) })
 	for _, sp := range claims {
 		keys = frontendKeys(keys[:0], sp.Name, sp)
-		view = p.serve(view, st, sp, keys, retaken)
+		view = p.serve(view, st, sp, keys, retaken, rezone)
 	}
 	for name, sp := range st.Ports {
 		if sp.NodePort == 0 {
 			keys = frontendKeys(keys[:0], name, sp)
-			view = p.serve(view, st, sp, keys, retaken)
+			view = p.serve(view, st, sp, keys, retaken, rezone)
 		}
 	}
+	p.syncHealthChecks(st)
 	p.failing, p.listenFailures = 0, 0
 	for _, fe := range view {
 		if fe.Err != nil {
@@ -411,6 +429,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	}
 	p.viewMu.Lock()
 	p.view, p.sorted = view, nil // sorted when first read: sorting 10k costs ms
+	p.viewNode, p.viewZone = st.Node, st.Zone
 	p.viewMu.Unlock()
 
 	var err error
@@ -480,7 +499,7 @@ const bulkSync = 1000
 
 // serve makes sure a frontend serves sp for each of keys (opening the ones
 // missing) and appends them to view.
-func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey, retaken map[frontendKey]*frontend) []Frontend {
+func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey, retaken map[frontendKey]*frontend, rezone bool) []Frontend {
 	log := p.cfg.log()
 	for _, key := range keys {
 		fe := p.frontends[key]
@@ -506,7 +525,7 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 			p.frontends[key] = fe
 			p.liveMu.Unlock()
 		}
-		if opened || fe.spec != sp {
+		if opened || fe.spec != sp || rezone {
 			// Sources reuse an unchanged port's pointer: only changed
 			// ports cost anything here.
 			prev := fe.spec
@@ -516,12 +535,50 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 			warnAnnotations(fe.log, prev, sp)
 			fe.spec = sp
 			fe.proxyProto.Store(sp.ProxyProtocol)
-			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node), sp.AffinityTimeout, p.outlierFor(sp), sp.Scheduler)
+			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone), sp.AffinityTimeout, p.outlierFor(sp), sp.Scheduler)
 		}
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr})
 	}
 	return view
+}
+
+// syncHealthChecks gives ServiceHealth every Service with a health check
+// node port and its ready endpoints on this node (counted once across the
+// Service's ports and families), when that changed.
+func (p *Proxier) syncHealthChecks(st *config.State) {
+	if p.cfg.ServiceHealth == nil {
+		return
+	}
+	type svcKey struct{ ns, name string }
+	byService := map[svcKey]*healthcheck.Service{}
+	local := map[svcKey]map[netip.Addr]bool{}
+	for _, sp := range st.Ports {
+		if sp.HealthCheckNodePort == 0 {
+			continue
+		}
+		k := svcKey{sp.Name.Namespace, sp.Name.Name}
+		if byService[k] == nil {
+			byService[k] = &healthcheck.Service{Namespace: k.ns, Name: k.name, Port: sp.HealthCheckNodePort}
+			local[k] = map[netip.Addr]bool{}
+		}
+		for _, ep := range sp.Endpoints {
+			if ep.Ready && ep.NodeName == st.Node {
+				local[k][ep.Addr.Addr()] = true
+			}
+		}
+	}
+	out := make([]healthcheck.Service, 0, len(byService))
+	for k, svc := range byService {
+		svc.LocalEndpoints = len(local[k])
+		out = append(out, *svc)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Port < out[j].Port })
+	if p.healthChecks != nil && slices.Equal(out, p.healthChecks) {
+		return
+	}
+	p.healthChecks = out
+	p.cfg.ServiceHealth.Sync(out)
 }
 
 // shutdown stops accepting — the rules still point at the closed ports, so a
@@ -561,6 +618,9 @@ type Health struct {
 	// OutOfFiles: a system call failed for want of descriptors less than
 	// 10 s ago (accept, dial, a flow's socket, a listener).
 	OutOfFiles bool
+	// NodeDeleting: the node is being deleted or tainted for removal by
+	// the cluster autoscaler (config.NodeState): /healthz fails, /livez not.
+	NodeDeleting bool
 }
 
 // Health returns the sync state for health checks.
@@ -568,7 +628,7 @@ func (p *Proxier) Health() Health {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures,
-		OutOfFiles: p.budget.exhaustedWithin(10 * time.Second)}
+		OutOfFiles: p.budget.exhaustedWithin(10 * time.Second), NodeDeleting: p.nodeDeleting}
 }
 
 // countChanges counts service ports added, removed or changed in their

@@ -148,7 +148,11 @@ func (e *explainer) explain(q explainQuery) explainAnswer {
 		}
 		switch tr.Filter.Target {
 		case "DROP":
-			ans.Delivery += "; then the guard DROPS it: a proxy port reached directly, not through a Service address"
+			if last := tr.Guard[len(tr.Guard)-1]; last.Chain == iptables.ChainGuard {
+				ans.Delivery += "; then the guard DROPS it in filter " + tr.FilterHook + ": a proxy port reached directly, not through a Service address"
+			} else {
+				ans.Delivery += "; then filter " + tr.FilterHook + " DROPS it: the client is outside the Service's loadBalancerSourceRanges"
+			}
 			haveFE = false
 		case "RETURN":
 			ans.Notes = append(ans.Notes, "the guard lets it through: a listener on its NodePort inside the proxy port range")
@@ -218,6 +222,12 @@ func writeExplainText(w io.Writer, a explainAnswer) {
 			policy += fmt.Sprintf(" (only endpoints on node %q)", x.Node)
 		}
 		say("It dials one endpoint of the Service port: %s, scheduler %s.", policy, x.Scheduler)
+		switch {
+		case x.Topology != "":
+			say("Topology: the endpoints' hints are used (%s): only those hinted for this node (%s, zone %q) are picked.", x.Topology, x.Node, x.Zone)
+		case x.TrafficDistribution != "" && x.TrafficPolicy == "Cluster":
+			say("Topology: trafficDistribution %s, but the hints are not used (not every endpoint has them, or none is for this node's zone %q): every endpoint counts.", x.TrafficDistribution, x.Zone)
+		}
 		for _, e := range x.Endpoints {
 			state := "not selected"
 			if e.Selected {
@@ -340,7 +350,7 @@ func (d *debugServer) explainHTTP(w http.ResponseWriter, r *http.Request) {
 func (d *debugServer) explainer() *explainer {
 	e := &explainer{node: d.node, frontends: d.p.Frontends(),
 		service: func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation {
-			return d.p.Explain(fe, as, client, d.node)
+			return d.p.Explain(fe, as, client)
 		},
 		rules: func(int) (iptables.TraceInput, bool, error) { return iptables.TraceInput{}, false, nil },
 	}
@@ -444,7 +454,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		return iptables.TraceInput{Rules: iptables.Render(e.frontends, ro), Features: features}, true, nil
 	}
 	e.service = func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation {
-		return proxy.ExplainPlanned(fe, as, client, e.node)
+		return proxy.ExplainPlanned(fe, as, client, e.node, st.Zone)
 	}
 	ans := e.explain(q)
 	if output == "json" {

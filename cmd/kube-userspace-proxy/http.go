@@ -23,15 +23,28 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
-// healthHandler serves /healthz and /livez with kube-proxy's JSON body.
-// Unhealthy (503) when a queued change has waited longer than 2 × the sync
-// period or the last sync failed.
-func healthHandler(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
+// proxyHealthy is the proxy's own health: no queued change has waited
+// longer than 2 × the sync period, the last sync succeeded, every listener
+// is open and descriptors did not run out lately.
+func proxyHealthy(h proxy.Health, syncPeriod time.Duration, now time.Time) bool {
+	return h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod) && h.ListenFailures == 0 && !h.OutOfFiles
+}
+
+// healthHandler serves /healthz (node: true) and /livez with kube-proxy's
+// JSON body. Both fail (503) when the proxy is unhealthy; /healthz also
+// while the node is being deleted or tainted for removal, so that load
+// balancers stop sending to it before it goes (kube-proxy's nodeEligible).
+func healthHandler(p *proxy.Proxier, syncPeriod time.Duration, node bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		h := p.Health()
 		now := time.Now()
-		healthy := h.LastErr == nil && (h.QueuedAt.IsZero() || now.Sub(h.QueuedAt) <= 2*syncPeriod) && h.ListenFailures == 0 && !h.OutOfFiles
-		body := map[string]any{"lastUpdated": h.LastUpdated, "currentTime": now, "healthy": healthy}
+		healthy := proxyHealthy(h, syncPeriod, now)
+		body := map[string]any{"lastUpdated": h.LastUpdated, "currentTime": now}
+		if node {
+			body["nodeEligible"] = !h.NodeDeleting
+			healthy = healthy && !h.NodeDeleting
+		}
+		body["healthy"] = healthy
 		if h.LastErr != nil {
 			body["lastError"] = h.LastErr.Error()
 		}

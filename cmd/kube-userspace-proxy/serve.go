@@ -23,6 +23,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
 // serve runs the daemon until ctx ends.
@@ -114,8 +115,13 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 				v1.EventTypeWarning, reason, message)
 		}
 	}
+	hc := &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
+	if len(o.nodePortCIDRs) > 0 {
+		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
+	}
 	p := proxy.New(proxy.Config{
 		Events:              events,
+		ServiceHealth:       hc,
 		Rules:               rules,
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
 		BindAddress:         o.bindAddress,
@@ -130,6 +136,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		ConnLog:             log.WithField("component", "conn"),
 		ConnLogMode:         proxy.ConnLogMode(o.connLog),
 	})
+	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()
 	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), log.WithField("component", "healthz"))
@@ -158,11 +165,13 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err != nil {
 		stopProxier()
 		<-proxierDone
+		hc.Close()
 		return err
 	}
 	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}).Info("Started")
 
 	<-proxierDone // after ctx ends and connections drained
+	hc.Close()    // the sync goroutine fed it: after that is done
 	stopSource()
 	<-watching
 	log.Info("Stopped")
@@ -215,9 +224,8 @@ func showRules(o *options, node string, w io.Writer) error {
 
 func healthMux(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 	mux := http.NewServeMux()
-	h := healthHandler(p, syncPeriod)
-	mux.Handle("/healthz", h)
-	mux.Handle("/livez", h)
+	mux.Handle("/healthz", healthHandler(p, syncPeriod, true))
+	mux.Handle("/livez", healthHandler(p, syncPeriod, false))
 	return mux
 }
 
