@@ -108,7 +108,11 @@ type Options struct {
 	// Netns runs every process inside this network namespace (ip netns
 	// exec); empty runs them here.
 	Netns string
-	// Host is the loopback address to serve on; ports are picked free.
+	// ListenAll makes the API server listen on every address of its
+	// namespace, not only loopback: daemons of other lab nodes reach it.
+	ListenAll bool
+	// Log receives the processes' output (ports are picked free on
+	// loopback).
 	Log io.Writer
 }
 
@@ -170,9 +174,13 @@ func Start(ctx context.Context, o Options) (*ControlPlane, error) {
 	if err != nil {
 		return nil, err
 	}
+	bind := "127.0.0.1"
+	if o.ListenAll {
+		bind = "0.0.0.0"
+	}
 	cp.apiArgs = []string{"--etcd-servers", etcdURL, "--service-cluster-ip-range", "10.96.0.0/16",
 		"--cert-dir", filepath.Join(o.Dir, "certs"), "--secure-port", fmt.Sprint(ports[2]),
-		"--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+		"--bind-address", bind, "--advertise-address", "127.0.0.1",
 		"--endpoint-reconciler-type", "none", "--token-auth-file", tokens, "--authorization-mode", "RBAC",
 		"--service-account-issuer", "https://kubernetes.default.svc",
 		"--service-account-key-file", keyFile, "--service-account-signing-key-file", keyFile}

@@ -36,9 +36,20 @@ type clusterLab struct {
 	admin  *kubernetes.Clientset
 	daemon *Proc
 	ctx    context.Context
+	token  string // the shipped ServiceAccount's, for more daemons
 }
 
-func newClusterLab(t *testing.T) *clusterLab {
+// clusterLabOptions vary the lab: listenAll serves the API server on the
+// node's addresses (for the daemons of other nodes), daemonArgs are added
+// to the daemon's command line.
+type clusterLabOptions struct {
+	listenAll  bool
+	daemonArgs []string
+}
+
+func newClusterLab(t *testing.T) *clusterLab { return startClusterLab(t, clusterLabOptions{}) }
+
+func startClusterLab(t *testing.T, o clusterLabOptions) *clusterLab {
 	t.Helper()
 	requireRoot(t)
 	bins, err := cluster.BinDir(repoRoot, testWriter{t})
@@ -47,7 +58,7 @@ func newClusterLab(t *testing.T) *clusterLab {
 	}
 	l := NewLab(t)
 	ctx := context.Background()
-	cp, err := cluster.Start(ctx, cluster.Options{BinDir: bins, Dir: t.TempDir(), Netns: l.NS("node")})
+	cp, err := cluster.Start(ctx, cluster.Options{BinDir: bins, Dir: t.TempDir(), Netns: l.NS("node"), ListenAll: o.listenAll})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +89,8 @@ func newClusterLab(t *testing.T) *clusterLab {
 	}
 	l.Backends()
 	l.Start("client", filepath.Join(binDir, "backend"), "--name", "pod3", "--tcp", ":8080", "--udp", "")
-	cl.daemon = l.Daemon("--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms")
+	cl.token = tr.Status.Token
+	cl.daemon = l.Daemon(append([]string{"--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms"}, o.daemonArgs...)...)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("daemon log:\n%s", cl.daemon.Output())

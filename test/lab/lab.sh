@@ -59,15 +59,33 @@ lab_up() {
   set +e
 }
 
+# lab_node2: a second node, 10.251.19.40 (fd00:251::40) on the pods' bridge,
+# for tests of what differs per node (traffic policies, health check node
+# ports, topology). Its daemon reaches the API server at 10.251.19.1.
+lab_node2() {
+  set -e
+  ip netns add "$LAB-node2"
+  ip link add "$LAB-v9" type veth peer name eth0 netns "$LAB-node2"
+  ip link set "$LAB-v9" netns "$LAB-node"
+  ip netns exec "$LAB-node" ip link set "$LAB-v9" master br0 up
+  ip netns exec "$LAB-node2" ip link set lo up
+  ip netns exec "$LAB-node2" ip addr add 10.251.19.40/24 dev eth0
+  ip netns exec "$LAB-node2" ip addr add fd00:251::40/64 dev eth0 nodad
+  ip netns exec "$LAB-node2" ip link set eth0 up
+  ip netns exec "$LAB-node2" ip route add default via 10.251.19.1
+  ip netns exec "$LAB-node2" ip -6 route add default via fd00:251::1
+  set +e
+}
+
 lab_down() {
   local ns pid
-  for ns in node pod1 pod2 client ext; do
+  for ns in node node2 pod1 pod2 client ext; do
     if ip netns list | grep -qw "$LAB-$ns"; then
       for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill "$pid" 2>/dev/null; done
     fi
   done
   sleep 0.2
-  for ns in node pod1 pod2 client ext; do
+  for ns in node node2 pod1 pod2 client ext; do
     if ip netns list | grep -qw "$LAB-$ns"; then
       for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
       ip netns del "$LAB-$ns" 2>/dev/null
