@@ -62,9 +62,9 @@ type Verdict struct {
 // delivered to the node, the filter guard.
 type TraceResult struct {
 	// Hook is the built-in chain the packet enters by: PREROUTING or OUTPUT.
-	Hook  string  `json:"hook"`
-	Nat   []Step  `json:"nat"`
-	NAT   Verdict `json:"natVerdict"`
+	Hook string  `json:"hook"`
+	Nat  []Step  `json:"nat"`
+	NAT  Verdict `json:"natVerdict"`
 	// FilterHook is the filter chain where the walk ended: INPUT, FORWARD
 	// or OUTPUT.
 	FilterHook string `json:"filterHook,omitempty"`
