@@ -181,7 +181,9 @@ func Start(ctx context.Context, o Options) (*ControlPlane, error) {
 	cp.apiArgs = []string{"--etcd-servers", etcdURL, "--service-cluster-ip-range", "10.96.0.0/16",
 		"--cert-dir", filepath.Join(o.Dir, "certs"), "--secure-port", fmt.Sprint(ports[2]),
 		"--bind-address", bind, "--advertise-address", "127.0.0.1",
-		"--endpoint-reconciler-type", "none", "--token-auth-file", tokens, "--authorization-mode", "RBAC",
+		"--endpoint-reconciler-type", "none",
+		// As kubeadm's: kube-proxy's DaemonSet, and ours, run privileged.
+		"--allow-privileged=true", "--token-auth-file", tokens, "--authorization-mode", "RBAC",
 		"--service-account-issuer", "https://kubernetes.default.svc",
 		"--service-account-key-file", keyFile, "--service-account-signing-key-file", keyFile}
 	if err := cp.StartAPIServer(ctx); err != nil {

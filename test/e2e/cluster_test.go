@@ -83,13 +83,10 @@ func startClusterLab(t *testing.T, o clusterLabOptions) *clusterLab {
 	if err != nil {
 		t.Fatal(err)
 	}
-	kc := filepath.Join(t.TempDir(), "sa.kubeconfig")
-	if err := cluster.WriteKubeconfig(kc, cp.URL, tr.Status.Token); err != nil {
-		t.Fatal(err)
-	}
+	cl.token = tr.Status.Token
+	kc := cl.deployKubeconfig(t, cp.URL)
 	l.Backends()
 	l.Start("client", filepath.Join(binDir, "backend"), "--name", "pod3", "--tcp", ":8080", "--udp", "")
-	cl.token = tr.Status.Token
 	cl.daemon = l.Daemon(append([]string{"--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms"}, o.daemonArgs...)...)
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -98,6 +95,40 @@ func startClusterLab(t *testing.T, o clusterLabOptions) *clusterLab {
 	})
 	waitFor(t, "the daemon to sync its caches", func() bool { return strings.Contains(cl.daemon.Output(), "msg=Started") })
 	return cl
+}
+
+// deployKubeconfig writes the kubeconfig of docs/deploy's ConfigMap, as the
+// cluster holds it, for a daemon reaching the API server at server: the
+// placeholder address filled in as the docs say, the service account's
+// token file, and (the lab's API server has a throwaway certificate) TLS
+// verification off instead of the pod's CA file.
+func (cl *clusterLab) deployKubeconfig(t *testing.T, server string) string {
+	t.Helper()
+	cm, err := cl.admin.CoreV1().ConfigMaps("kube-system").Get(cl.ctx, "kube-userspace-proxy", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kc := cm.Data["kubeconfig.conf"]
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	if err := os.WriteFile(tokenFile, []byte(cl.token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for old, repl := range map[string]string{
+		"https://CONTROL_PLANE_ENDPOINT:6443":                                         server,
+		"certificate-authority: /var/run/secrets/kubernetes.io/serviceaccount/ca.crt": "insecure-skip-tls-verify: true",
+		"tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token":              "tokenFile: " + tokenFile,
+	} {
+		if !strings.Contains(kc, old) {
+			t.Fatalf("docs/deploy's kubeconfig has no %q:\n%s", old, kc)
+		}
+		kc = strings.ReplaceAll(kc, old, repl)
+	}
+	path := filepath.Join(dir, "kubeconfig.conf")
+	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 type testWriter struct{ t *testing.T }
@@ -136,6 +167,8 @@ func (cl *clusterLab) applyDeployManifests(t *testing.T) {
 				_, err = cl.admin.RbacV1().ClusterRoles().Create(cl.ctx, o, metav1.CreateOptions{})
 			case *rbacv1.ClusterRoleBinding:
 				_, err = cl.admin.RbacV1().ClusterRoleBindings().Create(cl.ctx, o, metav1.CreateOptions{})
+			case *v1.ConfigMap:
+				_, err = cl.admin.CoreV1().ConfigMaps(o.Namespace).Create(cl.ctx, o, metav1.CreateOptions{})
 			case *appsv1.DaemonSet:
 				_, err = cl.admin.AppsV1().DaemonSets(o.Namespace).Create(cl.ctx, o, dry)
 			default:

@@ -12,8 +12,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // healthAnswer is a health check node port's body, as kube-proxy writes it.
@@ -40,10 +38,7 @@ func TestTwoNodes(t *testing.T) {
 		t.Fatalf("lab_node2: %v\n%s", err, out)
 	}
 	apiPort := cl.cp.URL[strings.LastIndex(cl.cp.URL, ":")+1:]
-	kcB := filepath.Join(t.TempDir(), "node-b.kubeconfig")
-	if err := cluster.WriteKubeconfig(kcB, "https://10.251.19.1:"+apiPort, cl.token); err != nil {
-		t.Fatal(err)
-	}
+	kcB := cl.deployKubeconfig(t, "https://10.251.19.1:"+apiPort)
 	daemonB := cl.Start("node2", append([]string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug",
 		"--kubeconfig", kcB, "--hostname-override", "node-b", "--min-sync-period", "100ms"}, args...)...)
 	t.Cleanup(func() {
