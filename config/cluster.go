@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"strings"
 	"sync"
 	"time"
 
@@ -58,8 +60,13 @@ type ClusterSource struct {
 	kick chan struct{} // capacity 1: merges bursts of events into one build
 	back chan struct{} // capacity 1: the API server is back after an outage
 
-	last     *State     // the last State built, for ReuseUnchanged (builder goroutine only)
-	mu       sync.Mutex // guards outage and seenErrs
+	last *State // the last State built (builder goroutine only)
+	// ports names the service ports each Service (namespace/name) had in
+	// last: what a change of the Service replaces (builder goroutine only).
+	ports map[[2]string][]ServicePortName
+
+	mu       sync.Mutex // guards dirty, outage and seenErrs
+	dirty    map[[2]string]bool
 	outage   bool
 	seenErrs map[string]bool
 }
@@ -77,7 +84,7 @@ func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err er
 	if err != nil {
 		return nil, err
 	}
-	c.build(inf)
+	c.buildAll(inf)
 
 	ch := make(chan struct{})
 	healthDone := make(chan struct{})
@@ -104,7 +111,7 @@ func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err er
 				}
 				inf.stop()
 				inf = next
-				c.build(inf)
+				c.buildAll(inf)
 			}
 		}
 	}()
@@ -117,6 +124,8 @@ type informerSet struct {
 	cancel   context.CancelFunc
 	services listersv1.ServiceLister
 	slices   discoverylisters.EndpointSliceLister
+	// byService indexes the slices by their Service's namespace/name.
+	byService cache.Indexer
 	// nodes watches this node's Node object only (a field selector): its
 	// zone for topology hints, and whether it is going away.
 	nodeFactory informers.SharedInformerFactory
@@ -145,16 +154,39 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", c.Node).String()
 		}))
 	nodeInformer := nodeFactory.Core().V1().Nodes()
-	handler := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { c.changed() },
-		UpdateFunc: func(any, any) { c.changed() },
-		DeleteFunc: func(any) { c.changed() },
+	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{indexService: sliceServiceKey}); err != nil {
+		return nil, fmt.Errorf("adding the slice index: %w", err)
 	}
-	for _, inf := range []cache.SharedIndexInformer{svcInformer.Informer(), sliceInformer.Informer(), nodeInformer.Informer()} {
-		if _, err := inf.AddEventHandler(handler); err != nil {
+	handlers := []struct {
+		inf cache.SharedIndexInformer
+		h   cache.ResourceEventHandler
+	}{
+		{svcInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(o any) { c.changed(serviceKey(o)) },
+			UpdateFunc: func(_, o any) { c.changed(serviceKey(o)) },
+			DeleteFunc: func(o any) { c.changed(serviceKey(o)) },
+		}},
+		{sliceInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(o any) { c.changed(sliceKey(o)) },
+			UpdateFunc: func(old, o any) { c.changed(sliceKey(old), sliceKey(o)) },
+			DeleteFunc: func(o any) { c.changed(sliceKey(o)) },
+		}},
+		{nodeInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(any) { c.changed() },
+			UpdateFunc: func(any, any) { c.changed() },
+			DeleteFunc: func(any) { c.changed() },
+		}},
+	}
+	for _, x := range handlers {
+		// Only what the model reads is kept: at 10k Services the
+		// managed fields and foreign annotations were most of the cache.
+		if err := x.inf.SetTransform(slim); err != nil {
+			return nil, fmt.Errorf("setting the cache transform: %w", err)
+		}
+		if _, err := x.inf.AddEventHandler(x.h); err != nil {
 			return nil, fmt.Errorf("adding event handler: %w", err)
 		}
-		if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		if err := x.inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
 			c.watchError(err)
 		}); err != nil {
 			return nil, fmt.Errorf("setting watch error handler: %w", err)
@@ -162,7 +194,7 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	set := &informerSet{factory: factory, cancel: cancel, services: svcInformer.Lister(), slices: sliceInformer.Lister(),
-		nodeFactory: nodeFactory, nodes: nodeInformer.Lister()}
+		byService: sliceInformer.Informer().GetIndexer(), nodeFactory: nodeFactory, nodes: nodeInformer.Lister()}
 	factory.Start(runCtx.Done())
 	nodeFactory.Start(runCtx.Done())
 	for _, f := range []informers.SharedInformerFactory{factory, nodeFactory} {
@@ -176,8 +208,10 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 	return set, nil
 }
 
-// build hands the Sink a State made from the caches.
-func (c *ClusterSource) build(inf *informerSet) {
+// buildAll hands the Sink a State made from the whole caches: at the start
+// and after the informers were restarted.
+func (c *ClusterSource) buildAll(inf *informerSet) {
+	c.takeDirty()
 	services, err := inf.services.List(labels.Everything())
 	if err != nil {
 		c.Log.WithError(err).Error("Listing Services from the cache")
@@ -189,22 +223,157 @@ func (c *ClusterSource) build(inf *informerSet) {
 		return
 	}
 	st := c.buildState(services, slices)
-	if n, err := inf.nodes.Get(c.Node); err == nil {
-		st.Zone, st.NodeDeleting = NodeState(n)
-	} else if c.last == nil {
-		c.Log.WithField("node", c.Node).Warn("No Node object of this name: topology hints and the node's deletion are not seen (set --hostname-override to the node's name)")
+	c.ports = make(map[[2]string][]ServicePortName, len(st.Ports))
+	for name := range st.Ports {
+		key := [2]string{name.Namespace, name.Name}
+		c.ports[key] = append(c.ports[key], name)
 	}
+	c.setNode(inf, st)
 	ReuseUnchanged(st, c.last)
 	c.last = st
 	c.Sink.Update(st)
 }
 
-// changed is every informer event: it only wakes the builder.
-func (c *ClusterSource) changed() {
+// build hands the Sink a State in which only the Services that events named
+// since the last build are converted again, with their slices (found by the
+// index); every other port is the last State's, the same pointer. The work
+// per event is proportional to the event, not to the cluster.
+func (c *ClusterSource) build(inf *informerSet) {
+	if c.last == nil {
+		c.buildAll(inf)
+		return
+	}
+	dirty := c.takeDirty()
+	st := &State{Ports: maps.Clone(c.last.Ports), Node: c.Node}
+	for key := range dirty {
+		for _, name := range c.ports[key] {
+			delete(st.Ports, name)
+		}
+		delete(c.ports, key)
+		svc, err := inf.services.Services(key[0]).Get(key[1])
+		if err != nil {
+			continue // gone, or never proxied: its ports go with it
+		}
+		b := NewBuilder(c.Node)
+		if skip, err := b.AddService(svc); err != nil {
+			c.Log.WithFields(logrus.Fields{"service": key[0] + "/" + key[1]}).WithError(err).Warn("Service not proxied")
+			continue
+		} else if skip != "" {
+			continue
+		}
+		slices, _ := inf.byService.ByIndex(indexService, key[0]+"/"+key[1])
+		for _, o := range slices {
+			es := o.(*discovery.EndpointSlice)
+			if _, err := b.AddSlice(es); err != nil {
+				c.Log.WithFields(logrus.Fields{"endpointSlice": es.Namespace + "/" + es.Name}).WithError(err).Warn("EndpointSlice ignored")
+			}
+		}
+		for name, sp := range b.State().Ports {
+			if old := c.last.Ports[name]; old != nil && old.Equal(sp) {
+				sp = old // unchanged: consumers skip it by its pointer
+			}
+			st.Ports[name] = sp
+			c.ports[key] = append(c.ports[key], name)
+		}
+	}
+	c.setNode(inf, st)
+	c.last = st
+	c.Sink.Update(st)
+}
+
+// setNode sets st's zone and NodeDeleting from this node's Node object.
+func (c *ClusterSource) setNode(inf *informerSet, st *State) {
+	if n, err := inf.nodes.Get(c.Node); err == nil {
+		st.Zone, st.NodeDeleting = NodeState(n)
+	} else if c.last == nil {
+		c.Log.WithField("node", c.Node).Warn("No Node object of this name: topology hints and the node's deletion are not seen (set --hostname-override to the node's name)")
+	}
+}
+
+// changed is every informer event: it records the Services it touches and
+// wakes the builder (no key: this node's Node object changed).
+func (c *ClusterSource) changed(keys ...[2]string) {
+	c.mu.Lock()
+	for _, k := range keys {
+		if k[1] == "" {
+			continue
+		}
+		if c.dirty == nil {
+			c.dirty = map[[2]string]bool{}
+		}
+		c.dirty[k] = true
+	}
+	c.mu.Unlock()
 	select {
 	case c.kick <- struct{}{}:
 	default:
 	}
+}
+
+// takeDirty returns the Services changed since the last call, and forgets them.
+func (c *ClusterSource) takeDirty() map[[2]string]bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	d := c.dirty
+	c.dirty = nil
+	return d
+}
+
+// indexService is the slice index by Service.
+const indexService = "service"
+
+func sliceServiceKey(o any) ([]string, error) {
+	es, ok := o.(*discovery.EndpointSlice)
+	if !ok || es.Labels[LabelServiceName] == "" {
+		return nil, nil
+	}
+	return []string{es.Namespace + "/" + es.Labels[LabelServiceName]}, nil
+}
+
+// serviceKey and sliceKey name the Service an event is about (a deleted
+// object may come as a tombstone).
+func serviceKey(o any) [2]string {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	if svc, ok := o.(*v1.Service); ok {
+		return [2]string{svc.Namespace, svc.Name}
+	}
+	return [2]string{}
+}
+
+func sliceKey(o any) [2]string {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	if es, ok := o.(*discovery.EndpointSlice); ok {
+		return [2]string{es.Namespace, es.Labels[LabelServiceName]}
+	}
+	return [2]string{}
+}
+
+// slim drops from an object, before the cache keeps it, what the model never
+// reads: managed fields, annotations other than this proxy's, a Node's status.
+func slim(o any) (any, error) {
+	if m, ok := o.(metav1.Object); ok {
+		m.SetManagedFields(nil)
+		if a := m.GetAnnotations(); len(a) > 0 {
+			var keep map[string]string
+			for k, v := range a {
+				if strings.HasPrefix(k, annotationPrefix) {
+					if keep == nil {
+						keep = map[string]string{}
+					}
+					keep[k] = v
+				}
+			}
+			m.SetAnnotations(keep)
+		}
+	}
+	if n, ok := o.(*v1.Node); ok {
+		n.Status = v1.NodeStatus{}
+	}
+	return o, nil
 }
 
 // buildState converts the cached objects. Invalid objects are logged and

@@ -58,6 +58,9 @@ const AnnotationProxyProtocol = "kube-userspace-proxy.io/proxy-protocol"
 // AnnotationScheduler chooses a Service's scheduler: rr, lc, sh or random.
 const AnnotationScheduler = "kube-userspace-proxy.io/scheduler"
 
+// annotationPrefix is the prefix of every annotation this proxy reads.
+const annotationPrefix = "kube-userspace-proxy.io/"
+
 // ServicePorts converts one Service to its service ports (without endpoints).
 // The caller has already checked SkipReason. An invalid address or port is an
 // error naming the field.
@@ -208,10 +211,11 @@ func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) 
 				}
 			}
 			for ai, a := range ep.Addresses {
-				ip, err := parseAddr(fmt.Sprintf("endpoints[%d].addresses[%d]", ei, ai), a)
+				ip, err := netip.ParseAddr(a) // the field's name is formatted only for an error
 				if err != nil {
-					return nil, err
+					return nil, fmt.Errorf("endpoints[%d].addresses[%d]: %q is not an IP address", ei, ai, a)
 				}
+				ip = ip.Unmap()
 				if (Family(ip) == 4) != (es.AddressType == discovery.AddressTypeIPv4) {
 					return nil, fmt.Errorf("endpoints[%d].addresses[%d]: %s does not match addressType %s", ei, ai, a, es.AddressType)
 				}

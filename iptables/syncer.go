@@ -13,6 +13,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	goipt "github.com/coreos/go-iptables/iptables"
@@ -50,9 +51,13 @@ type Rules struct {
 	log      logrus.FieldLogger
 	families []*family
 
-	mu     sync.Mutex // guards shown and counts, for readers of Installed
+	mu     sync.Mutex // guards shown, counts and writes, for readers of Installed and Check
 	shown  map[int]*Ruleset
 	counts map[string]int
+	// writes counts rule writes in progress and done, per family, as a
+	// sequence lock: odd while Sync writes, so that Check never compares
+	// the kernel with a snapshot older than what it reads there.
+	writes map[int]uint64
 }
 
 var _ proxy.Rules = (*Rules)(nil)
@@ -75,6 +80,9 @@ type family struct {
 	// built); nil means unknown, so the next sync rewrites everything.
 	installed *Ruleset
 	jumpsOK   bool
+	// drifted is set by Check, from another goroutine: the next sync
+	// rewrites everything.
+	drifted atomic.Bool
 	// gen numbers updates of records; a record not marked with the current
 	// one belongs to a frontend that is gone.
 	gen uint64
@@ -110,7 +118,7 @@ func New(cfg Config) (*Rules, error) {
 	if log == nil {
 		log = logrus.StandardLogger()
 	}
-	r := &Rules{cfg: cfg, log: log, shown: map[int]*Ruleset{}, counts: map[string]int{}}
+	r := &Rules{cfg: cfg, log: log, shown: map[int]*Ruleset{}, counts: map[string]int{}, writes: map[int]uint64{}}
 	v4, err := newFamily(4, cfg.RestoreCommand, cfg.SaveCommand, cfg.BasicOnly)
 	if err != nil {
 		return nil, err
@@ -206,8 +214,14 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 	for _, f := range r.families {
 		mine := ofFamily(frontends, f.fam)
 		opts := f.renderOptions(r.cfg.NodePortAddresses, r.cfg.ProxyPorts)
+		r.mu.Lock()
+		r.writes[f.fam]++ // odd: writing
+		r.mu.Unlock()
 		nat, filter, err := f.sync(mine, opts, verify, r.log)
 		if err != nil {
+			r.mu.Lock()
+			r.writes[f.fam]++
+			r.mu.Unlock()
 			errs = multierror.Append(errs, fmt.Errorf("IPv%d: %w", f.fam, err))
 			continue
 		}
@@ -218,6 +232,7 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		ruleCount.WithLabelValues("nat", fmt.Sprint(f.fam)).Set(float64(nat))
 		ruleCount.WithLabelValues("filter", fmt.Sprint(f.fam)).Set(float64(filter))
 		r.mu.Lock()
+		r.writes[f.fam]++ // even: done
 		r.shown[f.fam] = f.installed
 		r.counts[fmt.Sprintf("nat/%d", f.fam)] = nat
 		r.counts[fmt.Sprintf("filter/%d", f.fam)] = filter
@@ -335,6 +350,10 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 	}
 	f.opts = opts
 	var live map[string]map[string]bool
+	if f.drifted.Swap(false) && f.installed != nil {
+		log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
+		f.installed, f.jumpsOK = nil, false
+	}
 	if verify && f.installed != nil {
 		var jumps bool
 		if live, jumps, err = f.live(); err != nil {

@@ -213,7 +213,7 @@ func (fe *frontend) close() {
 // taken in the allocator until release.
 func (fe *frontend) stop() {
 	fe.shut()
-	fe.log.Info("Listener closed")
+	fe.p.lines.closed = append(fe.p.lines.closed, fe)
 }
 
 // discard closes a frontend that never served (a NodePort retake that

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"golang.org/x/time/rate"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
@@ -137,6 +138,14 @@ type Rules interface {
 	Sync(ctx context.Context, frontends []Frontend, verify bool) error
 }
 
+// RuleChecker is implemented by Rules that can compare the kernel's rules
+// with those last written while Syncs go on (iptables.Rules): the proxier
+// then checks every sync period beside its syncs instead of verifying inside
+// one, and syncs when Check finds a drift (which the next Sync repairs).
+type RuleChecker interface {
+	Check(ctx context.Context) (drift bool, err error)
+}
+
 // Proxier turns States into listeners and rules.
 type Proxier struct {
 	cfg     Config
@@ -174,6 +183,8 @@ type Proxier struct {
 	zone string
 	// healthChecks is what ServiceHealth was last given.
 	healthChecks []healthcheck.Service
+	// lines are the listeners opened and closed since the last log of them.
+	lines listenerLines
 
 	viewMu sync.Mutex // guards view and sorted, the frontends as last synced, for readers
 	view   []Frontend // also handed to Rules.Sync: never reordered
@@ -257,6 +268,23 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	reopenIn := max(minPeriod, time.Second)
 	var current *config.State
 	var lastSync time.Time
+	limit := rate.Inf
+	if minPeriod > 0 {
+		limit = rate.Every(minPeriod)
+	}
+	limiter := rate.NewLimiter(limit, syncBurst)
+	// The periodic check of the installed rules runs beside the syncs
+	// (RuleChecker): at 10k service ports reading them back takes a second,
+	// which must not hold up changes. It is the sync goroutine's: one at a
+	// time, waited for at shutdown.
+	checker, _ := p.cfg.Rules.(RuleChecker)
+	checking := false
+	checked := make(chan bool, 1)
+	defer func() {
+		if checking {
+			<-checked
+		}
+	}()
 	for {
 		verify := false
 		select {
@@ -265,18 +293,38 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			return
 		case <-p.kick:
 		case <-ticker.C:
-			verify = true
+			if checker == nil {
+				verify = true
+				break
+			}
+			if !checking {
+				checking = true
+				go func() {
+					drift, err := checker.Check(ctx)
+					if err != nil && ctx.Err() == nil {
+						p.cfg.log().WithError(err).Warn("Checking the installed rules failed")
+					}
+					checked <- drift
+				}()
+			}
+			continue
+		case drift := <-checked:
+			checking = false
+			if !drift {
+				continue
+			}
+			// The rules drifted: the next sync rewrites them.
 		case <-retry.C:
 			verify = true
 		case <-reopen.C:
 		}
-		if wait := minPeriod - time.Since(lastSync); wait > 0 {
-			select {
-			case <-ctx.Done():
-				p.shutdown(grace)
-				return
-			case <-time.After(wait):
-			}
+		// A token bucket, as kube-proxy's BoundedFrequencyRunner: a lone
+		// change, or a Service and then its slice, syncs at once; under
+		// churn syncs come at most once per --min-sync-period on average,
+		// and the changes that arrive meanwhile merge into the next one.
+		if err := limiter.Wait(ctx); err != nil {
+			p.shutdown(grace)
+			return
 		}
 		p.mu.Lock()
 		queuedAt := p.queuedAt
@@ -454,6 +502,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			deleteServiceMetrics(name.String()) // else churn would grow /metrics forever
 		}
 	}
+	p.lines.flush(log)
 	fields := logrus.Fields{"frontends": len(p.frontends), "closed": len(closed), "took": time.Since(start).String()}
 	if opened := len(p.frontends) - kept; opened+len(closed) >= bulkSync {
 		// A bulk sync (a start, a restore of many Services) leaves tens of
@@ -494,6 +543,40 @@ func claimsFirst(a, b *config.ServicePort) bool {
 	return a.Name.String() < b.Name.String()
 }
 
+// listenerLinesMax is how many listeners one sync opens (or closes) with a
+// log line each; beyond, one summary line says how many, and the lines of
+// each go to debug level: a start at 10k service ports wrote 10k lines.
+const listenerLinesMax = 10
+
+// listenerLines collects the listeners a sync opened and closed, for its log.
+type listenerLines struct{ opened, closed []*frontend }
+
+func (l *listenerLines) flush(log logrus.FieldLogger) {
+	for _, x := range []struct {
+		fes []*frontend
+		msg string
+	}{{l.opened, "Listening"}, {l.closed, "Listener closed"}} {
+		if len(x.fes) <= listenerLinesMax {
+			for _, fe := range x.fes {
+				fe.log.Info(x.msg)
+			}
+			continue
+		}
+		for _, fe := range x.fes {
+			fe.log.Debug(x.msg)
+		}
+		log.WithField("listeners", len(x.fes)).Info(x.msg + " (one line per listener at debug level)")
+	}
+	clear(l.opened)
+	clear(l.closed)
+	l.opened, l.closed = l.opened[:0], l.closed[:0]
+}
+
+// syncBurst is how many syncs may follow each other without waiting for
+// --min-sync-period: two, so that a Service and then its EndpointSlice (two
+// events, two States) are both served at once.
+const syncBurst = 2
+
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
 const bulkSync = 1000
 
@@ -520,7 +603,7 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 					}
 				}
 			}
-			fe.log.Info("Listening")
+			p.lines.opened = append(p.lines.opened, fe)
 			p.liveMu.Lock()
 			p.frontends[key] = fe
 			p.liveMu.Unlock()
@@ -597,6 +680,7 @@ func (p *Proxier) shutdown(grace time.Duration) {
 	p.viewMu.Lock()
 	p.view, p.sorted = nil, nil
 	p.viewMu.Unlock()
+	p.lines.flush(p.cfg.log())
 	p.conns.drain(grace)
 	if p.cfg.Rules != nil {
 		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {

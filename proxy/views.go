@@ -152,3 +152,16 @@ func (p *Proxier) Scheduler(fe Frontend) string {
 	}
 	return ""
 }
+
+// Topology returns the hints in use for the frontend fe names (config's
+// TopologyMode; none with traffic policy Local) and the node's zone, as of
+// the last sync.
+func (p *Proxier) Topology(fe Frontend) (mode, zone string) {
+	p.viewMu.Lock()
+	node, zone := p.viewNode, p.viewZone
+	p.viewMu.Unlock()
+	if fe.key().localOnly(fe.Service) {
+		return config.TopologyNone, zone
+	}
+	return config.TopologyMode(fe.Service.Endpoints, fe.Family, node, zone), zone
+}

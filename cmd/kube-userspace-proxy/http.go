@@ -131,7 +131,10 @@ type endpointView struct {
 	Serving     bool   `json:"serving"`
 	Terminating bool   `json:"terminating,omitempty"`
 	Node        string `json:"node,omitempty"`
-	text        string // as the text view shows it
+	// ZoneHints and NodeHints are the EndpointSlice's hints (comma-separated).
+	ZoneHints string `json:"zoneHints,omitempty"`
+	NodeHints string `json:"nodeHints,omitempty"`
+	text      string // as the text view shows it
 }
 
 type serviceView struct {
@@ -153,6 +156,13 @@ type serviceView struct {
 	UDPFlows    *int             `json:"udpFlows,omitempty"`
 	// Scheduler picks among the endpoints: rr, lc, sh or random.
 	Scheduler string `json:"scheduler,omitempty"`
+	// TrafficDistribution is the Service's; Topology the hints in use for
+	// this listener (PreferSameNode, PreferSameZone, or none), for Zone.
+	TrafficDistribution string   `json:"trafficDistribution,omitempty"`
+	Topology            string   `json:"topology,omitempty"`
+	Zone                string   `json:"zone,omitempty"`
+	HealthCheckNodePort int      `json:"healthCheckNodePort,omitempty"`
+	SourceRanges        []string `json:"loadBalancerSourceRanges,omitempty"`
 	// Health is the state of the endpoints this listener picks from:
 	// failures in a row, ejection, drain, connections open.
 	Health []proxy.EndpointHealth `json:"endpointHealth,omitempty"`
@@ -190,11 +200,19 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 			if ep.NodeName != "" {
 				text += " node=" + ep.NodeName
 			}
+			if ep.ZoneHints != "" || ep.NodeHints != "" {
+				text += " hints=" + strings.Trim(ep.ZoneHints+"/"+ep.NodeHints, "/")
+			}
 			v.Endpoints = append(v.Endpoints, endpointView{Address: ep.Addr.String(), Ready: ep.Ready, Serving: ep.Serving,
-				Terminating: ep.Terminating, Node: ep.NodeName, text: text})
+				Terminating: ep.Terminating, Node: ep.NodeName, ZoneHints: ep.ZoneHints, NodeHints: ep.NodeHints, text: text})
 		}
 		if sp.AffinityTimeout > 0 {
 			v.Affinity = sp.AffinityTimeout.String()
+		}
+		v.TrafficDistribution, v.HealthCheckNodePort = sp.TrafficDistribution, sp.HealthCheckNodePort
+		v.Topology, v.Zone = d.p.Topology(fe)
+		for _, r := range sp.SourceRanges {
+			v.SourceRanges = append(v.SourceRanges, r.String())
 		}
 		if fe.Protocol == "UDP" {
 			n, _ := d.p.UDPFlows(fe)
@@ -228,6 +246,19 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(texts, " "))
 		if v.Scheduler != "" {
 			fmt.Fprintf(w, "  scheduler: %s\n", v.Scheduler)
+		}
+		if v.Topology != "" || v.TrafficDistribution != "" {
+			mode := v.Topology
+			if mode == "" {
+				mode = "none used (every endpoint counts)"
+			}
+			fmt.Fprintf(w, "  topology: trafficDistribution %q, hints %s, zone %q\n", v.TrafficDistribution, mode, v.Zone)
+		}
+		if v.HealthCheckNodePort != 0 {
+			fmt.Fprintf(w, "  healthCheckNodePort: %d\n", v.HealthCheckNodePort)
+		}
+		if len(v.SourceRanges) > 0 {
+			fmt.Fprintf(w, "  loadBalancerSourceRanges: %s\n", strings.Join(v.SourceRanges, " "))
 		}
 		for _, h := range v.Health {
 			var notes []string

@@ -594,3 +594,31 @@ func TestProxyPortRangeReserved(t *testing.T) {
 		t.Fatalf("reserved ports after --cleanup: %q", got)
 	}
 }
+
+// loadBalancerSourceRanges over IPv6 (and IPv4 beside it), from manifests:
+// the pods' network is let in, the external client is not; its NodePort is
+// not limited.
+func TestSourceRangesIPv6(t *testing.T) {
+	m := service("ranged", "LoadBalancer", "10.96.0.30,fd00:96::30",
+		"  clusterIPs: [10.96.0.30, \"fd00:96::30\"]\n  ipFamilies: [IPv4, IPv6]\n  loadBalancerSourceRanges: [10.251.19.0/24, \"fd00:251::/64\"]\n",
+		`{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 31350}`) +
+		"status: {loadBalancer: {ingress: [{ip: 203.0.113.30}, {ip: \"fd00:96::31\"}]}}\n" + slices("ranged", `{name: http, port: 8080, protocol: TCP}`, true)
+	l, d, _ := startWeb(t, m)
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", d.Output())
+		}
+	}()
+	reachesBoth(t, l, "client", "http://[fd00:96::31]:80/")
+	reachesBoth(t, l, "client", "http://203.0.113.30:80/")
+	reachesBoth(t, l, "ext", "http://[fd00:50::1]:31350/")
+	for _, url := range []string{"http://[fd00:96::31]:80/", "http://203.0.113.30:80/"} {
+		if out, err := l.Exec("ext", "curl", "-s", "-g", "--max-time", "2", url); err == nil {
+			t.Fatalf("a client outside the ranges reached %s: %q", url, out)
+		}
+	}
+	save := l.MustExec("node", "ip6tables-save", "-t", "filter")
+	if !strings.Contains(save, `-A KUBE-SOURCE-RANGES -d fd00:96::31/128 -p tcp -m comment --comment "lab/ranged:http" -m tcp --dport 80 -j DROP`) {
+		t.Fatalf("no IPv6 drop:\n%s", save)
+	}
+}

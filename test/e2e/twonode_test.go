@@ -158,6 +158,10 @@ func TestTwoNodes(t *testing.T) {
 		if !strings.Contains(body, `"topology": "PreferSameZone"`) || !strings.Contains(body, `"zone": "zone-b"`) {
 			t.Fatalf("node-b's explain:\n%s", body)
 		}
+		if _, text := cl.get("node2", "http://127.0.0.1:10249/debug/services?format=text"); !strings.Contains(text, `topology: trafficDistribution "PreferSameZone", hints PreferSameZone, zone "zone-b"`) ||
+			!strings.Contains(text, "node=node-b hints=zone-b") {
+			t.Fatalf("node-b's /debug/services:\n%s", text)
+		}
 		// Without hints for its zone a node uses every endpoint: pod2
 		// leaves, node-b falls back to pod1.
 		cl.setReady(t, "pod2", "10.251.19.8", false)
