@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-sched bench-tools
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -27,6 +27,7 @@ test: setup-test fmt-check vet build image-check
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
 	BIN=$(BIN) ./test/demo.sh
 	$(MAKE) bench-smoke
+	$(MAKE) bench-cluster-smoke
 
 # Installs what a job lacks on Debian (packages; Go when missing or too old),
 # saying what: test/setup.sh demo|test|bench.
@@ -89,6 +90,18 @@ bench-tax: bench-tools
 # off, in one run (~2 minutes).
 bench-sched: bench-tools
 	BIN=$(BIN) bash test/bench/sched.sh
+
+# N Services × M endpoints (default 10000 × 5) on the real control plane of
+# test/cluster: memory, start → serving, one change's latency, a churn of
+# endpoint changes; writes its table into docs/benchmarks.md (root, ~10 minutes).
+bench-cluster: build
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/clusterbench ./test/bench/clusterbench
+	$(BIN)/clusterbench -bin $(BIN) -n $(or $(N),10000) -m $(or $(M),5) -write docs/benchmarks.md
+
+# The same at 200 Services and a 5 s churn, so that it cannot rot (part of make test).
+bench-cluster-smoke: build
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/clusterbench ./test/bench/clusterbench
+	$(BIN)/clusterbench -bin $(BIN) -n 200 -m 5 -churn 5s -runs 2
 
 # The same harness in under a minute, so that it cannot rot (part of make test).
 bench-smoke: bench-tools
