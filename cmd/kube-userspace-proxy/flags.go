@@ -78,7 +78,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", proxy.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
 	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", proxy.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
 	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", proxy.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
-	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules (bursts are merged).")
+	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules under churn (changes meanwhile merge into one sync); a lone change, or two in a row such as a Service and its EndpointSlice, is synced at once.")
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
 	fs.StringSliceVar(&nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated; default: every local address).")
