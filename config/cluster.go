@@ -28,19 +28,21 @@ import (
 )
 
 // ClientConfig returns the API server connection: --master and --kubeconfig
-// when given, else the in-cluster service account.
+// when given, else the in-cluster service account. It asks for protobuf, as
+// kube-proxy does: decoding JSON watch events was most of the CPU of a churn
+// at 10k Services.
 func ClientConfig(master, kubeconfig string) (*rest.Config, error) {
+	var cfg *rest.Config
+	var err error
 	if master == "" && kubeconfig == "" {
-		cfg, err := rest.InClusterConfig()
-		if err != nil {
+		if cfg, err = rest.InClusterConfig(); err != nil {
 			return nil, fmt.Errorf("no --kubeconfig or --master and not running in a pod: %w", err)
 		}
-		return cfg, nil
-	}
-	cfg, err := clientcmd.BuildConfigFromFlags(master, kubeconfig)
-	if err != nil {
+	} else if cfg, err = clientcmd.BuildConfigFromFlags(master, kubeconfig); err != nil {
 		return nil, fmt.Errorf("loading --kubeconfig %q: %w", kubeconfig, err)
 	}
+	cfg.ContentType = "application/vnd.kubernetes.protobuf"
+	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
 	return cfg, nil
 }
 

@@ -98,8 +98,8 @@ type ConnInfo struct {
 	BytesUp     int64         `json:"bytesUp"`
 	BytesDown   int64         `json:"bytesDown"`
 	// AckedUp and AckedDown are the bytes the endpoint and the client
-	// have acknowledged: they move smoothly with a slow reader, while
-	// BytesUp/Down move in socket-buffer-sized steps.
+	// have acknowledged: what reached them. With a slow reader both these
+	// and BytesUp/Down move in steps, as its kernel reopens its window.
 	AckedUp   uint64 `json:"ackedUp"`
 	AckedDown uint64 `json:"ackedDown"`
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // requireChromium returns Debian's chromium, or skips (fails under
@@ -70,10 +72,10 @@ func TestLivePageInChromium(t *testing.T) {
 	}()
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	// A download slower than the proxy can send: its bytes must move on
-	// the page while backpressure holds the splice (the bytes the client
-	// acknowledged: those handed to the socket move in buffer-sized
-	// steps, seconds apart at this rate).
-	l.Start("client", "curl", "-s", "-o", "/dev/null", "--limit-rate", "256k", "http://10.96.0.10:80/bytes?n=1000000000")
+	// the page while backpressure holds the splice. They move in steps, as
+	// the client's kernel reopens its window (half a receive buffer of
+	// megabytes at a time): a second or two apart at 2 MiB/s.
+	l.Start("client", "curl", "-s", "-o", "/dev/null", "--limit-rate", "2M", "http://10.96.0.10:80/bytes?n=100000000000")
 	waitFor(t, "the download on /debug/connections", func() bool {
 		_, body := l.get("node", "http://127.0.0.1:10249/debug/connections")
 		return strings.Contains(body, `"bytesDown"`) && !strings.Contains(body, `"bytesDown": 0`)
@@ -104,13 +106,16 @@ func TestLivePageInChromium(t *testing.T) {
 	if n, _ := strconv.Atoi(rule[1]); n == 0 {
 		t.Fatalf("the ClusterIP rule's packet counter is 0 after connections through it")
 	}
-	var second []string
-	waitFor(t, "the download's bytes moving on the page", func() bool {
-		second = bytesDownRE.FindStringSubmatch(l.dom(t, chromium, "node", "http://127.0.0.1:10249/", time.Second))
+	// Each try starts a browser (seconds on a loaded machine): a minute.
+	testutil.WaitFor(t, "the download's bytes moving on the page", time.Minute, 100*time.Millisecond, func() bool {
+		second := bytesDownRE.FindStringSubmatch(l.dom(t, chromium, "node", "http://127.0.0.1:10249/", 3*time.Second))
 		a, _ := strconv.Atoi(first[1])
 		b := 0
 		if second != nil {
 			b, _ = strconv.Atoi(second[1])
+		}
+		if b <= a {
+			t.Logf("acked bytes on the page: %d, then %v", a, second)
 		}
 		return b > a
 	})

@@ -115,8 +115,7 @@ func (c *Conn) control(fn func(fd int)) error {
 
 // Acked returns how many bytes written to the socket the peer has
 // acknowledged (TCP_INFO tcpi_bytes_acked): what has reached the peer's
-// kernel, which moves smoothly while a slow reader keeps our writes
-// blocked. ok is false once the socket is closed.
+// kernel. ok is false once the socket is closed.
 func (c *Conn) Acked() (acked uint64, ok bool) {
 	err := c.control(func(fd int) {
 		if info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {

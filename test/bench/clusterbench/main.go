@@ -49,6 +49,7 @@ type options struct {
 	repo      string
 	write     string
 	minPeriod string
+	profile   string
 }
 
 func main() {
@@ -62,6 +63,7 @@ func main() {
 	flag.StringVar(&o.repo, "repo", ".", "the repository (for the control plane's module)")
 	flag.StringVar(&o.write, "write", "", "write the table into this Markdown file (between bench-cluster markers)")
 	flag.StringVar(&o.minPeriod, "min-sync-period", "", "pass --min-sync-period to the daemon (default: the daemon's)")
+	flag.StringVar(&o.profile, "profile", "", "write a CPU profile of the daemon during the churn (its first 30 s) to this file")
 	flag.Parse()
 	if os.Geteuid() != 0 {
 		fmt.Fprintln(os.Stderr, "clusterbench needs root (a network namespace)")
@@ -245,8 +247,17 @@ func (b *bench) run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		profiled := make(chan error, 1)
+		if b.o.profile != "" {
+			go func() { profiled <- b.cpuProfile(30 * time.Second) }()
+		} else {
+			profiled <- nil
+		}
 		if err := b.churn(ctx); err != nil {
 			return err
+		}
+		if err := <-profiled; err != nil {
+			return fmt.Errorf("profile: %w", err)
 		}
 		lag, err := b.switchBackend(ctx, p)
 		if err != nil {
@@ -324,6 +335,9 @@ func (b *bench) daemon(ctx context.Context) (*proc, error) {
 	}
 	args := []string{filepath.Join(b.o.bin, "kube-userspace-proxy"), "--kubeconfig", b.cp.Kubeconfig, "--hostname-override", "node",
 		"--metrics-bind-address", "127.0.0.1:10249", "--healthz-bind-address", "127.0.0.1:10256"}
+	if b.o.profile != "" {
+		args = append(args, "--profiling")
+	}
 	if b.o.minPeriod != "" {
 		args = append(args, "--min-sync-period", b.o.minPeriod)
 	}
@@ -621,6 +635,23 @@ func (b *bench) churn(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// cpuProfile saves the daemon's CPU profile over d to the -profile file.
+func (b *bench) cpuProfile(d time.Duration) error {
+	c := &http.Client{Timeout: d + 30*time.Second, Transport: &http.Transport{DialContext: cluster.DialContextIn(b.ns)}}
+	resp, err := c.Get(fmt.Sprintf("http://127.0.0.1:10249/debug/pprof/profile?seconds=%d", int(d.Seconds())))
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	f, err := os.Create(b.o.profile)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	_, err = io.Copy(f, resp.Body)
+	return err
 }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
