@@ -232,6 +232,11 @@ func (c *ClusterSource) buildAll(inf *informerSet) {
 	}
 	c.setNode(inf, st)
 	ReuseUnchanged(st, c.last)
+	if c.last != nil {
+		st.Seq = c.last.Seq + 1 // numbered, but made from nothing: Since stays 0
+	} else {
+		st.Seq = 1
+	}
 	c.last = st
 	c.Sink.Update(st)
 }
@@ -246,8 +251,9 @@ func (c *ClusterSource) build(inf *informerSet) {
 		return
 	}
 	dirty := c.takeDirty()
-	st := &State{Ports: maps.Clone(c.last.Ports), Node: c.Node}
+	st := &State{Ports: maps.Clone(c.last.Ports), Node: c.Node, Seq: c.last.Seq + 1, Since: c.last.Seq}
 	for key := range dirty {
+		st.Changed = append(st.Changed, c.ports[key]...)
 		for _, name := range c.ports[key] {
 			delete(st.Ports, name)
 		}
@@ -276,6 +282,7 @@ func (c *ClusterSource) build(inf *informerSet) {
 			}
 			st.Ports[name] = sp
 			c.ports[key] = append(c.ports[key], name)
+			st.Changed = append(st.Changed, name)
 		}
 	}
 	c.setNode(inf, st)

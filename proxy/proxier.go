@@ -722,15 +722,29 @@ func countChanges(old, new *config.State) (services, endpoints int) {
 	if old != nil {
 		oldPorts = old.Ports
 	}
-	for name, sp := range new.Ports {
-		o := oldPorts[name]
+	count := func(name config.ServicePortName) {
+		o, sp := oldPorts[name], new.Ports[name]
 		switch {
 		case o == sp:
-		case o == nil || !o.SameFrontend(sp) || o.AffinityTimeout != sp.AffinityTimeout:
+		case o == nil || sp == nil || !o.SameFrontend(sp) || o.AffinityTimeout != sp.AffinityTimeout:
 			services++
 		case !slices.Equal(o.Endpoints, sp.Endpoints):
 			endpoints++
 		}
+	}
+	if old != nil && new.Since != 0 && new.Since == old.Seq {
+		// The source says which ports may differ: only those.
+		seen := make(map[config.ServicePortName]bool, len(new.Changed))
+		for _, name := range new.Changed {
+			if !seen[name] {
+				seen[name] = true
+				count(name)
+			}
+		}
+		return services, endpoints
+	}
+	for name := range new.Ports {
+		count(name)
 	}
 	for name := range oldPorts {
 		if new.Ports[name] == nil {
