@@ -360,7 +360,7 @@ type State struct {
 	// (at 10k service ports and 50 events a second, that comparison was most
 	// of the daemon's CPU).
 	Seq, Since uint64
-	Changed []ServicePortName
+	Changed    []ServicePortName
 }
 
 // Sorted returns the ports ordered by name.
