@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"github.com/sirupsen/logrus"
+	"golang.org/x/time/rate"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -58,6 +59,12 @@ type ClusterSource struct {
 	// Probe checks the API server during an outage, to log its return; nil
 	// uses the client's /version.
 	Probe func(context.Context) error
+	// BuildInterval paces the builds under a stream of events: two follow
+	// each other at once (a lone change, a Service and its slice), then one
+	// per interval, the events meanwhile merged into it. The proxier syncs
+	// at most once per --min-sync-period anyway; a State per event that it
+	// never syncs was most of a churn's garbage at 10k Services. 0: none.
+	BuildInterval time.Duration
 
 	kick chan struct{} // capacity 1: merges bursts of events into one build
 	back chan struct{} // capacity 1: the API server is back after an outage
@@ -88,6 +95,11 @@ func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err er
 	}
 	c.buildAll(inf)
 
+	limit := rate.Inf
+	if c.BuildInterval > 0 {
+		limit = rate.Every(c.BuildInterval)
+	}
+	builds := rate.NewLimiter(limit, 2)
 	ch := make(chan struct{})
 	healthDone := make(chan struct{})
 	go func() { defer close(healthDone); c.watchHealth(ctx) }()
@@ -100,6 +112,9 @@ func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err er
 			case <-ctx.Done():
 				return
 			case <-c.kick:
+				if builds.Wait(ctx) != nil {
+					return
+				}
 				c.build(inf)
 			case <-c.back:
 				// After an outage client-go's reflectors retry with a

@@ -161,7 +161,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	defer stopProxier()
 	proxierDone := make(chan struct{})
 	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
-	watching, err := startSource(srcCtx, manifests, node, client, p, log)
+	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, log)
 	if err != nil {
 		stopProxier()
 		<-proxierDone
@@ -180,7 +180,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 
 // startSource starts the manifests source (already checked) or the cluster
 // source, feeding p.
-func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, log *logrus.Logger) (<-chan struct{}, error) {
+func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, minSyncPeriod time.Duration, log *logrus.Logger) (<-chan struct{}, error) {
 	if manifests != nil {
 		manifests.Sink = p
 		done, err := manifests.Start(ctx)
@@ -189,7 +189,8 @@ func startSource(ctx context.Context, manifests *config.ManifestSource, node str
 		}
 		return done, nil
 	}
-	src := &config.ClusterSource{Client: client, Node: node, Sink: p, Log: log.WithField("component", "cluster")}
+	src := &config.ClusterSource{Client: client, Node: node, Sink: p, Log: log.WithField("component", "cluster"),
+		BuildInterval: minSyncPeriod / 4}
 	return src.Start(ctx)
 }
 
