@@ -1,9 +1,7 @@
 package iptables
 
 import (
-	"bytes"
 	"fmt"
-	"os/exec"
 	"strconv"
 	"strings"
 )
@@ -18,14 +16,11 @@ func (r *Rules) Counters(fam int) (map[string]Counter, error) {
 	}
 	out := map[string]Counter{}
 	for _, table := range []string{"nat", "filter"} {
-		cmd := exec.Command(f.save, "-c", "-t", table)
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		data, err := cmd.Output()
+		data, err := f.dump(table, "-c")
 		if err != nil {
-			return nil, fmt.Errorf("%s -c -t %s: %w: %s", f.save, table, err, strings.TrimSpace(stderr.String()))
+			return nil, err
 		}
-		parseCounters(table, string(data), out)
+		parseCounters(table, data, out)
 	}
 	return out, nil
 }

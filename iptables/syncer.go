@@ -51,7 +51,7 @@ type Rules struct {
 	log      logrus.FieldLogger
 	families []*family
 
-	mu     sync.Mutex // guards shown, counts and writes, for readers of Installed and Check
+	mu     sync.Mutex // guards shown, counts and writes, for Counts, TraceInput and Check
 	shown  map[int]*Ruleset
 	counts map[string]int
 	// writes counts rule writes in progress and done, per family, as a
@@ -274,26 +274,15 @@ func ofFamily(frontends []proxy.Frontend, fam int) []proxy.Frontend {
 	return mine
 }
 
-// Installed returns the rules last written per family as iptables-restore
-// input, and the rule counts per table/family.
-func (r *Rules) Installed() (map[int]string, map[string]int) {
+// Counts returns the rule counts per table/family ("nat/4") of the last sync.
+func (r *Rules) Counts() map[string]int {
 	r.mu.Lock()
-	shown := make(map[int]*Ruleset, len(r.shown))
-	for k, v := range r.shown {
-		shown[k] = v
-	}
-	counts := map[string]int{}
+	defer r.mu.Unlock()
+	counts := make(map[string]int, len(r.counts))
 	for k, v := range r.counts {
 		counts[k] = v
 	}
-	r.mu.Unlock()
-	text := map[int]string{}
-	for fam, rs := range shown {
-		if rs != nil {
-			text[fam] = rs.RestoreInput()
-		}
-	}
-	return text, counts
+	return counts
 }
 
 // renderOptions returns the options of the next sync; a change of options
@@ -588,12 +577,9 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 	out := map[string]map[string]bool{}
 	jumpsOK := true
 	for _, table := range []string{"nat", "filter"} {
-		cmd := exec.Command(f.save, "-t", table)
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		data, err := cmd.Output()
+		data, err := f.dump(table)
 		if err != nil {
-			return nil, false, fmt.Errorf("%s -t %s: %w: %s", f.save, table, err, strings.TrimSpace(stderr.String()))
+			return nil, false, err
 		}
 		want := map[string]int{}
 		for _, j := range jumps(f.features) {
@@ -601,7 +587,7 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 				want[j.text()] = 0
 			}
 		}
-		for _, line := range strings.Split(string(data), "\n") {
+		for _, line := range strings.Split(data, "\n") {
 			if strings.HasPrefix(line, ":") {
 				name, _, _ := strings.Cut(line[1:], " ")
 				if isOurs(table, name) {
@@ -633,8 +619,25 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 	return out, jumpsOK, nil
 }
 
+// dump is one table of this family as iptables-save prints it (extra
+// arguments: -c for counters).
+func (f *family) dump(table string, extra ...string) (string, error) {
+	args := append(append([]string(nil), extra...), "-t", table)
+	cmd := exec.Command(f.save, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	data, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("%s %s: %w: %s", f.save, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return string(data), nil
+}
+
 // text renders the jump the way iptables-save prints it, without "-A ".
-func (j jump) text() string { return j.chain + " " + strings.Join(quoteComment(j.rule), " ") }
+func (j jump) text() string { return j.chain + " " + j.ruleText() }
+
+// ruleText is the jump's rule as iptables-save prints it after "-A chain".
+func (j jump) ruleText() string { return strings.Join(quoteComment(j.rule), " ") }
 
 // quoteComment renders a rule's argv the way iptables-save prints it.
 func quoteComment(rule []string) []string {

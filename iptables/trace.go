@@ -104,10 +104,10 @@ func Trace(in TraceInput, p Packet) TraceResult {
 		// the NodePorts (only for local destinations with addrtype).
 		ok, note := t.matches(j.rule, false)
 		if !ok {
-			t.nat = append(t.nat, Step{Table: "nat", Chain: res.Hook, Rule: j.text()[len(j.chain)+1:], Note: "not taken: " + note})
+			t.nat = append(t.nat, Step{Table: "nat", Chain: res.Hook, Rule: j.ruleText(), Note: "not taken: " + note})
 			continue
 		}
-		t.nat = append(t.nat, Step{Table: "nat", Chain: res.Hook, Rule: j.text()[len(j.chain)+1:]})
+		t.nat = append(t.nat, Step{Table: "nat", Chain: res.Hook, Rule: j.ruleText()})
 		if v = t.walk("nat", target(j.rule), false, &t.nat, 0); v.Target != "" {
 			break
 		}
@@ -146,7 +146,7 @@ func Trace(in TraceInput, p Packet) TraceResult {
 			if ok, _ := t.matches(j.rule, redirected); !ok {
 				continue
 			}
-			t.guard = append(t.guard, Step{Table: "filter", Chain: hook, Rule: j.text()[len(j.chain)+1:]})
+			t.guard = append(t.guard, Step{Table: "filter", Chain: hook, Rule: j.ruleText()})
 			fv := t.walk("filter", target(j.rule), redirected, &t.guard, 0)
 			if fv.Target == "RETURN" {
 				res.Filter = fv // an exception of the guard: on to the next jump

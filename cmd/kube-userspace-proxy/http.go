@@ -301,7 +301,7 @@ func (d *debugServer) showRules(w http.ResponseWriter, r *http.Request) {
 	for _, e := range errs {
 		fmt.Fprintf(w, "# counters unavailable: %s\n", e)
 	}
-	_, counts := d.rules.Installed()
+	counts := d.rules.Counts()
 	fam, table := 0, ""
 	for _, v := range rules {
 		if v.Family != fam {
