@@ -181,8 +181,10 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 	switch s := ln.(type) {
 	case *sock.Listener:
 		fe.tcp = s
-		fe.served.Add(1)
-		go func() { defer fe.served.Done(); fe.serveTCP(s) }()
+		if err := fe.serveTCP(s); err != nil {
+			fe.discard()
+			return nil, fmt.Errorf("serving %s: %w", fe.listen, err)
+		}
 	case *net.UDPConn:
 		us := &udpSocket{conn: s, family: key.Family}
 		fe.udpSk = us

@@ -25,6 +25,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // Config holds the Proxier's settings; the zero value of every field is a
@@ -153,6 +154,10 @@ type Proxier struct {
 	conns   connTable
 	budget  *descriptorBudget
 	workers workers // run the connection handlers: dial, then the upstream copy
+	// acc accepts on every TCP listener (one goroutine for all of them);
+	// made for the first listener, closed at shutdown, under accMu.
+	acc     *sock.Acceptor
+	accMu   sync.Mutex
 	copiers workers // run the downstream copy of each connection
 
 	mu          sync.Mutex // guards pending, queuedAt, latest and health
@@ -681,12 +686,32 @@ func (p *Proxier) shutdown(grace time.Duration) {
 	p.view, p.sorted = nil, nil
 	p.viewMu.Unlock()
 	p.lines.flush(p.cfg.log())
+	p.accMu.Lock()
+	if p.acc != nil {
+		p.acc.Close()
+		p.acc = nil
+	}
+	p.accMu.Unlock()
 	p.conns.drain(grace)
 	if p.cfg.Rules != nil {
 		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {
 			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
 		}
 	}
+}
+
+// acceptor returns the acceptor of the TCP listeners, made at first use.
+func (p *Proxier) acceptor() (*sock.Acceptor, error) {
+	p.accMu.Lock()
+	defer p.accMu.Unlock()
+	if p.acc == nil {
+		a, err := sock.NewAcceptor()
+		if err != nil {
+			return nil, err
+		}
+		p.acc = a
+	}
+	return p.acc, nil
 }
 
 // Health is what /healthz reports.

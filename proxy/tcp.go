@@ -2,7 +2,7 @@ package proxy
 
 // One TCP connection's path, top to bottom:
 //
-//	serveTCP (accept loop)  →  handleTCP (one goroutine per connection, the
+//	serveTCP (the proxier's acceptor)  →  handleTCP (one goroutine per connection, the
 //	pair's owner)
 //	  → dialBackend (balancer pick + sock.DialTCP, with retry)
 //	  → splice (two sock.Copy, one per direction; half-closes passed on;
@@ -10,7 +10,7 @@ package proxy
 //	    quiet pair)
 //	  → both sockets closed in handleTCP, the record logged (conns.go)
 //
-// The accept loop never dials: a slow backend delays only its own client.
+// The acceptor never dials: a slow backend delays only its own client.
 // Raw socket work is package sock's (internal/sock).
 
 import (
@@ -30,40 +30,36 @@ import (
 // userspace proxier: up to four endpoints are tried before the client is reset.
 var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
 
-// serveTCP accepts connections until the listener is closed. Accept errors
-// such as EMFILE back off (5 ms doubling to 1 s) instead of spinning or dying.
-func (f *frontend) serveTCP(ln *sock.Listener) {
-	var backoff time.Duration
-	handle := func(client *sock.Conn, from netip.AddrPort) {
-		backoff = 0
-		f.m.get().accepted.Inc()
-		if !f.p.budget.admitTCP() {
-			// Over the descriptor budget: a reset now keeps the reserve
-			// for accepts, rule syncs and the API watch.
-			budgetRefusals.Inc()
-			_ = client.SetResetOnClose()
-			client.Close()
-			return
-		}
-		c := f.p.conns.add(f, from)
-		f.p.workers.Go(func() { f.handleTCP(c, client) })
+// serveTCP has the proxier's acceptor take the listener's connections: a
+// listener has no goroutine of its own. Accept errors such as EMFILE back
+// off (5 ms doubling to 1 s) instead of spinning.
+func (f *frontend) serveTCP(ln *sock.Listener) error {
+	acc, err := f.p.acceptor()
+	if err != nil {
+		return err
 	}
-	for {
-		err := ln.Serve(handle)
-		if errors.Is(err, net.ErrClosed) {
-			return
-		}
-		backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+	return ln.Serve(acc, f.accepted, func(err error, retryIn time.Duration) {
 		if sock.IsFileLimit(err) {
 			f.p.budget.ranOut()
 		}
-		f.log.WithError(err).WithField("retryIn", backoff).Warn("Accept failed")
-		select {
-		case <-time.After(backoff):
-		case <-f.ctx.Done():
-			return
-		}
+		f.log.WithError(err).WithField("retryIn", retryIn).Warn("Accept failed")
+	})
+}
+
+// accepted takes one connection from the acceptor's goroutine; it hands the
+// work to a worker and never blocks.
+func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
+	f.m.get().accepted.Inc()
+	if !f.p.budget.admitTCP() {
+		// Over the descriptor budget: a reset now keeps the reserve for
+		// accepts, rule syncs and the API watch.
+		budgetRefusals.Inc()
+		_ = client.SetResetOnClose()
+		client.Close()
+		return
 	}
+	c := f.p.conns.add(f, from)
+	f.p.workers.Go(func() { f.handleTCP(c, client) })
 }
 
 // handleTCP owns the connection: it dials a backend, splices the two and is

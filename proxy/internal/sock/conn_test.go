@@ -70,8 +70,8 @@ func TestDialTCPCancelled(t *testing.T) {
 	}
 }
 
-// serve accepts every queued connection, gives the client's address, and
-// returns net.ErrClosed once the listener is closed.
+// An acceptor gives every connection with the client's address, and a
+// closed listener leaves the acceptor's set.
 func TestListenerServe(t *testing.T) {
 	for _, ip := range []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()} {
 		t.Run(ip.String(), func(t *testing.T) {
@@ -86,11 +86,15 @@ func TestListenerServe(t *testing.T) {
 				s    *Conn
 				from netip.AddrPort
 			}
+			acc, err := NewAcceptor()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer acc.Close()
 			got := make(chan accepted, 8)
-			served := make(chan error, 1)
-			go func() {
-				served <- ln.Serve(func(s *Conn, from netip.AddrPort) { got <- accepted{s, from} })
-			}()
+			if err := ln.Serve(acc, func(s *Conn, from netip.AddrPort) { got <- accepted{s, from} }, nil); err != nil {
+				t.Fatal(err)
+			}
 			for i := 0; i < 3; i++ {
 				c, err := net.Dial("tcp", ln.Addr().String())
 				if err != nil {
@@ -110,14 +114,20 @@ func TestListenerServe(t *testing.T) {
 					t.Fatal("connection not accepted")
 				}
 			}
-			ln.Close()
-			select {
-			case err := <-served:
-				if !errors.Is(err, net.ErrClosed) {
-					t.Fatalf("serve returned %v, want net.ErrClosed", err)
-				}
-			case <-time.After(10 * time.Second):
-				t.Fatal("serve did not return after Close")
+			if n := acc.Listeners(); n != 1 {
+				t.Errorf("acceptor serves %d listeners, want 1", n)
+			}
+			if err := ln.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if n := acc.Listeners(); n != 0 {
+				t.Errorf("acceptor serves %d listeners after Close, want 0", n)
+			}
+			if err := ln.Close(); !errors.Is(err, net.ErrClosed) {
+				t.Errorf("second Close: %v, want net.ErrClosed", err)
+			}
+			if _, err := net.Dial("tcp", ln.Addr().String()); err == nil {
+				t.Error("a closed listener still accepts")
 			}
 		})
 	}

@@ -5,7 +5,8 @@
 //
 // What it offers:
 //
-//   - TCP: ListenTCP and Listener.Serve (accept4 in a loop), DialTCP (a
+//   - TCP: ListenTCP, and an Acceptor that accepts on many listeners from
+//     one goroutine (Listener.Serve; a listener costs no goroutine), DialTCP (a
 //     non-blocking connect that often finishes without a park), Copy (one
 //     direction of a proxied connection: small messages through a pooled
 //     buffer, bulk data through splice(2) and a pooled pipe), and on a Conn
@@ -19,7 +20,7 @@
 //
 // # Ownership
 //
-// A Conn has one owner: the goroutine that got it from Serve or DialTCP, or
+// A Conn has one owner: the goroutine that got it from an Acceptor or DialTCP, or
 // the one it handed it to. Other goroutines may use it only as follows.
 //
 //   - Copy, CloseWrite, WaitPeerReset and the setters may run on other

@@ -1,7 +1,9 @@
 package sock
 
 import (
+	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"strconv"
@@ -15,10 +17,26 @@ import (
 
 // Listener is a listening TCP socket whose accepted sockets inherit
 // keep-alive, TCP_NODELAY and TCP_INQ from it: none of them costs a system
-// call per connection.
+// call per connection. It is not Go's poller's: an Acceptor waits on it
+// (Serve), so that an idle listener costs a descriptor and this record, no
+// goroutine.
 type Listener struct {
-	c    *Conn
+	fd   int
 	addr netip.AddrPort
+	inq  bool // TCP_INQ is on, and so on every accepted socket
+
+	// Set by Serve.
+	acc    *Acceptor
+	id     uint32
+	handle func(c *Conn, client netip.AddrPort)
+	failed func(err error, retryIn time.Duration)
+
+	// mu orders accepting against Close: an accept burst never blocks, so
+	// Close waits at most for one.
+	mu      sync.Mutex
+	closed  bool
+	backoff time.Duration // after a failed accept: 5 ms doubling to 1 s
+	retry   *time.Timer
 }
 
 // ListenTCP opens a listener on ap (port 0: the kernel picks one).
@@ -60,58 +78,91 @@ func ListenTCP(ap netip.AddrPort) (*Listener, error) {
 		}
 		ap = netip.AddrPortFrom(ap.Addr(), got.Port())
 	}
-	c, err := newConn(fd)
-	if err != nil {
-		return nil, err
-	}
-	c.inq = inq
-	return &Listener{c: c, addr: ap}, nil
+	return &Listener{fd: fd, addr: ap, inq: inq}, nil
 }
 
 // Addr is the address the listener is bound to.
 func (l *Listener) Addr() netip.AddrPort { return l.addr }
 
-// Close stops the listener; Serve returns net.ErrClosed. Serve's callback
-// never waits, so Close does not either.
-func (l *Listener) Close() error { return l.c.Close() }
-
-// Serve accepts connections and gives each to handle, which must not block
-// (it runs inside the accept loop) and becomes the Conn's owner. It returns
-// when the listener is closed (net.ErrClosed) or accept fails (the error:
-// EMFILE, say; the caller backs off and serves again). It waits for new
-// connections inside one RawConn.Read, accepting until the queue is empty
-// before it waits again.
-func (l *Listener) Serve(handle func(c *Conn, client netip.AddrPort)) error {
-	var rsa unix.RawSockaddrInet6
-	var aerr error
-	err := l.c.read(func(fd uintptr) bool {
-		for {
-			n := uint32(unix.SizeofSockaddrInet6)
-			nfd, _, errno := unix.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)),
-				unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
-			switch errno {
-			case 0:
-			case unix.EAGAIN:
-				return false
-			case unix.EINTR, unix.ECONNABORTED:
-				continue // the client gave up while queued: next one
-			default:
-				aerr = os.NewSyscallError("accept4", errno)
-				return true
-			}
-			c, err := newConn(int(nfd))
-			if err != nil {
-				aerr = err
-				return true
-			}
-			c.inq = l.c.inq
-			handle(c, sockaddrAddrPort(&rsa))
-		}
-	})
+// Serve has a accept l's connections from now on and give each to handle,
+// which runs on the acceptor's goroutine, must not block and becomes the
+// Conn's owner. A failed accept (EMFILE, say) is told to failed, with the
+// back-off after which the listener is tried again (5 ms doubling to 1 s,
+// reset by an emptied queue). Serve is called once; Close ends it.
+func (l *Listener) Serve(a *Acceptor, handle func(c *Conn, client netip.AddrPort), failed func(err error, retryIn time.Duration)) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return net.ErrClosed
+	}
+	if l.acc != nil {
+		return errors.New("listener is already served")
+	}
+	l.handle, l.failed = handle, failed
+	id, err := a.add(l)
 	if err != nil {
 		return err
 	}
-	return aerr
+	l.acc, l.id = a, id
+	return nil
+}
+
+// Close stops the listener: queued connections are reset by the kernel.
+// It waits at most for an accept burst in progress, which never blocks.
+func (l *Listener) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return net.ErrClosed
+	}
+	l.closed = true
+	if l.retry != nil {
+		l.retry.Stop()
+	}
+	if l.acc != nil {
+		l.acc.remove(l)
+	}
+	return os.NewSyscallError("close", unix.Close(l.fd))
+}
+
+// accept takes connections until the queue is empty, or until accept
+// fails: then it tries again after the back-off (edge-triggered, the
+// acceptor would not be told of connections already queued).
+func (l *Listener) accept() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return
+	}
+	var rsa unix.RawSockaddrInet6
+	for {
+		n := uint32(unix.SizeofSockaddrInet6)
+		nfd, _, errno := unix.RawSyscall6(unix.SYS_ACCEPT4, uintptr(l.fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&n)),
+			unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+		var err error
+		switch errno {
+		case 0:
+			var c *Conn
+			if c, err = newConn(int(nfd)); err == nil {
+				c.inq = l.inq
+				l.handle(c, sockaddrAddrPort(&rsa))
+				continue
+			}
+		case unix.EAGAIN:
+			l.backoff = 0
+			return
+		case unix.EINTR, unix.ECONNABORTED:
+			continue // the client gave up while queued: next one
+		default:
+			err = os.NewSyscallError("accept4", errno)
+		}
+		l.backoff = min(max(2*l.backoff, 5*time.Millisecond), time.Second)
+		l.retry = time.AfterFunc(l.backoff, l.accept)
+		if l.failed != nil {
+			l.failed(err, l.backoff)
+		}
+		return
+	}
 }
 
 // Keep-alive probing of proxied connections, as Go's defaults: the first

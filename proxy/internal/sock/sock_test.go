@@ -139,9 +139,15 @@ func TestConnOptions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	acceptor, err := NewAcceptor()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer acceptor.Close()
 	accepted := make(chan *Conn, 1)
-	served := make(chan error, 1)
-	go func() { served <- ln.Serve(func(c *Conn, _ netip.AddrPort) { accepted <- c }) }()
+	if err := ln.Serve(acceptor, func(c *Conn, _ netip.AddrPort) { accepted <- c }, nil); err != nil {
+		t.Fatal(err)
+	}
 	dialled, err := DialTCP(context.Background(), ln.Addr(), time.Second)
 	if err != nil {
 		t.Fatal(err)
@@ -155,7 +161,6 @@ func TestConnOptions(t *testing.T) {
 		t.Fatal("not accepted")
 	}
 	ln.Close()
-	<-served
 	for side, c := range map[string]*Conn{"accepted": acc, "dialled": dialled} {
 		_ = c.control(func(fd int) {
 			for _, o := range []struct {
