@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -19,6 +20,8 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
+	discoveryinformers "k8s.io/client-go/informers/discovery/v1"
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 	discoverylisters "k8s.io/client-go/listers/discovery/v1"
@@ -137,12 +140,12 @@ func (c *ClusterSource) Start(ctx context.Context) (done <-chan struct{}, err er
 
 // informerSet is one generation of the two informers.
 type informerSet struct {
-	factory  informers.SharedInformerFactory
-	cancel   context.CancelFunc
-	services listersv1.ServiceLister
-	slices   discoverylisters.EndpointSliceLister
-	// byService indexes the slices by their Service's namespace/name.
-	byService cache.Indexer
+	factory    informers.SharedInformerFactory
+	cancel     context.CancelFunc
+	services   listersv1.ServiceLister
+	slices     discoverylisters.EndpointSliceLister
+	sliceStore cache.Store
+	byService  *sliceIndex // the slices of each Service, by name
 	// nodes watches this node's Node object only (a field selector): its
 	// zone for topology hints, and whether it is going away.
 	nodeFactory informers.SharedInformerFactory
@@ -164,29 +167,36 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.LabelSelector = labels.NewSelector().Add(*noProxyName, *noHeadless).String()
 		}))
-	svcInformer := factory.Core().V1().Services()
-	sliceInformer := factory.Discovery().V1().EndpointSlices()
+	// No index by namespace (the factory's default): nothing here lists by
+	// namespace, and at 10k objects it is a set of every key per kind.
+	tweak := func(o *metav1.ListOptions) {
+		o.LabelSelector = labels.NewSelector().Add(*noProxyName, *noHeadless).String()
+	}
+	svcInformer := factory.InformerFor(&v1.Service{}, func(cl kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return coreinformers.NewFilteredServiceInformer(cl, metav1.NamespaceAll, resync, cache.Indexers{}, tweak)
+	})
+	sliceInformer := factory.InformerFor(&discovery.EndpointSlice{}, func(cl kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return discoveryinformers.NewFilteredEndpointSliceInformer(cl, metav1.NamespaceAll, resync, cache.Indexers{}, tweak)
+	})
 	nodeFactory := informers.NewSharedInformerFactoryWithOptions(c.Client, c.Resync,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", c.Node).String()
 		}))
 	nodeInformer := nodeFactory.Core().V1().Nodes()
-	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{indexService: sliceServiceKey}); err != nil {
-		return nil, fmt.Errorf("adding the slice index: %w", err)
-	}
+	byService := &sliceIndex{}
 	handlers := []struct {
 		inf cache.SharedIndexInformer
 		h   cache.ResourceEventHandler
 	}{
-		{svcInformer.Informer(), cache.ResourceEventHandlerFuncs{
+		{svcInformer, cache.ResourceEventHandlerFuncs{
 			AddFunc:    func(o any) { c.changed(serviceKey(o)) },
 			UpdateFunc: func(_, o any) { c.changed(serviceKey(o)) },
 			DeleteFunc: func(o any) { c.changed(serviceKey(o)) },
 		}},
-		{sliceInformer.Informer(), cache.ResourceEventHandlerFuncs{
-			AddFunc:    func(o any) { c.changed(sliceKey(o)) },
-			UpdateFunc: func(old, o any) { c.changed(sliceKey(old), sliceKey(o)) },
-			DeleteFunc: func(o any) { c.changed(sliceKey(o)) },
+		{sliceInformer, cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(o any) { byService.update(nil, o); c.changed(sliceKey(o)) },
+			UpdateFunc: func(old, o any) { byService.update(old, o); c.changed(sliceKey(old), sliceKey(o)) },
+			DeleteFunc: func(o any) { byService.update(o, nil); c.changed(sliceKey(o)) },
 		}},
 		{nodeInformer.Informer(), cache.ResourceEventHandlerFuncs{
 			AddFunc:    func(any) { c.changed() },
@@ -210,8 +220,9 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 		}
 	}
 	runCtx, cancel := context.WithCancel(ctx)
-	set := &informerSet{factory: factory, cancel: cancel, services: svcInformer.Lister(), slices: sliceInformer.Lister(),
-		byService: sliceInformer.Informer().GetIndexer(), nodeFactory: nodeFactory, nodes: nodeInformer.Lister()}
+	set := &informerSet{factory: factory, cancel: cancel, services: listersv1.NewServiceLister(svcInformer.GetIndexer()),
+		slices: discoverylisters.NewEndpointSliceLister(sliceInformer.GetIndexer()), sliceStore: sliceInformer.GetStore(), byService: byService,
+		nodeFactory: nodeFactory, nodes: nodeInformer.Lister()}
 	factory.Start(runCtx.Done())
 	nodeFactory.Start(runCtx.Done())
 	for _, f := range []informers.SharedInformerFactory{factory, nodeFactory} {
@@ -284,8 +295,11 @@ func (c *ClusterSource) build(inf *informerSet) {
 		} else if skip != "" {
 			continue
 		}
-		slices, _ := inf.byService.ByIndex(indexService, key[0]+"/"+key[1])
-		for _, o := range slices {
+		for _, sliceName := range inf.byService.slices(key) {
+			o, ok, _ := inf.sliceStore.GetByKey(key[0] + "/" + sliceName)
+			if !ok {
+				continue // deleted since: its event comes
+			}
 			es := o.(*discovery.EndpointSlice)
 			if _, err := b.AddSlice(es); err != nil {
 				c.Log.WithFields(logrus.Fields{"endpointSlice": es.Namespace + "/" + es.Name}).WithError(err).Warn("EndpointSlice ignored")
@@ -343,15 +357,55 @@ func (c *ClusterSource) takeDirty() map[[2]string]bool {
 	return d
 }
 
-// indexService is the slice index by Service.
-const indexService = "service"
+// sliceIndex finds a Service's slices by name; the slice handlers keep it.
+// (An indexer of client-go keeps a set per Service: 3 MB at 10 000
+// Services with one slice each.)
+type sliceIndex struct {
+	mu    sync.Mutex
+	bySvc map[[2]string][]string
+}
 
-func sliceServiceKey(o any) ([]string, error) {
-	es, ok := o.(*discovery.EndpointSlice)
-	if !ok || es.Labels[LabelServiceName] == "" {
-		return nil, nil
+// update moves a slice from where old (nil: new slice) was to where o
+// (nil: deleted) is; either may be a tombstone.
+func (x *sliceIndex) update(old, o any) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if k, name := sliceKey(old), sliceName(old); k[1] != "" {
+		names := x.bySvc[k]
+		if i := slices.Index(names, name); i >= 0 {
+			names = slices.Delete(names, i, i+1)
+		}
+		if len(names) == 0 {
+			delete(x.bySvc, k)
+		} else {
+			x.bySvc[k] = names
+		}
 	}
-	return []string{es.Namespace + "/" + es.Labels[LabelServiceName]}, nil
+	if k, name := sliceKey(o), sliceName(o); k[1] != "" {
+		if x.bySvc == nil {
+			x.bySvc = map[[2]string][]string{}
+		}
+		if !slices.Contains(x.bySvc[k], name) {
+			x.bySvc[k] = append(x.bySvc[k], name)
+		}
+	}
+}
+
+// slices returns the names of the slices of the Service named by key.
+func (x *sliceIndex) slices(key [2]string) []string {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return slices.Clone(x.bySvc[key])
+}
+
+func sliceName(o any) string {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	if es, ok := o.(*discovery.EndpointSlice); ok {
+		return es.Name
+	}
+	return ""
 }
 
 // serviceKey and sliceKey name the Service an event is about (a deleted
@@ -377,7 +431,10 @@ func sliceKey(o any) [2]string {
 }
 
 // slim drops from an object, before the cache keeps it, what the model never
-// reads: managed fields, annotations other than this proxy's, a Node's status.
+// reads: managed fields, annotations other than this proxy's, a Node's status,
+// UIDs and owner references, an endpoint's Pod reference. It keeps the
+// resource version (client-go reads it) and a Service's creation time (the
+// oldest Service wins a NodePort).
 func slim(o any) (any, error) {
 	if m, ok := o.(metav1.Object); ok {
 		m.SetManagedFields(nil)
@@ -394,11 +451,42 @@ func slim(o any) (any, error) {
 			m.SetAnnotations(keep)
 		}
 	}
-	if n, ok := o.(*v1.Node); ok {
-		n.Status = v1.NodeStatus{}
+	switch o := o.(type) {
+	case *v1.Node:
+		o.Status = v1.NodeStatus{}
+	case *v1.Service:
+		o.UID, o.GenerateName, o.OwnerReferences, o.Finalizers = "", "", nil, nil
+	case *discovery.EndpointSlice:
+		// The endpointslice controller's slices carry an owner reference,
+		// a Pod reference per endpoint and three *bool per endpoint: at
+		// 50 000 endpoints several MB the model never reads.
+		o.UID, o.GenerateName, o.OwnerReferences, o.Finalizers = "", "", nil, nil
+		o.CreationTimestamp = metav1.Time{}
+		for i := range o.Endpoints {
+			ep := &o.Endpoints[i]
+			ep.TargetRef, ep.DeprecatedTopology = nil, nil
+			ep.Conditions.Ready = sharedBool(ep.Conditions.Ready)
+			ep.Conditions.Serving = sharedBool(ep.Conditions.Serving)
+			ep.Conditions.Terminating = sharedBool(ep.Conditions.Terminating)
+		}
 	}
 	return o, nil
 }
+
+// sharedBool replaces a decoded *bool by one of two shared ones: one
+// allocation less per condition (the cache's objects are never written).
+func sharedBool(b *bool) *bool {
+	switch {
+	case b == nil:
+		return nil
+	case *b:
+		return &boolTrue
+	default:
+		return &boolFalse
+	}
+}
+
+var boolTrue, boolFalse = true, false
 
 // buildState converts the cached objects. Invalid objects are logged and
 // skipped: one bad Service must not stop the others.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"reflect"
 	"testing"
 	"time"
 
@@ -80,3 +81,68 @@ func TestClusterSourceFiltersAndUpdates(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// slim keeps what the model reads and drops the rest, and the model built
+// from a slimmed slice equals the one built from the original.
+func TestSlimKeepsTheModel(t *testing.T) {
+	ready, notServing := true, false
+	node, zone := "node-a", "zone-1"
+	svc := &v1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "ns", UID: "u1", ResourceVersion: "7",
+			CreationTimestamp: metav1.Now(), OwnerReferences: []metav1.OwnerReference{{Name: "x"}},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl"}},
+			Annotations:   map[string]string{"kubectl.kubernetes.io/last-applied-configuration": "{}", AnnotationScheduler: "lc"}},
+		Spec: v1.ServiceSpec{ClusterIP: "10.96.0.10", Ports: []v1.ServicePort{{Name: "http", Port: 80, Protocol: v1.ProtocolTCP}}},
+	}
+	es := &discovery.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: "web-abc", Namespace: "ns", UID: "u2", GenerateName: "web-", ResourceVersion: "9",
+			Labels:          map[string]string{discovery.LabelServiceName: "web"},
+			OwnerReferences: []metav1.OwnerReference{{Kind: "Service", Name: "web"}}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Name: ptrTo("http"), Port: ptrTo(int32(8080))}},
+		Endpoints: []discovery.Endpoint{
+			{Addresses: []string{"10.244.0.1"}, Conditions: discovery.EndpointConditions{Ready: &ready, Serving: &ready},
+				NodeName: &node, Zone: &zone, TargetRef: &v1.ObjectReference{Kind: "Pod", Name: "web-1"}},
+			{Addresses: []string{"10.244.0.2"}, Conditions: discovery.EndpointConditions{Ready: &notServing, Serving: &notServing, Terminating: &ready},
+				TargetRef: &v1.ObjectReference{Kind: "Pod", Name: "web-2"}},
+		},
+	}
+	build := func(svc *v1.Service, es *discovery.EndpointSlice) *State {
+		b := NewBuilder("node-a")
+		if _, err := b.AddService(svc); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.AddSlice(es); err != nil {
+			t.Fatal(err)
+		}
+		return b.State()
+	}
+	want := build(svc.DeepCopy(), es.DeepCopy())
+	s, _ := slim(svc.DeepCopy())
+	e, _ := slim(es.DeepCopy())
+	slimSvc, slimES := s.(*v1.Service), e.(*discovery.EndpointSlice)
+	got := build(slimSvc, slimES)
+	if len(got.Ports) != 1 || len(want.Ports) != 1 {
+		t.Fatalf("ports: got %d, want %d", len(got.Ports), len(want.Ports))
+	}
+	for name, w := range want.Ports {
+		g := got.Ports[name]
+		if g == nil || !reflect.DeepEqual(g, w) {
+			t.Errorf("%s: slimmed model\n%+v\nwant\n%+v", name, g, w)
+		}
+	}
+	if slimSvc.ManagedFields != nil || slimSvc.UID != "" || slimSvc.Annotations["kubectl.kubernetes.io/last-applied-configuration"] != "" {
+		t.Errorf("Service kept what the model never reads: %+v", slimSvc.ObjectMeta)
+	}
+	if slimSvc.ResourceVersion != "7" || slimSvc.CreationTimestamp.IsZero() || slimSvc.Annotations[AnnotationScheduler] != "lc" {
+		t.Errorf("Service lost what is read: %+v", slimSvc.ObjectMeta)
+	}
+	if slimES.OwnerReferences != nil || slimES.Endpoints[0].TargetRef != nil || slimES.ResourceVersion != "9" {
+		t.Errorf("slice: owner %v, target %v, resource version %q", slimES.OwnerReferences, slimES.Endpoints[0].TargetRef, slimES.ResourceVersion)
+	}
+	if slimES.Endpoints[0].Conditions.Ready != slimES.Endpoints[1].Conditions.Terminating {
+		t.Error("true conditions do not share one pointer")
+	}
+}
+
+func ptrTo[T any](v T) *T { return &v }

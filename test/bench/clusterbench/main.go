@@ -50,6 +50,8 @@ type options struct {
 	write     string
 	minPeriod string
 	profile   string
+	heap      string
+	startProf string
 }
 
 func main() {
@@ -63,6 +65,8 @@ func main() {
 	flag.StringVar(&o.repo, "repo", ".", "the repository (for the control plane's module)")
 	flag.StringVar(&o.write, "write", "", "write the table into this Markdown file (between bench-cluster markers)")
 	flag.StringVar(&o.minPeriod, "min-sync-period", "", "pass --min-sync-period to the daemon (default: the daemon's)")
+	flag.StringVar(&o.heap, "heap", "", "save the daemon's heap profile (in use, after a GC) when it serves, steady, to this file")
+	flag.StringVar(&o.startProf, "start-profile", "", "write a CPU profile of the daemon's first 3 s after its restart's caches synced to this file")
 	flag.StringVar(&o.profile, "profile", "", "write a CPU profile of the daemon during the churn (its first 30 s) to this file")
 	flag.Parse()
 	if os.Geteuid() != 0 {
@@ -200,6 +204,15 @@ func (b *bench) run(ctx context.Context) error {
 	b.record("daemon RSS peak while the objects streamed in", mib(d.peak()))
 	time.Sleep(5 * time.Second)
 	b.record("daemon RSS when serving, steady", mib(d.rss()))
+	if b.o.heap != "" {
+		if err := b.save("/debug/pprof/heap?gc=1", b.o.heap, time.Minute); err != nil {
+			return fmt.Errorf("heap profile: %w", err)
+		}
+		// The text form ends with the runtime's MemStats: heap goal, stacks.
+		if err := b.save("/debug/pprof/heap?debug=1", b.o.heap+".txt", time.Minute); err != nil {
+			return fmt.Errorf("heap profile: %w", err)
+		}
+	}
 
 	// 2. Start → serving, with everything in place (after a kill -9: the
 	// rules and reserved ports of the dead daemon are still there).
@@ -214,6 +227,12 @@ func (b *bench) run(ctx context.Context) error {
 		return err
 	}
 	listed := time.Since(t0)
+	startProfiled := make(chan error, 1)
+	if b.o.startProf != "" {
+		go func() { startProfiled <- b.save("/debug/pprof/profile?seconds=3", b.o.startProf, time.Minute) }()
+	} else {
+		startProfiled <- nil
+	}
 	if err := d.wait(ctx, "Listening", 5*time.Minute); err != nil {
 		return err
 	}
@@ -221,6 +240,9 @@ func (b *bench) run(ctx context.Context) error {
 		return err
 	}
 	serving := time.Since(t0)
+	if err := <-startProfiled; err != nil {
+		return fmt.Errorf("start profile: %w", err)
+	}
 	b.record("start → caches synced (the initial LIST and watch)", secs(listed))
 	b.record("start → serving every Service (after kill -9)", secs(serving))
 	b.record("start → serving, beyond the initial LIST", secs(serving-listed))
@@ -235,9 +257,11 @@ func (b *bench) run(ctx context.Context) error {
 		}
 		adds, changes, deletes = append(adds, a), append(changes, c), append(deletes, del)
 	}
-	b.record("add a Service and its slice → traffic (median / max)", medMax(adds))
-	b.record("change a slice's endpoint → traffic (median / max)", medMax(changes))
-	b.record("delete a Service → traffic refused (median / max)", medMax(deletes))
+	if b.o.runs > 0 {
+		b.record("add a Service and its slice → traffic (median / max)", medMax(adds))
+		b.record("change a slice's endpoint → traffic (median / max)", medMax(changes))
+		b.record("delete a Service → traffic refused (median / max)", medMax(deletes))
+	}
 
 	// 4. Churn: endpoint changes at a steady rate, then one more change
 	// whose latency says whether a lag built up.
@@ -335,7 +359,7 @@ func (b *bench) daemon(ctx context.Context) (*proc, error) {
 	}
 	args := []string{filepath.Join(b.o.bin, "kube-userspace-proxy"), "--kubeconfig", b.cp.Kubeconfig, "--hostname-override", "node",
 		"--metrics-bind-address", "127.0.0.1:10249", "--healthz-bind-address", "127.0.0.1:10256"}
-	if b.o.profile != "" {
+	if b.o.profile != "" || b.o.heap != "" || b.o.startProf != "" {
 		args = append(args, "--profiling")
 	}
 	if b.o.minPeriod != "" {
@@ -639,13 +663,21 @@ func (b *bench) churn(ctx context.Context) error {
 
 // cpuProfile saves the daemon's CPU profile over d to the -profile file.
 func (b *bench) cpuProfile(d time.Duration) error {
-	c := &http.Client{Timeout: d + 30*time.Second, Transport: &http.Transport{DialContext: cluster.DialContextIn(b.ns)}}
-	resp, err := c.Get(fmt.Sprintf("http://127.0.0.1:10249/debug/pprof/profile?seconds=%d", int(d.Seconds())))
+	return b.save(fmt.Sprintf("/debug/pprof/profile?seconds=%d", int(d.Seconds())), b.o.profile, d+30*time.Second)
+}
+
+// save writes what the daemon's metrics server answers on path to file.
+func (b *bench) save(path, file string, timeout time.Duration) error {
+	c := &http.Client{Timeout: timeout, Transport: &http.Transport{DialContext: cluster.DialContextIn(b.ns)}}
+	resp, err := c.Get("http://127.0.0.1:10249" + path)
 	if err != nil {
 		return err
 	}
 	defer resp.Body.Close()
-	f, err := os.Create(b.o.profile)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", path, resp.Status)
+	}
+	f, err := os.Create(file)
 	if err != nil {
 		return err
 	}
