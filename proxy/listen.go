@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -75,8 +74,8 @@ func (r PortRange) String() string {
 	return fmt.Sprintf("%d-%d", r.Base, r.Base+r.Size-1)
 }
 
-// portAllocator hands out ports from a PortRange: a random start, then a scan
-// that wraps, so that restarts do not reuse the same ports in the same order.
+// portAllocator hands out ports from a PortRange: the key's preferred port
+// (a hash of its name), else the next free one after it, wrapping.
 //
 // With no range configured it scans the kernel's own range
 // (ip_local_port_range, minus ip_local_reserved_ports) instead of binding
@@ -155,7 +154,7 @@ var ErrPortsExhausted = errors.New("no free port left in --proxy-port-range")
 
 // listen opens a listener (TCP) or packet socket (UDP) on ip with a port from
 // the range (the kernel's local port range when empty): the one key names
-// first (see preferredPort), else one at random. release gives the port
+// first (see preferredPort), else the next free one. release gives the port
 // back; it must be called once the socket is closed.
 func (a *portAllocator) listen(proto string, ip netip.Addr, key string) (ln any, port int, release func(), err error) {
 	a.mu.Lock()
@@ -181,12 +180,12 @@ func (a *portAllocator) listen(proto string, ip netip.Addr, key string) (ln any,
 	if a.used == nil {
 		a.used = make(map[usedPort]bool)
 	}
-	start := rand.IntN(r.Size)
-	for i := -1; i < r.Size; i++ {
-		p := r.Base + (start+i)%r.Size
-		if i < 0 {
-			p = preferredPort(r, key)
-		}
+	// From the key's preferred port upwards: the same Services opened in
+	// the same order (a bulk sync opens them sorted) get the same ports,
+	// so that a restart finds its rules installed as it wants them.
+	pref := preferredPort(r, key) - r.Base
+	for i := 0; i < r.Size; i++ {
+		p := r.Base + (pref+i)%r.Size
 		u := usedPort{proto, ip.Is6() && !ip.Is4In6(), p}
 		if a.used[u] || reserved[p] {
 			continue

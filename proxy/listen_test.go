@@ -2,8 +2,10 @@ package proxy
 
 import (
 	"errors"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 
@@ -167,4 +169,66 @@ func TestPreferredPortIsStable(t *testing.T) {
 	if other == again {
 		t.Fatalf("two listeners on port %d", other)
 	}
+}
+
+// Keys opened in the same order get the same ports, collisions included:
+// a restart that opens its Services sorted finds its old ports (and the
+// rules that point at them). A collision takes the next free port.
+func TestPortsRepeatAcrossRestarts(t *testing.T) {
+	base := int(closedPort(t).Port()) &^ 63
+	if base < 1024 || base+64 > 65535 {
+		base = 40000
+	}
+	r := PortRange{Base: base, Size: 64}
+	keys := make([]string, 40) // 40 keys in 64 ports: collisions for sure
+	for i := range keys {
+		keys[i] = "ns/svc-" + strconv.Itoa(i) + "/all/4"
+	}
+	run := func() []int {
+		a := portAllocator{r: r}
+		var ports []int
+		var closers []func()
+		for _, k := range keys {
+			ln, port, release, err := a.listen("tcp", loopback, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			closers = append(closers, func() { ln.(*sock.Listener).Close(); release() })
+			ports = append(ports, port)
+		}
+		for _, c := range closers {
+			c()
+		}
+		return ports
+	}
+	first, second := run(), run()
+	collided := 0
+	for i := range keys {
+		if first[i] != second[i] {
+			t.Errorf("%s: port %d, then %d after a restart", keys[i], first[i], second[i])
+		}
+		if pref := preferredPort(r, keys[i]); first[i] != pref {
+			collided++
+			// The next free one after its preferred port, wrapping.
+			for p := pref; p != first[i]; p = r.Base + (p-r.Base+1)%r.Size {
+				if !slices.Contains(first[:i], p) && !heldElsewhere(p) {
+					t.Errorf("%s: port %d, but %d (after its preferred %d) was free", keys[i], first[i], p, pref)
+					break
+				}
+			}
+		}
+	}
+	if collided == 0 {
+		t.Error("no key collided; the test proves nothing about collisions")
+	}
+}
+
+// heldElsewhere says whether another process holds TCP port p on loopback.
+func heldElsewhere(p int) bool {
+	ln, err := sock.ListenTCP(netip.AddrPortFrom(loopback, uint16(p)))
+	if err != nil {
+		return true
+	}
+	ln.Close()
+	return false
 }

@@ -17,6 +17,7 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -458,11 +459,25 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 		keys = frontendKeys(keys[:0], sp.Name, sp)
 		view = p.serve(view, st, sp, keys, retaken, rezone)
 	}
+	// Ports that need a listener are opened in the order of their names:
+	// with ports chosen from each one's preferred port upwards, a restart
+	// opens the same Services on the same ports (and finds its rules).
+	var opening []*config.ServicePort
 	for name, sp := range st.Ports {
-		if sp.NodePort == 0 {
-			keys = frontendKeys(keys[:0], name, sp)
-			view = p.serve(view, st, sp, keys, retaken, rezone)
+		if sp.NodePort != 0 {
+			continue
 		}
+		keys = frontendKeys(keys[:0], name, sp)
+		if p.needsListener(keys) {
+			opening = append(opening, sp)
+			continue
+		}
+		view = p.serve(view, st, sp, keys, retaken, rezone)
+	}
+	slices.SortFunc(opening, func(a, b *config.ServicePort) int { return compareNames(a.Name, b.Name) })
+	for _, sp := range opening {
+		keys = frontendKeys(keys[:0], sp.Name, sp)
+		view = p.serve(view, st, sp, keys, retaken, rezone)
 	}
 	p.syncHealthChecks(st)
 	p.failing, p.listenFailures = 0, 0
@@ -598,6 +613,27 @@ const syncBurst = 2
 
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
 const bulkSync = 1000
+
+// needsListener says whether a frontend of keys has no listener yet.
+func (p *Proxier) needsListener(keys []frontendKey) bool {
+	for _, key := range keys {
+		if p.frontends[key] == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// compareNames orders service port names: namespace, name, port.
+func compareNames(a, b config.ServicePortName) int {
+	if c := strings.Compare(a.Namespace, b.Namespace); c != 0 {
+		return c
+	}
+	if c := strings.Compare(a.Name, b.Name); c != 0 {
+		return c
+	}
+	return strings.Compare(a.Port, b.Port)
+}
 
 // serve makes sure a frontend serves sp for each of keys (opening the ones
 // missing) and appends them to view.
