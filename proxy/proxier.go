@@ -184,6 +184,9 @@ type Proxier struct {
 	// point at (the rule sync after their closing failed); their ports go
 	// back to the allocator after the next successful one.
 	unreleased []*frontend
+	// synced is the State the frontends were last synced to: a State made
+	// from it says which ports changed (changedSince).
+	synced *config.State
 	// zone is the node's zone the balancers' endpoints were chosen for: a
 	// new zone chooses again for every port.
 	zone string
@@ -389,8 +392,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	log := p.cfg.log()
 	start := time.Now()
 	// No map of the desired frontends is built: at 10k service ports it
-	// was most of a sync's allocations, and the garbage collector's work
-	// on it (scanning the 10k accept goroutines' stacks) most of its time.
+	// was most of a sync's allocations.
 	var keys []frontendKey
 	wanted := func(key frontendKey, sp *config.ServicePort) bool {
 		keys = frontendKeys(keys[:0], key.Name, sp)
@@ -399,15 +401,15 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	var gone, stale []*frontend
 	var closed []config.ServicePortName
 	var retaken map[frontendKey]*frontend // frontends that got their NodePort back, for serve
-	for key, fe := range p.frontends {
+	visit := func(key frontendKey, fe *frontend) {
 		sp := st.Ports[key.Name]
 		if fe.nodePortErr != nil && sp != nil && fe.spec.SameFrontend(sp) {
-			// Every sync tries again to take the NodePort another
+			// Every full sync tries again to take the NodePort another
 			// process (or Service) held: a new frontend, kept only if
 			// it got it.
 			nf := p.retakeNodePort(key, sp)
 			if nf == nil {
-				continue
+				return
 			}
 			if retaken == nil {
 				retaken = map[frontendKey]*frontend{}
@@ -417,14 +419,14 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			delete(p.frontends, key)
 			p.liveMu.Unlock()
 			stale = append(stale, fe)
-			continue
+			return
 		}
 		if sp == fe.spec {
-			continue // sources hand on an unchanged port as the same pointer
+			return // sources hand on an unchanged port as the same pointer
 		}
 		removed := sp == nil || !wanted(key, sp)
 		if !removed && fe.spec.SameFrontend(sp) {
-			continue
+			return
 		}
 		p.liveMu.Lock()
 		delete(p.frontends, key)
@@ -442,14 +444,65 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 			stale = append(stale, fe)
 		}
 	}
+	// When the State says which ports changed since the one synced last,
+	// only those are visited: at 10k service ports a sync that visits
+	// every port costs 20-35 ms, the better part of one change's latency.
+	changed := p.changedSince(st, verify)
+	if changed == nil {
+		for key, fe := range p.frontends {
+			visit(key, fe)
+		}
+	} else {
+		for _, name := range changed {
+			for _, key := range allFrontendKeys(name) {
+				if fe := p.frontends[key]; fe != nil {
+					visit(key, fe)
+				}
+			}
+		}
+	}
 	kept := len(p.frontends)
 	rezone := st.Zone != p.zone
 	p.zone = st.Zone
-	view := make([]Frontend, 0, max(len(p.frontends), len(st.Ports))+8)
+	var view []Frontend
+	var ports func(yield func(config.ServicePortName, *config.ServicePort) bool)
+	if changed == nil {
+		view = make([]Frontend, 0, max(len(p.frontends), len(st.Ports))+8)
+		ports = func(yield func(config.ServicePortName, *config.ServicePort) bool) {
+			for name, sp := range st.Ports {
+				if !yield(name, sp) {
+					return
+				}
+			}
+		}
+	} else {
+		// The last view without the changed ports, which are served
+		// again below.
+		set := make(map[config.ServicePortName]bool, len(changed))
+		for _, name := range changed {
+			set[name] = true
+		}
+		p.viewMu.Lock()
+		last := p.view
+		p.viewMu.Unlock()
+		view = make([]Frontend, 0, len(last)+2*len(changed)+8)
+		for _, f := range last {
+			if !set[f.Service.Name] {
+				view = append(view, f)
+			}
+		}
+		ports = func(yield func(config.ServicePortName, *config.ServicePort) bool) {
+			for _, name := range changed {
+				if sp := st.Ports[name]; sp != nil && !yield(name, sp) {
+					return
+				}
+			}
+		}
+	}
 	// Ports with a NodePort first, the oldest Service first: of two that
 	// claim the same NodePort, the same one wins at every start.
 	var claims []*config.ServicePort
-	for _, sp := range st.Ports {
+	for _, sp := range ports {
 		if sp.NodePort != 0 {
 			claims = append(claims, sp)
 		}
@@ -463,7 +516,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	// with ports chosen from each one's preferred port upwards, a restart
 	// opens the same Services on the same ports (and finds its rules).
 	var opening []*config.ServicePort
-	for name, sp := range st.Ports {
+	for name, sp := range ports {
 		if sp.NodePort != 0 {
 			continue
 		}
@@ -495,6 +548,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	for _, fe := range gone {
 		fe.stop()
 	}
+	p.synced = st
 	p.viewMu.Lock()
 	p.view, p.sorted = view, nil // sorted when first read: sorting 10k costs ms
 	p.viewNode, p.viewZone = st.Node, st.Zone
@@ -613,6 +667,39 @@ const syncBurst = 2
 
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
 const bulkSync = 1000
+
+// changedSince returns the names of the ports that may differ between st
+// and the State synced last, when st says so (nil: visit every port). A
+// full visit is kept for what only it does: verify the rules, choose
+// endpoints again for a new zone, retry listeners and NodePorts that
+// failed.
+func (p *Proxier) changedSince(st *config.State, verify bool) []config.ServicePortName {
+	last := p.synced
+	if verify || last == nil || st == last || st.Since == 0 || st.Since != last.Seq ||
+		st.Zone != p.zone || st.Node != last.Node || p.failing > 0 {
+		return nil
+	}
+	names := make([]config.ServicePortName, 0, len(st.Changed))
+	seen := make(map[config.ServicePortName]bool, len(st.Changed))
+	for _, name := range st.Changed {
+		if !seen[name] {
+			seen[name] = true
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// allFrontendKeys lists every key a frontend of the port name may have.
+func allFrontendKeys(name config.ServicePortName) []frontendKey {
+	keys := make([]frontendKey, 0, 6)
+	for _, fam := range []int{4, 6} {
+		for _, kind := range []Kind{KindAll, KindInternal, KindExternal} {
+			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
+		}
+	}
+	return keys
+}
 
 // needsListener says whether a frontend of keys has no listener yet.
 func (p *Proxier) needsListener(keys []frontendKey) bool {

@@ -52,6 +52,8 @@ type options struct {
 	profile   string
 	heap      string
 	startProf string
+	logLevel  string
+	logs      string
 }
 
 func main() {
@@ -67,6 +69,8 @@ func main() {
 	flag.StringVar(&o.minPeriod, "min-sync-period", "", "pass --min-sync-period to the daemon (default: the daemon's)")
 	flag.StringVar(&o.heap, "heap", "", "save the daemon's heap profile (in use, after a GC) when it serves, steady, to this file")
 	flag.StringVar(&o.startProf, "start-profile", "", "write a CPU profile of the daemon's first 3 s after its restart's caches synced to this file")
+	flag.StringVar(&o.logLevel, "log-level", "", "pass --log-level to the daemon (debug: each sync's and rule write's duration)")
+	flag.StringVar(&o.logs, "logs", "", "keep the daemons' logs in this directory")
 	flag.StringVar(&o.profile, "profile", "", "write a CPU profile of the daemon during the churn (its first 30 s) to this file")
 	flag.Parse()
 	if os.Geteuid() != 0 {
@@ -113,6 +117,13 @@ func (b *bench) cleanup() {
 	}
 	_ = exec.Command("ip", "netns", "del", b.ns).Run()
 	if b.tmp != "" {
+		if b.o.logs != "" {
+			logs, _ := filepath.Glob(filepath.Join(b.tmp, "daemon-*.log"))
+			_ = os.MkdirAll(b.o.logs, 0o755)
+			for _, l := range logs {
+				_ = os.Rename(l, filepath.Join(b.o.logs, filepath.Base(l)))
+			}
+		}
 		os.RemoveAll(b.tmp)
 	}
 }
@@ -361,6 +372,9 @@ func (b *bench) daemon(ctx context.Context) (*proc, error) {
 		"--metrics-bind-address", "127.0.0.1:10249", "--healthz-bind-address", "127.0.0.1:10256"}
 	if b.o.profile != "" || b.o.heap != "" || b.o.startProf != "" {
 		args = append(args, "--profiling")
+	}
+	if b.o.logLevel != "" {
+		args = append(args, "--log-level", b.o.logLevel)
 	}
 	if b.o.minPeriod != "" {
 		args = append(args, "--min-sync-period", b.o.minPeriod)

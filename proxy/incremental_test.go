@@ -1,0 +1,121 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"math/rand/v2"
+	"net/netip"
+	"testing"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// A sync that visits only the ports a State names as changed ends where a
+// sync of every port ends: the same frontends, each serving the State's
+// port, and the same view for the rules. 200 random steps of adds, deletes,
+// endpoint changes, traffic policy splits (two frontends) and joins, and
+// re-adds of the same pointer.
+func TestIncrementalSyncEqualsFull(t *testing.T) {
+	if _, err := RaiseFileLimit(); err != nil {
+		t.Skip(err)
+	}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	mk := func() *Proxier {
+		p := New(Config{BindAddress: loopback, Log: log})
+		p.ctx = context.Background()
+		return p
+	}
+	inc, full := mk(), mk()
+	defer inc.shutdown(0)
+	defer full.shutdown(0)
+	r := rand.New(rand.NewPCG(3, 4))
+	port := func(i int) *config.ServicePort {
+		sp := svc(fmt.Sprintf("s%d", i), config.TCP)
+		sp.ClusterIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 96, 0, byte(i + 1)})}
+		for e := 0; e < r.IntN(4); e++ {
+			sp.Endpoints = append(sp.Endpoints, config.Endpoint{Addr: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 244, 0, byte(r.IntN(5) + 1)}), 8080),
+				Ready: true, Serving: true, NodeName: []string{"node-a", "node-b"}[r.IntN(2)]})
+		}
+		if r.IntN(3) == 0 {
+			sp.ExternalIPs = []netip.Addr{netip.AddrFrom4([4]byte{192, 0, 2, byte(i + 1)})}
+			sp.ExternalLocal = r.IntN(2) == 0 // a split into internal and external frontends
+		}
+		return sp
+	}
+	ports := map[config.ServicePortName]*config.ServicePort{}
+	var seq uint64
+	visitedOnly := 0
+	for step := 0; step < 200; step++ {
+		next := maps.Clone(ports)
+		var changed []config.ServicePortName
+		for k := 0; k < 1+r.IntN(3); k++ {
+			i := r.IntN(25)
+			name := config.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("s%d", i)}
+			switch op := r.IntN(5); {
+			case op == 0:
+				delete(next, name)
+			case op == 1 && next[name] != nil:
+				// Named as changed, yet the same pointer.
+			default:
+				next[name] = port(i)
+			}
+			changed = append(changed, name)
+		}
+		seq++
+		since := seq - 1
+		st := &config.State{Ports: next, Node: "node-a", Seq: seq, Since: since, Changed: changed}
+		if got := inc.changedSince(st, false); got != nil {
+			visitedOnly++
+		}
+		if err := inc.sync(st, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := full.sync(&config.State{Ports: next, Node: "node-a"}, false); err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range []*Proxier{inc, full} {
+			for key, fe := range p.frontends {
+				if fe.spec != next[key.Name] {
+					t.Fatalf("step %d: %v serves a stale port (%p, want %p)", step, key, fe.spec, next[key.Name])
+				}
+			}
+		}
+		if a, b := viewSet(t, inc.view), viewSet(t, full.view); !maps.Equal(a, b) {
+			t.Fatalf("step %d: incremental view\n%v\nfull view\n%v", step, a, b)
+		}
+		if len(inc.frontends) != len(full.frontends) || len(inc.view) != len(inc.frontends) {
+			t.Fatalf("step %d: %d frontends (view %d), full %d", step, len(inc.frontends), len(inc.view), len(full.frontends))
+		}
+		for key := range full.frontends {
+			if inc.frontends[key] == nil {
+				t.Fatalf("step %d: %v missing from the incremental sync", step, key)
+			}
+		}
+		ports = next
+	}
+	if visitedOnly < 150 {
+		t.Errorf("only %d of 200 syncs visited the changed ports alone", visitedOnly)
+	}
+}
+
+// viewSet is a view as a set, without listener ports (two proxiers choose
+// their own); a key twice fails the test.
+func viewSet(t *testing.T, view []Frontend) map[frontendKey]*config.ServicePort {
+	t.Helper()
+	out := map[frontendKey]*config.ServicePort{}
+	for _, f := range view {
+		if f.Err != nil {
+			t.Fatalf("%v: %v", f.key(), f.Err)
+		}
+		if _, dup := out[f.key()]; dup {
+			t.Fatalf("%v twice in the view", f.key())
+		}
+		out[f.key()] = f.Service
+	}
+	return out
+}
