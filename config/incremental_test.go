@@ -31,7 +31,8 @@ func TestIncrementalReloadMatchesFullLoad(t *testing.T) {
 		return "# nothing\n"
 	}
 	incr := newManifestCache()
-	compared := 0
+	compared, hinted := 0, 0
+	var prev *State
 	for step := 0; step < 400; step++ {
 		file := filepath.Join(dir, fmt.Sprintf("f%d.yaml", rng.IntN(4)))
 		if rng.IntN(6) == 0 {
@@ -54,6 +55,28 @@ func TestIncrementalReloadMatchesFullLoad(t *testing.T) {
 			continue
 		}
 		compared++
+		// The hints name every port that differs from the last State.
+		if prev != nil && got.Since != 0 {
+			if got.Since != prev.Seq || got.Seq != prev.Seq+1 {
+				t.Fatalf("step %d: seq %d since %d after seq %d", step, got.Seq, got.Since, prev.Seq)
+			}
+			hinted++
+			named := map[ServicePortName]bool{}
+			for _, n := range got.Changed {
+				named[n] = true
+			}
+			for name, sp := range got.Ports {
+				if o := prev.Ports[name]; o != sp && !named[name] {
+					t.Fatalf("step %d: %s changed but is not named in Changed %v", step, name, got.Changed)
+				}
+			}
+			for name := range prev.Ports {
+				if got.Ports[name] == nil && !named[name] {
+					t.Fatalf("step %d: %s is gone but not named in Changed %v", step, name, got.Changed)
+				}
+			}
+		}
+		prev = got
 		if len(got.Ports) != len(want.Ports) {
 			t.Fatalf("step %d: %d ports, full load has %d", step, len(got.Ports), len(want.Ports))
 		}
@@ -62,6 +85,9 @@ func TestIncrementalReloadMatchesFullLoad(t *testing.T) {
 				t.Fatalf("step %d: %s is %+v, full load has %+v", step, name, g, sp)
 			}
 		}
+	}
+	if hinted < 50 {
+		t.Fatalf("only %d reloads said what changed", hinted)
 	}
 	if compared < 100 {
 		t.Fatalf("only %d of 400 steps loaded without error: the generator makes too many bad sets", compared)

@@ -175,6 +175,10 @@ func (c *manifestCache) load(path, node string) (*State, []Skipped, error) {
 	if err != nil {
 		return nil, nil, err
 	}
+	st.Seq = 1
+	if c.state != nil {
+		st.Seq = c.state.Seq + 1 // Since stays 0 unless combineChanged set it
+	}
 	c.files, c.state = seen, st // only a fully good load replaces the cache
 	return st, skipped, nil
 }
@@ -218,14 +222,19 @@ func combineChanged(results []*fileResult, node string, prev *State, changed []*
 	if err != nil {
 		return nil, nil, err
 	}
-	st := &State{Ports: make(map[ServicePortName]*ServicePort, len(prev.Ports)+len(joined.Ports)), Node: node}
+	// Since and Changed tell the proxier which ports to look at: those of
+	// the Services joined again, as they were and as they are.
+	st := &State{Ports: make(map[ServicePortName]*ServicePort, len(prev.Ports)+len(joined.Ports)), Node: node, Since: prev.Seq}
 	for name, sp := range prev.Ports {
 		if !keys[[2]string{name.Namespace, name.Name}] {
 			st.Ports[name] = sp
+		} else {
+			st.Changed = append(st.Changed, name)
 		}
 	}
 	for name, sp := range joined.Ports {
 		st.Ports[name] = sp
+		st.Changed = append(st.Changed, name)
 	}
 	applyNode(st, results)
 	return st, append(skipped, subSkipped...), nil

@@ -119,3 +119,32 @@ func viewSet(t *testing.T, view []Frontend) map[frontendKey]*config.ServicePort 
 	}
 	return out
 }
+
+// States that arrive while none is synced merge: the one synced says what
+// changed since the one synced before, so the sync still visits only those.
+func TestUpdateMergesChanges(t *testing.T) {
+	p := New(Config{})
+	a := config.ServicePortName{Namespace: "ns", Name: "a"}
+	b := config.ServicePortName{Namespace: "ns", Name: "b"}
+	s1 := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Seq: 1}
+	p.synced = s1
+	p.Update(&config.State{Ports: s1.Ports, Seq: 2, Since: 1, Changed: []config.ServicePortName{a}})
+	s3 := &config.State{Ports: s1.Ports, Seq: 3, Since: 2, Changed: []config.ServicePortName{b}}
+	p.Update(s3)
+	got := p.pending
+	if got.Seq != 3 || got.Since != 1 || len(got.Changed) != 2 || got.Changed[0] != a || got.Changed[1] != b {
+		t.Fatalf("merged State: seq %d since %d changed %v, want 3, 1, [a b]", got.Seq, got.Since, got.Changed)
+	}
+	if len(s3.Changed) != 1 {
+		t.Error("the source's State was changed")
+	}
+	if names := p.changedSince(got, false); len(names) != 2 {
+		t.Errorf("changedSince: %v, want both ports", names)
+	}
+	// A State made from nothing (Since 0) merges into a full visit.
+	p.Update(&config.State{Ports: s1.Ports, Seq: 4})
+	p.Update(&config.State{Ports: s1.Ports, Seq: 5, Since: 4, Changed: []config.ServicePortName{a}})
+	if names := p.changedSince(p.pending, false); names != nil {
+		t.Errorf("after a State made from nothing: changedSince %v, want a full visit", names)
+	}
+}

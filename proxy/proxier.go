@@ -233,6 +233,14 @@ func (p *Proxier) Update(st *config.State) {
 		p.queuedAt = time.Now()
 		syncLastQueued.SetToCurrentTime()
 	}
+	if prev := p.pending; prev != nil && prev.Seq != 0 && st.Since == prev.Seq {
+		// Merged with the State not synced yet, st still says what changed
+		// since the one synced last.
+		merged := *st
+		merged.Since = prev.Since
+		merged.Changed = append(slices.Clip(prev.Changed), st.Changed...)
+		st = &merged
+	}
 	p.pending = st
 	p.mu.Unlock()
 	serviceChangesTotal.Add(float64(svcChanges))
