@@ -210,6 +210,10 @@ func (f *family) run(bin string, args []string, stdin string) error {
 
 // Sync implements proxy.Rules.
 func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify bool) error {
+	return r.sync(ctx, frontends, verify, nil)
+}
+
+func (r *Rules) sync(ctx context.Context, frontends []proxy.Frontend, verify bool, h *hint) error {
 	var errs *multierror.Error
 	for _, f := range r.families {
 		mine := ofFamily(frontends, f.fam)
@@ -217,7 +221,7 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		r.mu.Lock()
 		r.writes[f.fam]++ // odd: writing
 		r.mu.Unlock()
-		nat, filter, err := f.sync(mine, opts, verify, r.log)
+		nat, filter, err := f.sync(mine, opts, verify, h, r.log)
 		if err != nil {
 			r.mu.Lock()
 			r.writes[f.fam]++
@@ -247,6 +251,20 @@ func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		}
 	}
 	return nil
+}
+
+// SyncChanged is Sync when only the frontends of changed were served again
+// since the last Sync (fresh: those of them that are in frontends): the
+// rules of the other frontends are not looked at. Anything unusual (the
+// first sync, new node addresses, a drift) takes the full Sync.
+func (r *Rules) SyncChanged(ctx context.Context, frontends []proxy.Frontend, changed []config.ServicePortName, fresh []proxy.Frontend) error {
+	return r.sync(ctx, frontends, false, &hint{changed: changed, fresh: fresh})
+}
+
+// hint says which frontends a sync must look at (nil: all).
+type hint struct {
+	changed []config.ServicePortName
+	fresh   []proxy.Frontend
 }
 
 // ofFamily returns the frontends of family fam that have a listener: the
@@ -333,7 +351,7 @@ func LocalAddrs(fam int, cidrs []netip.Prefix) []netip.Addr {
 // the few tree chains on its path); otherwise, or when verify finds the live
 // rules differ, it rewrites all of our chains and deletes any other chain of
 // ours. It returns the rule counts per table.
-func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify bool, log logrus.FieldLogger) (nat, filter int, err error) {
+func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
 	if !reflect.DeepEqual(opts, f.opts) {
 		f.records = nil // node addresses changed: every NodePort rule may
 	}
@@ -354,7 +372,12 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 		}
 	}
 	start := time.Now()
-	changed := f.update(frontends)
+	var changed bool
+	if h != nil && f.records != nil && f.installed != nil {
+		changed = f.updateChanged(h)
+	} else {
+		changed = f.update(frontends)
+	}
 	if f.installed != nil && !changed {
 		nat, filter = f.installed.Count()
 		return nat, filter, nil
@@ -476,6 +499,48 @@ func (f *family) update(frontends []proxy.Frontend) bool {
 			delete(f.records, k)
 			gone = append(gone, rec.rules...)
 			changed = true
+		}
+	}
+	f.updateTrees(gone, added)
+	return changed
+}
+
+// updateChanged is update for the frontends of h's service ports alone.
+func (f *family) updateChanged(h *hint) bool {
+	fresh := make(map[feKey]proxy.Frontend, len(h.fresh))
+	for _, fe := range h.fresh {
+		if fe.Family == f.fam && fe.Err == nil {
+			fresh[feKey{fe.Service.Name, fe.Kind}] = fe
+		}
+	}
+	var gone, added []leafRule
+	changed := false
+	done := make(map[config.ServicePortName]bool, len(h.changed))
+	for _, name := range h.changed {
+		if done[name] {
+			continue // listed twice: looked at once
+		}
+		done[name] = true
+		for _, kind := range []proxy.Kind{proxy.KindAll, proxy.KindInternal, proxy.KindExternal} {
+			k := feKey{name, kind}
+			old, fe := f.records[k], fresh[k]
+			switch {
+			case old == nil && fe.Service == nil:
+				continue
+			case old != nil && fe.Service != nil && sameRules(old.fe, fe):
+				old.fe = fe
+				continue
+			case old != nil:
+				gone = append(gone, old.rules...)
+				delete(f.records, k)
+				changed = true
+			}
+			if fe.Service != nil {
+				rec := &feRules{fe: fe, rules: renderFrontend(fe, f.opts), seen: f.gen}
+				f.records[k] = rec
+				added = append(added, rec.rules...)
+				changed = true
+			}
 		}
 	}
 	f.updateTrees(gone, added)

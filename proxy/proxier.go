@@ -140,6 +140,14 @@ type Rules interface {
 	Sync(ctx context.Context, frontends []Frontend, verify bool) error
 }
 
+// ChangeSyncer is implemented by Rules that can be told what changed since
+// their last Sync (iptables.Rules): the frontends of the changed service
+// ports are fresh, the tail of frontends; every other frontend is as it was.
+// At 10k service ports looking at every frontend cost 5-12 ms per sync.
+type ChangeSyncer interface {
+	SyncChanged(ctx context.Context, frontends []Frontend, changed []config.ServicePortName, fresh []Frontend) error
+}
+
 // RuleChecker is implemented by Rules that can compare the kernel's rules
 // with those last written while Syncs go on (iptables.Rules): the proxier
 // then checks every sync period beside its syncs instead of verifying inside
@@ -473,6 +481,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 	rezone := st.Zone != p.zone
 	p.zone = st.Zone
 	var view []Frontend
+	unchanged := 0 // view[:unchanged] is as the last sync left it
 	var ports func(yield func(config.ServicePortName, *config.ServicePort) bool)
 	if changed == nil {
 		view = make([]Frontend, 0, max(len(p.frontends), len(st.Ports))+8)
@@ -499,6 +508,7 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 				view = append(view, f)
 			}
 		}
+		unchanged = len(view)
 		ports = func(yield func(config.ServicePortName, *config.ServicePort) bool) {
 			for _, name := range changed {
 				if sp := st.Ports[name]; sp != nil && !yield(name, sp) {
@@ -564,7 +574,13 @@ func (p *Proxier) sync(st *config.State, verify bool) error {
 
 	var err error
 	if p.cfg.Rules != nil {
-		if err = p.cfg.Rules.Sync(p.ctx, view, verify); err != nil {
+		cs, ok := p.cfg.Rules.(ChangeSyncer)
+		if changed != nil && ok {
+			err = cs.SyncChanged(p.ctx, view, changed, view[unchanged:])
+		} else {
+			err = p.cfg.Rules.Sync(p.ctx, view, verify)
+		}
+		if err != nil {
 			log.WithError(err).Error("Rule sync failed; will retry")
 		}
 	}

@@ -32,8 +32,10 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -97,6 +99,11 @@ type bench struct {
 	http   *http.Client
 	procs  []running
 	rows   [][2]string
+
+	// seen is when this process's watch saw the last event of each object
+	// ("slice/name", "service/name"): about when the daemon's did.
+	seenMu sync.Mutex
+	seen   map[string]time.Time
 }
 
 func (b *bench) sh(args ...string) error {
@@ -259,19 +266,30 @@ func (b *bench) run(ctx context.Context) error {
 	b.record("start → serving, beyond the initial LIST", secs(serving-listed))
 	b.record("daemon RSS peak from start to serving", mib(d.peak()))
 
-	// 3. One change at a time.
-	var adds, changes, deletes []time.Duration
+	// 3. One change at a time, from the API call and from the watch event
+	// (this process's own watch: about when the daemon's saw it).
+	if b.o.runs > 0 {
+		if err := b.watchEvents(ctx); err != nil {
+			return err
+		}
+	}
+	var adds, changes, deletes [2][]time.Duration
 	for i := 0; i < b.o.runs; i++ {
 		a, c, del, err := b.oneChange(ctx, i)
 		if err != nil {
 			return err
 		}
-		adds, changes, deletes = append(adds, a), append(changes, c), append(deletes, del)
+		for k := range 2 {
+			adds[k], changes[k], deletes[k] = append(adds[k], a[k]), append(changes[k], c[k]), append(deletes[k], del[k])
+		}
 	}
 	if b.o.runs > 0 {
-		b.record("add a Service and its slice → traffic (median / max)", medMax(adds))
-		b.record("change a slice's endpoint → traffic (median / max)", medMax(changes))
-		b.record("delete a Service → traffic refused (median / max)", medMax(deletes))
+		b.record("add a Service and its slice → traffic, from the API call (median / max)", medMax(adds[0]))
+		b.record("add a Service and its slice → traffic, from the slice's watch event", medMax(adds[1]))
+		b.record("change a slice's endpoint → traffic, from the API call", medMax(changes[0]))
+		b.record("change a slice's endpoint → traffic, from the watch event", medMax(changes[1]))
+		b.record("delete a Service → traffic refused, from the API call", medMax(deletes[0]))
+		b.record("delete a Service → traffic refused, from the watch event", medMax(deletes[1]))
 	}
 
 	// 4. Churn: endpoint changes at a steady rate, then one more change
@@ -294,7 +312,7 @@ func (b *bench) run(ctx context.Context) error {
 		if err := <-profiled; err != nil {
 			return fmt.Errorf("profile: %w", err)
 		}
-		lag, err := b.switchBackend(ctx, p)
+		lag, _, err := b.switchBackend(ctx, p)
 		if err != nil {
 			return err
 		}
@@ -590,9 +608,67 @@ func (b *bench) probeService(ctx context.Context, name string, octet int) (probe
 	return p, b.until(ctx, time.Minute, func() bool { return b.answer(p.addr) == "A" })
 }
 
+// watchEvents records when each Service and EndpointSlice event of the
+// bench namespace arrives, from now on, until ctx ends.
+func (b *bench) watchEvents(ctx context.Context) error {
+	b.seen = map[string]time.Time{}
+	for _, kind := range []string{"service", "slice"} {
+		var w watch.Interface
+		var err error
+		// From the current resource version: no event for what exists.
+		if kind == "service" {
+			l, lerr := b.client.CoreV1().Services("bench").List(ctx, metav1.ListOptions{Limit: 1})
+			if lerr != nil {
+				return lerr
+			}
+			w, err = b.client.CoreV1().Services("bench").Watch(ctx, metav1.ListOptions{ResourceVersion: l.ResourceVersion})
+		} else {
+			l, lerr := b.client.DiscoveryV1().EndpointSlices("bench").List(ctx, metav1.ListOptions{Limit: 1})
+			if lerr != nil {
+				return lerr
+			}
+			w, err = b.client.DiscoveryV1().EndpointSlices("bench").Watch(ctx, metav1.ListOptions{ResourceVersion: l.ResourceVersion})
+		}
+		if err != nil {
+			return err
+		}
+		go func() {
+			defer w.Stop()
+			for ev := range w.ResultChan() {
+				now := time.Now()
+				if m, err := meta.Accessor(ev.Object); err == nil {
+					b.seenMu.Lock()
+					b.seen[kind+"/"+m.GetName()] = now
+					b.seenMu.Unlock()
+				}
+			}
+		}()
+	}
+	return nil
+}
+
+// sinceEvent is how long before at the last event of key arrived (0 when
+// none was seen: the watch lags, which the figure then hides).
+func (b *bench) sinceEvent(key string, at time.Time) time.Duration {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b.seenMu.Lock()
+		t, ok := b.seen[key]
+		b.seenMu.Unlock()
+		if ok || time.Now().After(deadline) {
+			if !ok {
+				return 0
+			}
+			return at.Sub(t)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // oneChange measures an add (Service, then its slice: from the slice's
-// API call), a change (the slice's endpoint from A to B) and a delete.
-func (b *bench) oneChange(ctx context.Context, i int) (add, change, del time.Duration, err error) {
+// API call, and from its watch event), a change (the slice's endpoint
+// from A to B) and a delete; [0] from the API call, [1] from the event.
+func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.Duration, err error) {
 	name := fmt.Sprintf("probe-%d", i)
 	ip := fmt.Sprintf("10.96.%d.1", 210+i)
 	// Each measured change is a lone one: after a quiet time longer than
@@ -609,11 +685,14 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del time.Dur
 	if err = b.until(ctx, time.Minute, func() bool { return b.answer(ip+":80") == "A" }); err != nil {
 		return
 	}
-	add = time.Since(t)
+	done := time.Now()
+	add = [2]time.Duration{done.Sub(t), b.sinceEvent("slice/"+name, done)}
 	lone()
-	if change, err = b.switchBackend(ctx, probe{name: name, addr: ip + ":80"}); err != nil {
+	var at time.Time
+	if change[0], at, err = b.switchBackend(ctx, probe{name: name, addr: ip + ":80"}); err != nil {
 		return
 	}
+	change[1] = b.sinceEvent("slice/"+name, at)
 	lone()
 	if err = b.client.CoreV1().Services("bench").Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		return
@@ -622,29 +701,31 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del time.Dur
 	if err = b.until(ctx, time.Minute, func() bool { return !b.accepts(ip + ":80") }); err != nil {
 		return
 	}
-	del = time.Since(t)
+	done = time.Now()
+	del = [2]time.Duration{done.Sub(t), b.sinceEvent("service/"+name, done)}
 	_ = b.client.DiscoveryV1().EndpointSlices("bench").Delete(ctx, name, metav1.DeleteOptions{})
 	return
 }
 
 // switchBackend moves the probe's endpoint to the other backend and returns
-// how long after the API call traffic reached it.
-func (b *bench) switchBackend(ctx context.Context, p probe) (time.Duration, error) {
+// how long after the API call traffic reached it, and when.
+func (b *bench) switchBackend(ctx context.Context, p probe) (time.Duration, time.Time, error) {
 	want, addr := "B", "10.244.0.2"
 	if b.answer(p.addr) == "B" {
 		want, addr = "A", "10.244.0.1"
 	}
 	es, err := b.client.DiscoveryV1().EndpointSlices("bench").Get(ctx, p.name, metav1.GetOptions{})
 	if err != nil {
-		return 0, err
+		return 0, time.Time{}, err
 	}
 	es.Endpoints[0].Addresses = []string{addr}
 	if _, err := b.client.DiscoveryV1().EndpointSlices("bench").Update(ctx, es, metav1.UpdateOptions{}); err != nil {
-		return 0, err
+		return 0, time.Time{}, err
 	}
 	t := time.Now()
 	err = b.until(ctx, time.Minute, func() bool { return b.answer(p.addr) == want })
-	return time.Since(t), err
+	done := time.Now()
+	return done.Sub(t), done, err
 }
 
 // churn flips one endpoint's readiness in a random slice, rate times a
