@@ -647,19 +647,19 @@ func (b *bench) watchEvents(ctx context.Context) error {
 	return nil
 }
 
-// sinceEvent is how long before at the last event of key arrived (0 when
-// none was seen: the watch lags, which the figure then hides).
-func (b *bench) sinceEvent(key string, at time.Time) time.Duration {
+// sinceEvent is how long before at the first event of key at or after
+// from arrived (0 when none came within 5 s).
+func (b *bench) sinceEvent(key string, from, at time.Time) time.Duration {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		b.seenMu.Lock()
 		t, ok := b.seen[key]
 		b.seenMu.Unlock()
-		if ok || time.Now().After(deadline) {
-			if !ok {
-				return 0
-			}
+		if ok && !t.Before(from) {
 			return at.Sub(t)
+		}
+		if time.Now().After(deadline) {
+			return 0
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -678,6 +678,7 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 	if _, err = b.client.CoreV1().Services("bench").Create(ctx, service(name, ip), metav1.CreateOptions{}); err != nil {
 		return
 	}
+	called := time.Now()
 	if _, err = b.client.DiscoveryV1().EndpointSlices("bench").Create(ctx, slice(name, []string{"10.244.0.1"}, 8080), metav1.CreateOptions{}); err != nil {
 		return
 	}
@@ -686,14 +687,16 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 		return
 	}
 	done := time.Now()
-	add = [2]time.Duration{done.Sub(t), b.sinceEvent("slice/"+name, done)}
+	add = [2]time.Duration{done.Sub(t), b.sinceEvent("slice/"+name, called, done)}
 	lone()
 	var at time.Time
+	called = time.Now()
 	if change[0], at, err = b.switchBackend(ctx, probe{name: name, addr: ip + ":80"}); err != nil {
 		return
 	}
-	change[1] = b.sinceEvent("slice/"+name, at)
+	change[1] = b.sinceEvent("slice/"+name, called, at)
 	lone()
+	called = time.Now()
 	if err = b.client.CoreV1().Services("bench").Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		return
 	}
@@ -702,7 +705,7 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 		return
 	}
 	done = time.Now()
-	del = [2]time.Duration{done.Sub(t), b.sinceEvent("service/"+name, done)}
+	del = [2]time.Duration{done.Sub(t), b.sinceEvent("service/"+name, called, done)}
 	_ = b.client.DiscoveryV1().EndpointSlices("bench").Delete(ctx, name, metav1.DeleteOptions{})
 	return
 }
