@@ -521,7 +521,7 @@ func (f *family) updateChanged(h *hint) bool {
 			continue // listed twice: looked at once
 		}
 		done[name] = true
-		for _, kind := range []proxy.Kind{proxy.KindAll, proxy.KindInternal, proxy.KindExternal} {
+		for _, kind := range proxy.Kinds {
 			k := feKey{name, kind}
 			old, fe := f.records[k], fresh[k]
 			switch {

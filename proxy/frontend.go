@@ -27,6 +27,9 @@ const (
 	KindExternal Kind = "external"
 )
 
+// Kinds lists every Kind.
+var Kinds = [...]Kind{KindAll, KindInternal, KindExternal}
+
 type frontendKey struct {
 	Name   config.ServicePortName
 	Kind   Kind
@@ -199,6 +202,19 @@ func (fe *frontend) log() logrus.FieldLogger {
 	return fe.p.cfg.log().WithFields(logrus.Fields{
 		"service": fe.key.Name.String(), "protocol": fe.spec.Protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
 	})
+}
+
+// debug writes one of the frontend's debug lines, without making its logger
+// when debug lines are off: some come per connection or per datagram.
+func (fe *frontend) debug(fields logrus.Fields, err error, msg string) {
+	if !debugEnabled(fe.p.cfg.log()) {
+		return
+	}
+	l := fe.log().WithFields(fields)
+	if err != nil {
+		l = l.WithError(err)
+	}
+	l.Debug(msg)
 }
 
 // holdsNodePort reports whether the frontend holds the service's NodePort,

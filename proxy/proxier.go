@@ -718,7 +718,7 @@ func (p *Proxier) changedSince(st *config.State, verify bool) []config.ServicePo
 func allFrontendKeys(name config.ServicePortName) []frontendKey {
 	keys := make([]frontendKey, 0, 6)
 	for _, fam := range []int{4, 6} {
-		for _, kind := range []Kind{KindAll, KindInternal, KindExternal} {
+		for _, kind := range Kinds {
 			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
 		}
 	}

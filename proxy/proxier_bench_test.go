@@ -18,13 +18,7 @@ import (
 // a state with one more port (Update) and the sync goroutine opens its
 // listener. Each op adds the port and removes it again: two syncs.
 func BenchmarkSyncOneAddedAt10k(b *testing.B) {
-	if _, err := RaiseFileLimit(); err != nil {
-		b.Skip(err)
-	}
-	log := logrus.New()
-	log.SetOutput(io.Discard)
-	p := New(Config{BindAddress: loopback, Log: log})
-	p.ctx = context.Background()
+	p := benchProxier(b)
 	base := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
 	mk := func(i int) *config.ServicePort {
 		sp := svc(fmt.Sprintf("s%d", i), config.TCP, netip.MustParseAddrPort("10.1.0.1:8080"))
@@ -61,13 +55,7 @@ func BenchmarkSyncOneAddedAt10k(b *testing.B) {
 // from a source that says what changed (the cluster source): the sync
 // visits that port alone. Each op is two syncs (the change and back).
 func BenchmarkSyncOneChangedAt10k(b *testing.B) {
-	if _, err := RaiseFileLimit(); err != nil {
-		b.Skip(err)
-	}
-	log := logrus.New()
-	log.SetOutput(io.Discard)
-	p := New(Config{BindAddress: loopback, Log: log})
-	p.ctx = context.Background()
+	p := benchProxier(b)
 	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a", Seq: 1}
 	for i := 0; i < 10000; i++ {
 		sp := svc(fmt.Sprintf("s%d", i), config.TCP, netip.MustParseAddrPort("10.1.0.1:8080"))
@@ -96,4 +84,16 @@ func BenchmarkSyncOneChangedAt10k(b *testing.B) {
 			st = next
 		}
 	}
+}
+
+// benchProxier is a Proxier on loopback without rules, logging nowhere.
+func benchProxier(b *testing.B) *Proxier {
+	if _, err := RaiseFileLimit(); err != nil {
+		b.Skip(err)
+	}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	p := New(Config{BindAddress: loopback, Log: log})
+	p.ctx = context.Background()
+	return p
 }

@@ -123,8 +123,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		failure := sock.DialFailure(err)
 		c.addDialFailure(ep, failure)
 		dialFailures.WithLabelValues(f.m.service, ep.String(), failure).Inc()
-		f.log().WithFields(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}).
-			WithError(err).Debug("Dial failed")
+		f.debug(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}, err, "Dial failed")
 		if f.ctx.Err() != nil {
 			return nil, CauseShutdown
 		}

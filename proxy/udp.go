@@ -137,7 +137,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 		fl.touch()
 		fl.keep(buf[:n])
 		if err := fl.out.Send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
-			f.log().WithFields(logrus.Fields{"client": from, "endpoint": fl.endpoint}).WithError(err).Debug("UDP send to endpoint failed")
+			f.debug(logrus.Fields{"client": from, "endpoint": fl.endpoint}, err, "UDP send to endpoint failed")
 			f.endpointFailed(s, fl, fmt.Errorf("send: %w", err))
 			continue
 		}
@@ -173,7 +173,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		ep, why, ok := f.bal.Pick(client.Addr(), attempt)
 		if !ok {
 			f.m.get().noEndpoints.Inc()
-			f.log().WithField("client", client).Debug("UDP datagram dropped: no endpoints")
+			f.debug(logrus.Fields{"client": client}, nil, "UDP datagram dropped: no endpoints")
 			return nil
 		}
 		if ep == avoid {
@@ -366,7 +366,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		}
 		fl.touch()
 		if err := toClient.Send(buf[:n], fl.local, fl.client); err != nil {
-			f.log().WithField("client", fl.client).WithError(err).Debug("UDP reply to client failed")
+			f.debug(logrus.Fields{"client": fl.client}, err, "UDP reply to client failed")
 			continue
 		}
 		fl.down.Add(int64(n))
