@@ -204,15 +204,18 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 			DeleteFunc: func(any) { c.changed() },
 		}},
 	}
+	var handled []cache.InformerSynced // each handler has had the initial list
 	for _, x := range handlers {
 		// Only what the model reads is kept: at 10k Services the
 		// managed fields and foreign annotations were most of the cache.
 		if err := x.inf.SetTransform(slim); err != nil {
 			return nil, fmt.Errorf("setting the cache transform: %w", err)
 		}
-		if _, err := x.inf.AddEventHandler(x.h); err != nil {
+		reg, err := x.inf.AddEventHandler(x.h)
+		if err != nil {
 			return nil, fmt.Errorf("adding event handler: %w", err)
 		}
+		handled = append(handled, reg.HasSynced)
 		if err := x.inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
 			c.watchError(err)
 		}); err != nil {
@@ -233,7 +236,35 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 			}
 		}
 	}
+	// The handlers get the initial list after the caches have it: wait
+	// for them too, so that the State built from the caches next is not
+	// followed by a build of every Service their late events name.
+	if err := waitSynced(runCtx, handled); err != nil {
+		set.stop()
+		return nil, fmt.Errorf("event handlers did not sync: %w", err)
+	}
 	return set, nil
+}
+
+// waitSynced polls every 2 ms until each of synced holds (client-go's
+// WaitForCacheSync polls every 100 ms, a tenth of the start at 10k).
+func waitSynced(ctx context.Context, synced []cache.InformerSynced) error {
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		all := true
+		for _, ok := range synced {
+			all = all && ok()
+		}
+		if all {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+	}
 }
 
 // buildAll hands the Sink a State made from the whole caches: at the start
@@ -315,8 +346,25 @@ func (c *ClusterSource) build(inf *informerSet) {
 		}
 	}
 	c.setNode(inf, st)
+	if c.same(st) {
+		return // events that changed nothing the model reads: no sync
+	}
 	c.last = st
 	c.Sink.Update(st)
+}
+
+// same reports whether st, made by build, serves what the last State did:
+// every changed port is the last one's pointer and the node is as it was.
+func (c *ClusterSource) same(st *State) bool {
+	if st.Zone != c.last.Zone || st.NodeDeleting != c.last.NodeDeleting || len(st.Ports) != len(c.last.Ports) {
+		return false
+	}
+	for _, name := range st.Changed {
+		if st.Ports[name] != c.last.Ports[name] {
+			return false
+		}
+	}
+	return true
 }
 
 // setNode sets st's zone and NodeDeleting from this node's Node object.

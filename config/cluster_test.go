@@ -67,6 +67,33 @@ func TestClusterSourceFiltersAndUpdates(t *testing.T) {
 			t.Fatal("the informers never saw a change")
 		}
 	}
+	// An event that changes nothing the model reads (an annotation of
+	// another tool) hands on no State; the next real change does.
+	_, before := sink.last()
+	web, err := client.CoreV1().Services("ns").Get(ctx, "web", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	web.Annotations = map[string]string{"example.com/owner": "team-a"}
+	if _, err := client.CoreV1().Services("ns").Update(ctx, web, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.CoreV1().Services("ns").Create(ctx, svc("after", nil), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(5 * time.Second)
+	for {
+		if st, _ := sink.last(); st.Ports[ServicePortName{Namespace: "ns", Name: "after"}] != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the Service created after the annotation never showed")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, n := sink.last(); n != before+1 {
+		t.Fatalf("%d States for an annotation change and a new Service, want 1 (the annotation changes nothing)", n-before)
+	}
 	if err := client.CoreV1().Services("ns").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -62,7 +62,8 @@ type Rules struct {
 
 var _ proxy.Rules = (*Rules)(nil)
 
-// family writes the rules of one IP family. Owned by the sync goroutine.
+// family writes the rules of one IP family. Owned by the proxier's rule
+// writer (one Sync at a time).
 type family struct {
 	fam      int
 	restore  string

@@ -64,7 +64,8 @@ func startProxier(t *testing.T, cfg Config) *harness {
 	return h
 }
 
-// apply hands st to the proxier and waits until it is what the listeners serve.
+// apply hands st to the proxier and waits until it is what the listeners
+// serve and the rules were written for it (or failed).
 func (h *harness) apply(ports ...*config.ServicePort) {
 	h.t.Helper()
 	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
@@ -80,8 +81,15 @@ func (h *harness) apply(ports ...*config.ServicePort) {
 				n++
 			}
 		}
-		return n == len(view) && len(view) >= len(ports)
+		return n == len(view) && len(view) >= len(ports) && h.p.writtenFor() == st
 	})
+}
+
+// writtenFor returns the State the last rule write was made for.
+func (p *Proxier) writtenFor() *config.State {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.lastWritten
 }
 
 func (h *harness) port(name string) int {

@@ -365,3 +365,109 @@ func TestDuplicateNodePortGoesToTheOldest(t *testing.T) {
 		})
 	}
 }
+
+// gatedRules holds every Sync until the test lets it through: a rule write
+// that takes as long as the test wants.
+type gatedRules struct {
+	gate     chan struct{} // a held Sync returns after taking one value
+	free     chan struct{} // closed: no Sync is held
+	freeOnce sync.Once
+	mu       sync.Mutex
+	calls    int
+}
+
+func newGatedRules() *gatedRules {
+	return &gatedRules{gate: make(chan struct{}), free: make(chan struct{})}
+}
+
+func (r *gatedRules) Sync(ctx context.Context, _ []Frontend, _ bool) error {
+	r.mu.Lock()
+	r.calls++
+	r.mu.Unlock()
+	select {
+	case <-r.gate:
+	case <-r.free:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+func (r *gatedRules) open() { r.freeOnce.Do(func() { close(r.free) }) }
+
+func (r *gatedRules) started() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.calls
+}
+
+// While a rule write is in flight (a new Service's: tens of ms at 10k
+// service ports), the syncs that follow go on: an endpoint change reaches
+// its balancer at once, a removed Service is refused at once, and the port
+// of a closed listener stays taken until a write made after its closing
+// succeeded — not merely the one in flight.
+func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
+	base := closedPort(t).Port()
+	rules := newGatedRules()
+	t.Cleanup(rules.open) // before the proxier stops (cleanups run last first)
+	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 2}, Rules: rules})
+	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
+	state := func(ports ...*config.ServicePort) *config.State {
+		st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
+		for _, sp := range ports {
+			st.Ports[sp.Name] = sp
+		}
+		return st
+	}
+	h.p.Update(state(svc("one", config.TCP, a)))
+	waitFor(t, "the first write", func() bool { return rules.started() == 1 })
+	rules.gate <- struct{}{}
+	waitFor(t, "the first write done", func() bool { return h.p.Health().LastUpdated != time.Time{} })
+	one := h.addr("one")
+
+	// A new Service: its write is held.
+	h.p.Update(state(svc("one", config.TCP, a), svc("two", config.TCP, a)))
+	waitFor(t, "the second write", func() bool { return rules.started() == 2 })
+	// One's endpoints change while it is held.
+	h.p.Update(state(svc("one", config.TCP, b), svc("two", config.TCP, a)))
+	waitFor(t, "the endpoint change served during the write", func() bool { return fetchName(t, one) == "b" })
+	if fetchName(t, h.addr("two")) != "a" {
+		t.Fatal("the new Service is not served while its rules are written")
+	}
+	if rules.started() != 2 {
+		t.Fatalf("%d writes started while one was in flight", rules.started())
+	}
+	// One goes while the write is still held: refused at once.
+	h.p.Update(state(svc("two", config.TCP, a)))
+	waitFor(t, "the removed Service refused during the write", func() bool {
+		c, err := net.DialTimeout("tcp", one, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		return err != nil
+	})
+	// The held write completes; it was made before one closed, so one's
+	// port stays taken: a third Service finds the range full.
+	rules.gate <- struct{}{}
+	waitFor(t, "the merged write", func() bool { return rules.started() == 3 })
+	h.p.Update(state(svc("two", config.TCP, a), svc("three", config.TCP, a)))
+	waitFor(t, "three tried", func() bool {
+		for _, fe := range h.p.Frontends() {
+			if fe.Service.Name.Name == "three" {
+				return true
+			}
+		}
+		return false
+	})
+	for _, fe := range h.p.Frontends() {
+		if fe.Service.Name.Name == "three" && !errors.Is(fe.Err, ErrPortsExhausted) {
+			t.Fatalf("three got a port (err %v) before a write without one was done", fe.Err)
+		}
+	}
+	// Once the write without one is done, three gets its port (the
+	// proxier retries listeners it could not open).
+	rules.open()
+	waitFor(t, "three served after the write without one", func() bool {
+		return h.port("three") != 0 && fetchName(t, h.addr("three")) == "a"
+	})
+}
