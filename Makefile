@@ -78,7 +78,7 @@ bench: bench-tools
 # HAProxy, the least a Go program does per connection (test/bench/gofloor)
 # and this proxy, for the TCP figures: what the Go runtime costs (~4 minutes).
 bench-floor: bench-tools
-	PATHS="haproxy gofloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
+	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
 
 # What our rules cost the node's other traffic: loopback throughput, ping-pong
 # and new connections/s without and with 1, 100, 1000 and 10000 service ports,

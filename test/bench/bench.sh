@@ -27,12 +27,13 @@ N pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
 wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
 
 # The paths, each on its own service address.
-declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5)
+declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5 [ringfloor]=10.96.9.6)
 # gofloor (test/bench/gofloor, the least a Go program does per connection) is
 # not in the default set: add it to PATHS to see what the Go runtime costs,
 # e.g. PATHS="haproxy gofloor proxy" TESTS="tput4 cps rps" (make bench-floor).
+# ringfloor is the same program on io_uring (gofloor -engine ring).
 DEFAULT_PATHS="direct dnat haproxy socat proxy"
-[ "$SMOKE" = 1 ] && DEFAULT_PATHS="$DEFAULT_PATHS gofloor" # so that it cannot rot
+[ "$SMOKE" = 1 ] && DEFAULT_PATHS="$DEFAULT_PATHS gofloor ringfloor" # so that they cannot rot
 PATHS=${PATHS:-$DEFAULT_PATHS}
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
 TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog tax"}
@@ -43,6 +44,7 @@ for p in 8080:18080 9000:19000 5201:15201; do
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.2 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "${p#*:}"
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "2${p#*:1}"
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.5 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "3${p#*:1}"
+  N node iptables -w -t nat -A PREROUTING -d 10.96.9.6 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "4${p#*:1}"
 done
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
 cat > "$work/haproxy.cfg" <<EOF
@@ -73,6 +75,10 @@ N node socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>
 if runs gofloor; then
   N node "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 \
     >"$work/gofloor.log" 2>&1 &
+fi
+if runs ringfloor; then
+  N node "$BIN/gofloor" -engine ring -listen :48080=10.251.19.12:8080 -listen :49000=10.251.19.12:9000 -listen :45201=10.251.19.12:5201 \
+    >"$work/ringfloor.log" 2>&1 &
 fi
 cat > "$work/svc.yaml" <<'EOF'
 apiVersion: v1
@@ -106,6 +112,7 @@ proxypid() { # the process serving a path, for CPU and memory
     proxy) pgrep -f "kube-userspace-proxy --manifests $work" | head -1 ;;
     haproxy) pgrep -f "haproxy -f $work" | tail -1 ;;
     gofloor) pgrep -f "$BIN/gofloor -listen :38080" | head -1 ;;
+    ringfloor) pgrep -f "$BIN/gofloor -engine ring" | head -1 ;;
   esac
 }
 cputicks() { awk '{print $14+$15}' "/proc/$1/stat"; }
@@ -213,10 +220,11 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—
 
 table="$work/table.md"
 {
-  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor")
+  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor" [ringfloor]="Go ring floor")
   head="| metric"; rule="|---"
   for p in $PATHS; do head="$head | ${LABEL[$p]}"; rule="$rule|---:"; done
   if runs gofloor; then head="$head | Go floor ÷ HAProxy | proxy ÷ Go floor"; rule="$rule|---:|---:"; fi
+  if runs ringfloor; then head="$head | ring floor ÷ HAProxy | ring floor ÷ Go floor"; rule="$rule|---:|---:"; fi
   echo "$head | proxy ÷ direct | proxy ÷ HAProxy |"
   echo "$rule|---:|---:|"
   while read -r m label; do
@@ -225,6 +233,9 @@ table="$work/table.md"
     for p in $PATHS; do row="$row | $(value "$m" "$p")"; done
     if runs gofloor; then
       row="$row | $(ratio "$(value "$m" gofloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" proxy)" "$(value "$m" gofloor)")"
+    fi
+    if runs ringfloor; then
+      row="$row | $(ratio "$(value "$m" ringfloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" ringfloor)" "$(value "$m" gofloor)")"
     fi
     row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") |"
     echo "$row"

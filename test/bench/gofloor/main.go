@@ -86,14 +86,21 @@ func main() {
 	var routes listenFlags
 	flag.Var(&routes, "listen", "`:PORT=IP:PORT` to proxy (repeatable)")
 	loops := flag.Int("loops", runtime.GOMAXPROCS(0), "event loops")
+	engine := flag.String("engine", "epoll", "`epoll` (Go's poller and splice) or ring (io_uring, ring.go)")
 	flag.Parse()
-	if len(routes) == 0 || *loops < 1 {
-		fmt.Fprintln(os.Stderr, "usage: gofloor -listen :PORT=IP:PORT [-listen ...] [-loops N]")
+	if len(routes) == 0 || *loops < 1 || (*engine != "epoll" && *engine != "ring") {
+		fmt.Fprintln(os.Stderr, "usage: gofloor -listen :PORT=IP:PORT [-listen ...] [-loops N] [-engine epoll|ring]")
 		os.Exit(2)
 	}
 	errs := make(chan error, *loops)
 	for range *loops {
-		l, err := newLoop(routes)
+		var l eventLoop
+		var err error
+		if *engine == "ring" {
+			l, err = newRingLoop(routes)
+		} else {
+			l, err = newLoop(routes)
+		}
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "gofloor:", err)
 			os.Exit(1)
@@ -108,6 +115,12 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gofloor:", err)
 		os.Exit(1)
 	}
+}
+
+// eventLoop is one loop of either engine; run serves until stop.
+type eventLoop interface {
+	run() error
+	stop() error
 }
 
 // loop is one event loop: an epoll set with every listener (EPOLLEXCLUSIVE,

@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -12,9 +13,16 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// startFloor runs one loop that proxies a fresh listener to backend, and
-// returns the listener's address.
-func startFloor(t *testing.T, backend netip.AddrPort) string {
+// engines runs a test against both engines.
+func engines(t *testing.T, test func(t *testing.T, engine string)) {
+	for _, e := range []string{"epoll", "ring"} {
+		t.Run(e, func(t *testing.T) { test(t, e) })
+	}
+}
+
+// startFloor runs one loop of engine that proxies a fresh listener to
+// backend, and returns the listener's address.
+func startFloor(t *testing.T, engine string, backend netip.AddrPort) string {
 	t.Helper()
 	fd, err := listen(0)
 	if err != nil {
@@ -25,7 +33,13 @@ func startFloor(t *testing.T, backend netip.AddrPort) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := newLoop([]route{{fd: fd, backend: &unix.SockaddrInet4{Addr: backend.Addr().As4(), Port: int(backend.Port())}}})
+	routes := []route{{fd: fd, backend: &unix.SockaddrInet4{Addr: backend.Addr().As4(), Port: int(backend.Port())}}}
+	var l eventLoop
+	if engine == "ring" {
+		l, err = newRingLoop(routes)
+	} else {
+		l, err = newLoop(routes)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,7 +57,9 @@ func startFloor(t *testing.T, backend netip.AddrPort) string {
 // TestProxiesBothWaysWithHalfClose: a request, the client's FIN passed on,
 // then the backend's whole reply (larger than a pipe's first splice) and
 // its FIN.
-func TestProxiesBothWaysWithHalfClose(t *testing.T) {
+func TestProxiesBothWaysWithHalfClose(t *testing.T) { engines(t, proxiesBothWaysWithHalfClose) }
+
+func proxiesBothWaysWithHalfClose(t *testing.T, engine string) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -64,7 +80,7 @@ func TestProxiesBothWaysWithHalfClose(t *testing.T) {
 			_, _ = c.Write(reply)
 		}
 	}()
-	addr := startFloor(t, netip.MustParseAddrPort(ln.Addr().String()))
+	addr := startFloor(t, engine, netip.MustParseAddrPort(ln.Addr().String()))
 
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
@@ -87,14 +103,16 @@ func TestProxiesBothWaysWithHalfClose(t *testing.T) {
 
 // TestRefusedBackendResetsClient: nothing listens at the backend, so the
 // client's connection ends with a reset rather than hanging.
-func TestRefusedBackendResetsClient(t *testing.T) {
+func TestRefusedBackendResetsClient(t *testing.T) { engines(t, refusedBackendResetsClient) }
+
+func refusedBackendResetsClient(t *testing.T, engine string) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	dead := netip.MustParseAddrPort(ln.Addr().String())
 	ln.Close() // the port is now refused
-	addr := startFloor(t, dead)
+	addr := startFloor(t, engine, dead)
 
 	c, err := net.Dial("tcp", addr)
 	if errors.Is(err, unix.ECONNRESET) {
@@ -108,5 +126,107 @@ func TestRefusedBackendResetsClient(t *testing.T) {
 	_, err = io.ReadAll(c)
 	if !errors.Is(err, unix.ECONNRESET) {
 		t.Fatalf("read: got %v, want a reset", err)
+	}
+}
+
+// TestManyConnectionsAndASlowReader: 100 echo connections at once while
+// another connection's client does not read a 48 MiB reply for a while (the
+// ring engine's buffers run out: receives wait for buffers to come back),
+// then reads it all. Every byte arrives, in order, on every connection.
+func TestManyConnectionsAndASlowReader(t *testing.T) { engines(t, manyConnectionsAndASlowReader) }
+
+func manyConnectionsAndASlowReader(t *testing.T, engine string) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	const big = 48 << 20
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				var first [1]byte
+				if _, err := io.ReadFull(c, first[:]); err != nil {
+					return
+				}
+				if first[0] == 'B' { // the big reply
+					buf := make([]byte, 1<<20)
+					for i := range buf {
+						buf[i] = byte(i)
+					}
+					for sent := 0; sent < big; sent += len(buf) {
+						if _, err := c.Write(buf); err != nil {
+							return
+						}
+					}
+					return
+				}
+				_, _ = c.Write(first[:])
+				_, _ = io.Copy(c, c) // echo until the client's FIN
+			}()
+		}
+	}()
+	addr := startFloor(t, engine, netip.MustParseAddrPort(ln.Addr().String()))
+
+	slow, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer slow.Close()
+	_ = slow.SetDeadline(time.Now().Add(60 * time.Second))
+	if _, err := slow.Write([]byte("B")); err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 100)
+	for i := range 100 {
+		go func() {
+			c, err := net.Dial("tcp", addr)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(60 * time.Second))
+			msg := make([]byte, 64<<10)
+			for j := range msg {
+				msg[j] = byte(i + j)
+			}
+			go func() { _, _ = c.Write(append([]byte("e"), msg...)); _ = c.(*net.TCPConn).CloseWrite() }()
+			got, err := io.ReadAll(c)
+			if err != nil {
+				errs <- fmt.Errorf("echo %d: %w", i, err)
+				return
+			}
+			if string(got) != "e"+string(msg) {
+				errs <- fmt.Errorf("echo %d: got %d bytes, want %d, or other bytes", i, len(got), len(msg)+1)
+				return
+			}
+			errs <- nil
+		}()
+	}
+	time.Sleep(200 * time.Millisecond) // the slow client holds back; the echoes go on meanwhile
+	n := 0
+	buf := make([]byte, 1<<20)
+	for n < big {
+		m, err := slow.Read(buf)
+		for k := range m {
+			if buf[k] != byte((n+k)%(1<<20)) {
+				t.Fatalf("big reply: byte %d is %d", n+k, buf[k])
+			}
+		}
+		n += m
+		if err != nil {
+			t.Fatalf("big reply after %d bytes: %v", n, err)
+		}
+	}
+	for range 100 {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
 	}
 }
