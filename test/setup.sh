@@ -20,7 +20,8 @@ job=${1:-test}
 
 # command:package pairs per job.
 demo=(iptables-restore:iptables ip:iproute2 curl:curl sysctl:procps make:make git:git conntrack:conntrack unzip:unzip)
-test_=("${demo[@]}" nc:netcat-openbsd dig:dnsutils haproxy:haproxy nginx:nginx-light iperf3:iperf3 socat:socat sockperf:sockperf)
+test_=("${demo[@]}" nc:netcat-openbsd dig:dnsutils haproxy:haproxy nginx:nginx-light iperf3:iperf3 socat:socat sockperf:sockperf
+  /usr/lib/nginx/modules/ngx_stream_module.so:libnginx-mod-stream) # a path: a file, not a command
 case "$job" in
   demo) want=("${demo[@]}") ;;
   test | bench) want=("${test_[@]}") ;;
@@ -30,7 +31,11 @@ esac
 
 need=()
 for pair in "${want[@]}"; do
-  command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
+  what=${pair%%:*}
+  case "$what" in
+    /*) [ -e "$what" ] || need+=("${pair#*:}") ;;
+    *) command -v "$what" >/dev/null 2>&1 || need+=("${pair#*:}") ;;
+  esac
 done
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then

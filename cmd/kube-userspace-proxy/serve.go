@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
@@ -42,7 +41,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	case o.showRules:
 		return showRules(o, node, stdout)
 	}
-	setGCPercent(log)
+	gcCtx, stopGC := context.WithCancel(ctx)
+	gcDone := tuneGC(gcCtx, log, gcTunePeriod)
+	defer func() { stopGC(); <-gcDone }()
 	// Everything that can fail on bad input fails before the kernel is touched.
 	if err := checkLocal(o.bindAddress); err != nil {
 		return usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
@@ -273,21 +274,4 @@ func hasNetAdmin() (bool, error) {
 		}
 	}
 	return false, errors.New("no CapEff in /proc/self/status")
-}
-
-// defaultGCPercent is the garbage collector's target unless GOGC says
-// otherwise. The daemon's heap is mostly long-lived (the informers' caches,
-// the model, a listener and balancer per service port: ~65 MB at 10 000
-// Services), and Go's default lets the heap grow by as much again before it
-// collects. At 50 the daemon at 10k Services stays under 150 MiB; the cost is
-// more frequent collections of a heap that changes little (docs/benchmarks.md,
-// "The cluster source at scale"). As Prometheus, which sets 75.
-const defaultGCPercent = 50
-
-func setGCPercent(log logrus.FieldLogger) {
-	if v, set := os.LookupEnv("GOGC"); set {
-		log.WithField("GOGC", v).Debug("Garbage collector target from the environment")
-		return
-	}
-	debug.SetGCPercent(defaultGCPercent)
 }

@@ -27,12 +27,12 @@ N pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
 wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
 
 # The paths, each on its own service address.
-declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5 [ringfloor]=10.96.9.6)
+declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5 [ringfloor]=10.96.9.6 [nginx]=10.96.9.7)
 # gofloor (test/bench/gofloor, the least a Go program does per connection) is
 # not in the default set: add it to PATHS to see what the Go runtime costs,
 # e.g. PATHS="haproxy gofloor proxy" TESTS="tput4 cps rps" (make bench-floor).
 # ringfloor is the same program on io_uring (gofloor -engine ring).
-DEFAULT_PATHS="direct dnat haproxy socat proxy"
+DEFAULT_PATHS="direct dnat haproxy nginx socat proxy"
 [ "$SMOKE" = 1 ] && DEFAULT_PATHS="$DEFAULT_PATHS gofloor ringfloor" # so that they cannot rot
 PATHS=${PATHS:-$DEFAULT_PATHS}
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
@@ -45,8 +45,10 @@ for p in 8080:18080 9000:19000 5201:15201; do
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "2${p#*:1}"
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.5 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "3${p#*:1}"
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.6 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "4${p#*:1}"
+  N node iptables -w -t nat -A PREROUTING -d 10.96.9.7 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "5${p#*:1}"
 done
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
+N node iptables -w -t nat -A PREROUTING -d 10.96.9.7 -p udp --dport 8081 -j REDIRECT --to-ports 58081
 cat > "$work/haproxy.cfg" <<EOF
 global
   maxconn 7000
@@ -68,6 +70,27 @@ listen iperf
   server pod1 10.251.19.12:5201
 EOF
 N node haproxy -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+# nginx's stream module: a second L4 peer, and the one for UDP. Two workers,
+# as HAProxy's two threads; one UDP session per client address and port, as
+# the daemon's flows.
+cat > "$work/nginx.conf" <<EOF
+load_module /usr/lib/nginx/modules/ngx_stream_module.so;
+daemon off;
+worker_processes 2;
+worker_rlimit_nofile 20000;
+pid $work/nginx.pid;
+error_log $work/nginx.log warn;
+events { worker_connections 10000; }
+stream {
+  server { listen 58080; proxy_pass 10.251.19.12:8080; }
+  server { listen 59000; proxy_pass 10.251.19.12:9000; proxy_timeout 1h; }
+  server { listen 55201; proxy_pass 10.251.19.12:5201; proxy_timeout 1h; }
+  server { listen 58081 udp; proxy_pass 10.251.19.12:8081; proxy_timeout 30s; }
+}
+EOF
+if runs nginx; then
+  N node nginx -c "$work/nginx.conf" -e "$work/nginx.log" >>"$work/nginx.log" 2>&1 &
+fi
 for p in 8080:28080 9000:29000 5201:25201; do
   N node socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
 done
@@ -113,9 +136,10 @@ proxypid() { # the process serving a path, for CPU and memory
     haproxy) pgrep -f "haproxy -f $work" | tail -1 ;;
     gofloor) pgrep -f "$BIN/gofloor -listen :38080" | head -1 ;;
     ringfloor) pgrep -f "$BIN/gofloor -engine ring" | head -1 ;;
+    nginx) pgrep -P "$(cat "$work/nginx.pid" 2>/dev/null || echo 0)" | tr '\n' ' ' ;; # its workers
   esac
 }
-cputicks() { awk '{print $14+$15}' "/proc/$1/stat"; }
+cputicks() { local p; for p in $1; do cat "/proc/$p/stat"; done | awk '{t+=$14+$15} END{print t}'; } # of each pid in $1
 HZ=$(getconf CLK_TCK)
 cpusince() { awk -v t=$(($(cputicks "$1") - $2)) -v hz="$HZ" 'BEGIN{printf "%.4f", t/hz}'; } # pid ticks0 → CPU seconds since
 
@@ -160,7 +184,7 @@ for run in $(seq "$RUNS"); do
 done
 
 # UDP: the highest offered rate with < 0.1 % loss, one flow and 64 flows.
-for p in direct dnat socat proxy; do
+for p in direct dnat nginx socat proxy; do
   want udp || break
   runs "$p" || continue
   for size in $UDP_SIZES; do
@@ -186,8 +210,11 @@ if want udp && runs proxy; then
   done
 fi
 
-# Idle connections: descriptors and RSS per connection of the serving process.
-for p in haproxy proxy; do
+# Idle connections: descriptors and RSS per connection of the serving process
+# (of nginx's workers together).
+fds() { local p; for p in $1; do ls "/proc/$p/fd"; done | wc -l; }
+rss() { local p; for p in $1; do cat "/proc/$p/status"; done | awk '/VmRSS/{t+=$2} END{print t}'; }
+for p in haproxy nginx proxy; do
   want idle || break
   runs "$p" || continue
   for n in $IDLE_NS; do
@@ -199,14 +226,14 @@ for p in haproxy proxy; do
       wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "proxy did not come back" >&2; exit 1; }
     fi
     pid=$(proxypid "$p")
-    fd0=$(ls "/proc/$pid/fd" | wc -l); rss0=$(awk '/VmRSS/{print $2}' "/proc/$pid/status")
+    fd0=$(fds "$pid"); rss0=$(rss "$pid")
     mkfifo "$work/hold"
     N client "$BIN/loadgen" -mode idle -addr "${VIP[$p]}:9000" -n "$n" <"$work/hold" >"$work/idle.out" 2>&1 &
     lg=$!
     exec 9>"$work/hold"
     wait_until 120 grep -q ready "$work/idle.out" || { echo "idle $p $n failed: $(cat "$work/idle.out")" >&2; }
     sleep 1
-    fd1=$(ls "/proc/$pid/fd" | wc -l); rss1=$(awk '/VmRSS/{print $2}' "/proc/$pid/status")
+    fd1=$(fds "$pid"); rss1=$(rss "$pid")
     record "idle_fd_$n" "$p" "$(awk -v a="$fd0" -v b="$fd1" -v n="$n" 'BEGIN{printf "%.2f", (b-a)/n}')"
     record "idle_kib_$n" "$p" "$(awk -v a="$rss0" -v b="$rss1" -v n="$n" 'BEGIN{printf "%.1f", (b-a)/n}')"
     exec 9>&-
@@ -220,13 +247,13 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—
 
 table="$work/table.md"
 {
-  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor" [ringfloor]="Go ring floor")
+  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor" [ringfloor]="Go ring floor" [nginx]="nginx stream")
   head="| metric"; rule="|---"
   for p in $PATHS; do head="$head | ${LABEL[$p]}"; rule="$rule|---:"; done
   if runs gofloor; then head="$head | Go floor ÷ HAProxy | proxy ÷ Go floor"; rule="$rule|---:|---:"; fi
   if runs ringfloor; then head="$head | ring floor ÷ HAProxy | ring floor ÷ Go floor"; rule="$rule|---:|---:"; fi
-  echo "$head | proxy ÷ direct | proxy ÷ HAProxy |"
-  echo "$rule|---:|---:|"
+  echo "$head | proxy ÷ direct | proxy ÷ HAProxy | proxy ÷ nginx |"
+  echo "$rule|---:|---:|---:|"
   while read -r m label; do
     grep -q "^$m " "$results" || continue # a figure this run did not measure
     row="| $label"
@@ -237,7 +264,7 @@ table="$work/table.md"
     if runs ringfloor; then
       row="$row | $(ratio "$(value "$m" ringfloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" ringfloor)" "$(value "$m" gofloor)")"
     fi
-    row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") |"
+    row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" proxy)" "$(value "$m" nginx)") |"
     echo "$row"
   done <<EOF
 tput_128K TCP throughput, 128 KiB writes (Gbit/s)

@@ -698,16 +698,30 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 	}
 	change[1] = b.sinceEvent("slice/"+name, called, at)
 	lone()
+	// The probes start before the call: the API server answers a DELETE
+	// 40-90 ms after its watch event, and the daemon refuses before that.
+	refused := make(chan error, 1)
+	var refusedAt time.Time
+	pctx, stopProbes := context.WithCancel(ctx)
+	go func() {
+		err := b.until(pctx, time.Minute, func() bool { return !b.accepts(ip + ":80") })
+		refusedAt = time.Now()
+		refused <- err
+	}()
 	called = time.Now()
 	if err = b.client.CoreV1().Services("bench").Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		stopProbes()
+		<-refused
 		return
 	}
 	t = time.Now()
-	if err = b.until(ctx, time.Minute, func() bool { return !b.accepts(ip + ":80") }); err != nil {
+	err = <-refused
+	stopProbes()
+	if err != nil {
 		return
 	}
-	done = time.Now()
-	del = [2]time.Duration{done.Sub(t), b.sinceEvent("service/"+name, called, done)}
+	// From the call's answer: 0 when refused before it came.
+	del = [2]time.Duration{max(refusedAt.Sub(t), 0), b.sinceEvent("service/"+name, called, refusedAt)}
 	_ = b.client.DiscoveryV1().EndpointSlices("bench").Delete(ctx, name, metav1.DeleteOptions{})
 	return
 }
