@@ -22,10 +22,10 @@ import (
 // between so that a heap at the threshold does not flip the target.
 const (
 	gcSmallPercent = 100
-	gcBigPercent   = 50              // as Prometheus sets 75, for the same reason
-	gcBigHeap      = 48 << 20        // live bytes from which the target is gcBigPercent
-	gcSmallHeap    = 32 << 20        // live bytes under which it is gcSmallPercent again
-	gcTunePeriod   = 5 * time.Second // a 10k start reaches its steady heap in ~1 s
+	gcBigPercent   = 50          // as Prometheus sets 75, for the same reason
+	gcBigHeap      = 48 << 20    // live bytes from which the target is gcBigPercent
+	gcSmallHeap    = 32 << 20    // live bytes under which it is gcSmallPercent again
+	gcTunePeriod   = time.Second // a 10k start reaches its steady heap in 2-3 s; a read costs µs
 )
 
 // gcTarget is the target for a live heap of live bytes, given the current one.
