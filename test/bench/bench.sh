@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make bench (and make bench-smoke with SMOKE=1): the data path of
-# kube-userspace-proxy against direct, kernel DNAT, HAProxy and socat in one
+# kube-userspace-proxy against direct, kernel DNAT, HAProxy, nginx (stream) and socat in one
 # lab (client pod → node → backend pod over veth), interleaved A B A B, each
 # figure the median of RUNS runs. Prints a table and writes it into
 # docs/benchmarks.md (not in smoke mode). Needs root; cleans up on exit.
@@ -306,14 +306,15 @@ fi
 if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog tax" ]; then
   doc=docs/benchmarks.md
   {
-    sed '/<!-- bench:start -->/,$d' "$doc"
+    sed '/<!-- bench:start -->/,$d' "$doc" # what comes before the table
     echo "<!-- bench:start -->"
     echo "## Data path (make bench)"
     echo
     echo "Run $(date -u +%Y-%m-%d) on $(nproc) vCPU $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo), Linux $(uname -r);"
-    echo "$(haproxy -v | head -1 | cut -d' ' -f1-3), $(iperf3 --version | head -1 | cut -d' ' -f1-2), $(socat -V | sed -n 's/^socat version \([^ ]*\).*/socat \1/p')."
+    echo "$(haproxy -v | head -1 | cut -d' ' -f1-3), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(iperf3 --version | head -1 | cut -d' ' -f1-2), $(socat -V | sed -n 's/^socat version \([^ ]*\).*/socat \1/p')."
     echo "Command: \`make bench\` (test/bench/bench.sh: $RUNS interleaved runs of ${DUR} s per figure, median). Lab: client pod → node → backend pod over veth in network namespaces;"
-    echo "HAProxy (mode tcp, splice-auto) and socat listen behind the same kind of REDIRECT as this proxy; kernel DNAT is what kube-proxy's iptables mode does."
+    echo "HAProxy (mode tcp, splice-auto), nginx (stream module, TCP and UDP, two workers) and socat listen behind the same kind of REDIRECT as this proxy;"
+    echo "kernel DNAT is what kube-proxy's iptables mode does."
     echo
     cat "$table"
     echo
@@ -326,6 +327,8 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo "each ratio the median of per-run ratios; and new connections/s through a ClusterIP, against the rate with one service port."
     echo
     cat "$work/tax.md"
+    echo "<!-- bench:end -->"
+    sed '1,/<!-- bench:end -->/d' "$doc" # what comes after it
   } >"$work/doc.md"
   cp "$work/doc.md" "$doc"
   echo "wrote $doc"
