@@ -15,7 +15,7 @@ set -u
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-bin}
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; TAX_SIZES=${TAX_SIZES:-"1 100"}
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; TAX_SIZES=${TAX_SIZES:-"1"} # every step once, within bench-smoke's minute
 else RUNS=${RUNS:-5}; DUR=${DUR:-2}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
 [ "$(id -u)" = 0 ] || { echo "nodetax needs root (network namespaces)" >&2; exit 1; }
 for c in iperf3 sockperf; do
