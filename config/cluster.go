@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	coreinformers "k8s.io/client-go/informers/core/v1"
 	discoveryinformers "k8s.io/client-go/informers/discovery/v1"
@@ -249,22 +250,14 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 // waitSynced polls every 2 ms until each of synced holds (client-go's
 // WaitForCacheSync polls every 100 ms, a tenth of the start at 10k).
 func waitSynced(ctx context.Context, synced []cache.InformerSynced) error {
-	tick := time.NewTicker(2 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		all := true
+	return wait.PollUntilContextCancel(ctx, 2*time.Millisecond, true, func(context.Context) (bool, error) {
 		for _, ok := range synced {
-			all = all && ok()
+			if !ok() {
+				return false, nil
+			}
 		}
-		if all {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-tick.C:
-		}
-	}
+		return true, nil
+	})
 }
 
 // buildAll hands the Sink a State made from the whole caches: at the start

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -470,4 +471,46 @@ func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
 	waitFor(t, "three served after the write without one", func() bool {
 		return h.port("three") != 0 && fetchName(t, h.addr("three")) == "a"
 	})
+}
+
+// heldRules holds every write of frontends until its context ends; the
+// removal of every rule at shutdown (no frontends) goes through.
+type heldRules struct{ calls atomic.Int32 }
+
+func (r *heldRules) Sync(ctx context.Context, frontends []Frontend, _ bool) error {
+	if len(frontends) == 0 {
+		return nil
+	}
+	r.calls.Add(1)
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// Stopping while a rule write is held: the write is given the cancelled
+// context, and Run returns within a bound with the listeners closed.
+func TestStopWhileRulesAreWritten(t *testing.T) {
+	rules := &heldRules{}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	p := New(Config{BindAddress: loopback, MinSyncPeriod: time.Millisecond, Rules: rules, Log: log})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx, 0); close(done) }()
+	a := tcpBackend(t, "a")
+	p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "one"}: svc("one", config.TCP, a)}, Node: "node-a"})
+	waitFor(t, "the write", func() bool { return rules.calls.Load() == 1 })
+	addr := fmt.Sprintf("127.0.0.1:%d", p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "one"}, 4, KindAll))
+	if got := fetchName(t, addr); got != "a" {
+		t.Fatalf("served %q while the write was held", got)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return within 10 s of its context ending while a rule write was held")
+	}
+	if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
+		c.Close()
+		t.Fatal("the listener still accepts after Run returned")
+	}
 }

@@ -230,3 +230,12 @@ func manyConnectionsAndASlowReader(t *testing.T, engine string) {
 		}
 	}
 }
+
+// TestRingOutOfBuffers: the same with a ring of 8 buffers, which the slow
+// reader's queue takes whole: the other connections' receives end for want
+// of buffers and must be armed again when buffers come back.
+func TestRingOutOfBuffers(t *testing.T) {
+	defer func(n int) { ringBuffers = n }(ringBuffers)
+	ringBuffers = 8
+	manyConnectionsAndASlowReader(t, "ring")
+}

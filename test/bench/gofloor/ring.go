@@ -59,7 +59,6 @@ const (
 	offSQEs            = 0x10000000
 	registerPbufRing   = 22
 	ringEntries        = 1024
-	bufCount           = 2048 // per loop; a power of two
 	bufSize            = 16 << 10
 	bufGroup           = 0
 	wakeIndex          = 1<<32 - 1
@@ -227,7 +226,8 @@ func (r *ring) enter(wait uint32) error {
 // buffers is a provided-buffer ring: receives take a buffer from it, and a
 // buffer goes back once its bytes were sent.
 type buffers struct {
-	mem     []byte // bufCount × bufSize
+	count   int    // a power of two
+	mem     []byte // count × bufSize
 	ringMem []byte
 	entries []ringBuf
 	tail    uint16
@@ -235,21 +235,25 @@ type buffers struct {
 	returned bool
 }
 
+// ringBuffers is how many buffers a loop provides (a power of two); a test
+// makes it small to run out.
+var ringBuffers = 2048
+
 func newBuffers(r *ring) (*buffers, error) {
-	b := &buffers{}
+	b := &buffers{count: ringBuffers}
 	var err error
-	if b.ringMem, err = unix.Mmap(-1, 0, bufCount*16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+	if b.ringMem, err = unix.Mmap(-1, 0, b.count*16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
 		return nil, fmt.Errorf("mmap buffer ring: %w", err)
 	}
-	if b.mem, err = unix.Mmap(-1, 0, bufCount*bufSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+	if b.mem, err = unix.Mmap(-1, 0, b.count*bufSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
 		return nil, fmt.Errorf("mmap buffers: %w", err)
 	}
-	b.entries = unsafe.Slice((*ringBuf)(unsafe.Pointer(&b.ringMem[0])), bufCount)
-	reg := bufReg{ringAddr: uint64(uintptr(unsafe.Pointer(&b.ringMem[0]))), ringEntries: bufCount, bgid: bufGroup}
+	b.entries = unsafe.Slice((*ringBuf)(unsafe.Pointer(&b.ringMem[0])), b.count)
+	reg := bufReg{ringAddr: uint64(uintptr(unsafe.Pointer(&b.ringMem[0]))), ringEntries: uint32(b.count), bgid: bufGroup}
 	if _, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, uintptr(r.fd), registerPbufRing, uintptr(unsafe.Pointer(&reg)), 1, 0, 0); errno != 0 {
 		return nil, fmt.Errorf("registering the buffer ring: %w", errno)
 	}
-	for bid := range bufCount {
+	for bid := range b.count {
 		b.put(uint16(bid))
 	}
 	b.publish()
@@ -263,7 +267,7 @@ func (b *buffers) addr(bid uint16) uint64 {
 // put hands buffer bid back (seen by the kernel at the next publish).
 func (b *buffers) put(bid uint16) {
 	b.returned = true
-	e := &b.entries[b.tail&(bufCount-1)]
+	e := &b.entries[int(b.tail)&(b.count-1)]
 	e.addr, e.len, e.bid = b.addr(bid), bufSize, bid
 	b.tail++
 }
@@ -309,6 +313,12 @@ type rconn struct {
 	dead      bool
 }
 
+// starvedDir is a direction of cn whose receive waits for buffers.
+type starvedDir struct {
+	cn  *rconn
+	dir int
+}
+
 // ringLoop is one event loop of the ring engine.
 type ringLoop struct {
 	routes  []route
@@ -323,9 +333,7 @@ type ringLoop struct {
 	// starved are directions whose receive ended for want of buffers
 	// while nothing of theirs was queued: armed again after a batch
 	// that gave buffers back.
-	starved    []*rconn
-	starvedDir []int
-	returned   bool
+	starved []starvedDir
 }
 
 func newRingLoop(routes []route) (*ringLoop, error) {
@@ -383,12 +391,12 @@ func (l *ringLoop) run() error {
 		}
 		atomic.StoreUint32(r.cqHead, head)
 		if l.bufs.returned && len(l.starved) > 0 {
-			for i, cn := range l.starved {
-				if l.conns[cn.slot] == cn {
-					l.advance(cn, l.starvedDir[i])
+			for _, st := range l.starved {
+				if l.conns[st.cn.slot] == st.cn {
+					l.advance(st.cn, st.dir)
 				}
 			}
-			l.starved, l.starvedDir = l.starved[:0], l.starvedDir[:0]
+			l.starved = l.starved[:0]
 		}
 		l.bufs.publish()
 	}
@@ -455,7 +463,7 @@ func (l *ringLoop) complete(c cqe) {
 			// Out of buffers: armed again once this direction's queue
 			// drains, or after buffers come back.
 			if len(cn.queue[dir]) == 0 {
-				l.starved, l.starvedDir = append(l.starved, cn), append(l.starvedDir, dir)
+				l.starved = append(l.starved, starvedDir{cn, dir})
 			}
 		case c.res < 0:
 			l.abort(cn)
