@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -39,6 +40,9 @@ type ManifestSource struct {
 	last  *State         // the last State handed on, for ReuseUnchanged
 	// settleAt is when held-back removals may apply (zero: none held).
 	settleAt time.Time
+	// owed are the ports whose version in last is an older one than the
+	// files have (held removals): the next State names them as changed.
+	owed []ServicePortName
 }
 
 // Start loads the manifests once, hands the State to the Sink and then watches
@@ -113,7 +117,7 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 	for _, s := range skipped {
 		m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason}).Info("Not proxied")
 	}
-	st = m.holdRemovals(st, sig, time.Now())
+	st = m.handOn(st, sig)
 	ReuseUnchanged(st, m.last)
 	m.last = st
 	m.Log.WithFields(logrus.Fields{"path": m.Path, "servicePorts": len(st.Ports), "took": time.Since(start).String()}).Info("Manifests loaded")
@@ -121,13 +125,35 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 	return sig, nil
 }
 
+// handOn returns the State to hand on for the files' st: with removals
+// held (holdRemovals) and saying what changed since the State handed on
+// last, so that the proxier looks at those ports alone. A State made
+// without its Since (the first, a new node) makes a full visit.
+func (m *ManifestSource) handOn(st *State, sig map[string]fileSig) *State {
+	out, held := m.holdRemovals(st, sig, time.Now())
+	if out == st {
+		copied := *st // st is the cache's too
+		out = &copied
+	}
+	out.Seq = st.Seq
+	if st.Since == 0 || m.last == nil || st.Since != m.last.Seq {
+		out.Since, out.Changed = 0, nil
+	} else {
+		out.Since = st.Since
+		out.Changed = slices.Concat(st.Changed, m.owed)
+	}
+	m.owed = held
+	return out
+}
+
 // holdRemovals returns st, but with the last State's version of every
 // service port that st drops or that lost an endpoint, while the files
-// changed less than Settle ago; then it records when to look again.
-func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now time.Time) *State {
+// changed less than Settle ago, and the names of those; then it records
+// when to look again.
+func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now time.Time) (*State, []ServicePortName) {
 	m.settleAt = time.Time{}
 	if m.last == nil {
-		return st
+		return st, nil
 	}
 	settle := m.Settle
 	if settle <= 0 {
@@ -140,9 +166,9 @@ func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now tim
 		}
 	}
 	if now.Sub(newest) >= settle {
-		return st
+		return st, nil
 	}
-	var held int
+	var held []ServicePortName
 	var out *State
 	for name, old := range m.last.Ports {
 		// An unchanged port keeps its pointer (combineChanged,
@@ -157,15 +183,15 @@ func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now tim
 			}
 		}
 		out.Ports[name] = old
-		held++
+		held = append(held, name)
 	}
 	if out == nil {
-		return st
+		return st, nil
 	}
 	m.settleAt = newest.Add(settle)
-	m.Log.WithFields(logrus.Fields{"servicePorts": held, "until": m.settleAt.Format(time.RFC3339Nano)}).
+	m.Log.WithFields(logrus.Fields{"servicePorts": len(held), "until": m.settleAt.Format(time.RFC3339Nano)}).
 		Info("Manifests changed less than the settle time ago: removals wait until the files are stable (write files atomically: a temporary file renamed over)")
-	return out
+	return out, held
 }
 
 // lostEndpoints reports whether an endpoint address of old is missing from sp.
