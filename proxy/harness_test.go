@@ -36,6 +36,7 @@ type harness struct {
 	t    *testing.T
 	p    *Proxier
 	logs *testutil.LogHook
+	stop func() // ends Run and waits for it (also done when the test ends)
 }
 
 // startProxier runs a Proxier on loopback until the test ends.
@@ -60,7 +61,8 @@ func startProxier(t *testing.T, cfg Config) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { h.p.Run(ctx, 0); close(done) }()
-	t.Cleanup(func() { cancel(); <-done })
+	h.stop = func() { cancel(); <-done }
+	t.Cleanup(h.stop)
 	return h
 }
 

@@ -70,6 +70,14 @@ var (
 		running.each(func(p *Proxier) { n += p.budget.udpFlows.Load() })
 		return float64(n)
 	})
+	parkedSockets = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_tcp_parked_sockets",
+		Help: "Sockets of TCP connections idle for longer than --park-idle-after, waiting in the parker's epoll set without a goroutine (two per fully idle connection).",
+	}, func() float64 {
+		var n int64
+		running.each(func(p *Proxier) { n += p.parker.Load().Parked() })
+		return float64(n)
+	})
 	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_descriptor_budget_refusals_total",
 		Help: "TCP connections reset at accept because they would have eaten into the descriptor reserve.",
@@ -114,7 +122,7 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
 		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
-		descriptorBudgetGauge, udpFlowsTotal, budgetRefusals)
+		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals)
 }
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking

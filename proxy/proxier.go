@@ -19,6 +19,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -40,6 +41,11 @@ type Config struct {
 
 	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
+	// ParkIdleAfter is how long a direction of a TCP connection has
+	// nothing to read before its goroutine is given up and the socket
+	// waits in the proxier's Parker (tcp.go); DefaultParkIdleAfter when 0,
+	// never when negative.
+	ParkIdleAfter time.Duration
 	// Events, when set, records a Service's own trouble as an Event on it
 	// (the cluster source): reason "NodePortConflict".
 	Events func(sp *config.ServicePort, reason, message string)
@@ -95,6 +101,21 @@ func (c *Config) logConn(protocol config.Protocol, cause Cause) bool {
 		return false
 	}
 	return !cause.Normal(protocol)
+}
+
+// DefaultParkIdleAfter: an idle connection costs no goroutine after this.
+// Each park and wake-up costs two epoll_ctl calls and a goroutine hand-off
+// (microseconds), small beside a pause this long.
+const DefaultParkIdleAfter = 100 * time.Millisecond
+
+func (c *Config) parkIdleAfter() time.Duration {
+	switch {
+	case c.ParkIdleAfter < 0:
+		return 0
+	case c.ParkIdleAfter == 0:
+		return DefaultParkIdleAfter
+	}
+	return c.ParkIdleAfter
 }
 
 func (c *Config) dialTimeouts() []time.Duration {
@@ -169,6 +190,10 @@ type Proxier struct {
 	acc     *sock.Acceptor
 	accMu   sync.Mutex
 	copiers workers // run the downstream copy of each connection
+	// parker holds the sockets of idle connections without a goroutine
+	// (tcp.go); set by Run, nil without it (copies then wait on their
+	// sockets).
+	parker atomic.Pointer[sock.Parker]
 
 	mu          sync.Mutex // guards pending, queuedAt, latest and health
 	pending     *config.State
@@ -277,6 +302,22 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	copiersDone := make(chan struct{})
 	go func() { p.copiers.Run(stopWorkers); close(copiersDone) }()
 	defer func() { close(stopWorkers); <-workersDone; <-copiersDone }() // after shutdown: no handler left
+	if p.cfg.parkIdleAfter() > 0 {
+		if parker, err := sock.NewParker(); err != nil {
+			p.cfg.log().WithError(err).Warn("Idle connections keep their goroutines: no epoll set for parking them")
+		} else {
+			// Stopped after shutdown, before the copiers: whatever is still
+			// parked then is handed back to them.
+			p.parker.Store(parker)
+			stopParker, parkerDone := make(chan struct{}), make(chan struct{})
+			go func() { parker.Run(stopParker); close(parkerDone) }()
+			defer func() {
+				close(stopParker)
+				<-parkerDone
+				_ = parker.Close()
+			}()
+		}
+	}
 	if idle := p.cfg.TCPIdleTimeout; idle > 0 {
 		swept := make(chan struct{})
 		go func() { p.conns.sweepIdle(ctx, idle); close(swept) }()

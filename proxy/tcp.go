@@ -2,13 +2,16 @@ package proxy
 
 // One TCP connection's path, top to bottom:
 //
-//	serveTCP (the proxier's acceptor)  →  handleTCP (one goroutine per connection, the
-//	pair's owner)
+//	serveTCP (the proxier's acceptor)  →  handleTCP (a worker goroutine)
 //	  → dialBackend (balancer pick + sock.DialTCP, with retry)
-//	  → splice (two sock.Copy, one per direction; half-closes passed on;
-//	    tcpPair.end aborts both sockets; the idle sweep of conns.go ends a
-//	    quiet pair)
-//	  → both sockets closed in handleTCP, the record logged (conns.go)
+//	  → splice (two halfCopy, one per direction, each a sock.Copy;
+//	    half-closes passed on; tcpPair.end aborts both sockets; the idle
+//	    sweep of conns.go ends a quiet pair). A direction with nothing to
+//	    read for --park-idle-after gives up its goroutine: its socket waits
+//	    in the proxier's sock.Parker, which hands it back to a copier when
+//	    it wakes.
+//	  → the direction that finishes last closes both sockets and logs the
+//	    record (tcpPair.finish, conns.go)
 //
 // The acceptor never dials: a slow backend delays only its own client.
 // Raw socket work is package sock's (internal/sock).
@@ -62,15 +65,10 @@ func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 	f.p.workers.Go(func() { f.handleTCP(c, client) })
 }
 
-// handleTCP owns the connection: it dials a backend, splices the two and is
-// the one place that closes both sockets. It runs the upstream copy itself;
-// the downstream one runs on a copier. (With net.Dial, whose stack grew past
-// 8 KiB and stayed so while the goroutine waited, both copies ran on
-// copiers; the proxy's own dial stays shallow, and an idle connection
-// measures the same ~12 KiB either way, with one goroutine hand-off fewer
-// per connection.)
+// handleTCP dials a backend for the connection and starts the copies; the
+// pair then belongs to them (splice). It runs the upstream copy itself, the
+// downstream one runs on a copier.
 func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
-	defer f.p.conns.remove(c)
 	c.setOrigDst(client.OriginalDst(f.listen))
 
 	backend, failed := f.dialBackend(c)
@@ -80,16 +78,10 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 		_ = client.SetResetOnClose()
 		client.Close()
 		c.finish(f, 0, 0, failed)
+		f.p.conns.remove(c)
 		return
 	}
-	pr := c.setPair(client, backend)
-	up, down := f.splice(c, pr)
-	// Both copies have returned: nothing waits on either socket, so
-	// neither Close can wait on the other's I/O.
-	client.Close()
-	backend.Close()
-	f.bal.Done(c.endpoint())
-	c.finish(f, up, down, pr.endCause())
+	f.splice(c, c.setPair(client, backend))
 }
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own
@@ -173,15 +165,20 @@ func (f *frontend) report(ep netip.AddrPort, failure string) {
 	}
 }
 
-// tcpPair is the two sockets of a proxied connection. Its handler goroutine
-// owns it and alone closes the sockets, after both copies have returned.
-// Whatever decides that the connection is over (a copy's error, the idle
-// sweep, shutdown) calls end, which aborts both sockets and never waits: a
-// copy parked writing to a backend that stopped reading returns as promptly
-// as one parked in a read.
+// tcpPair is the two sockets of a proxied connection and its two copies.
+// The copies own it: the one that finishes last closes both sockets, once
+// nothing waits on either, so that neither Close can wait on the other's
+// I/O. Whatever decides that the connection is over (a copy's error, the
+// idle sweep, shutdown) calls end, which aborts both sockets and never
+// waits: a copy parked writing to a backend that stopped reading returns as
+// promptly as one waiting in a read, and a socket parked in the Parker is
+// handed back to a copier.
 type tcpPair struct {
 	client, backend *sock.Conn
 	cause           atomic.Uint32 // a Cause: why the pair ended; the first one set wins
+	ended           atomic.Int32  // copies whose sock.Copy returned for good
+	finished        atomic.Int32  // copies done with the sockets
+	up, down        halfCopy
 }
 
 // end records why the pair ends, unless a cause was set before, and wakes
@@ -199,51 +196,99 @@ func (pr *tcpPair) setCause(why Cause) {
 
 func (pr *tcpPair) endCause() Cause { return Cause(pr.cause.Load()) }
 
-// splice copies both ways until both directions end, passing half-closes
-// on. It returns the bytes sent to the backend (up) and to the client
-// (down); the pair's cause says why it ended.
-func (f *frontend) splice(c *connRecord, pr *tcpPair) (up, down int64) {
-	var ended atomic.Int32
-	// copyHalf copies one direction. A FIN is passed on as a half-close and
-	// the other direction finishes on its own (request/response protocols
-	// depend on it); anything else ends both directions, a reset passed on.
-	// The direction that ends first names the cause.
-	copyHalf := func(dst, src *sock.Conn, eofCause, resetCause Cause, count func(int64)) int64 {
-		n, err := sock.Copy(dst, src, count)
-		last := ended.Add(1) == 2
-		switch {
-		case err == nil && !last:
-			pr.setCause(eofCause)
-			_ = dst.CloseWrite()
-			if src.WaitPeerReset() {
-				// The peer that sent the FIN reset its socket since (a
-				// client that left before the reply came back): no one
-				// will read the other direction, so end the pair now, a
-				// reset passed on, or it would wait for the other peer
-				// to close. The reset, not the FIN, ended the pair.
-				_ = dst.SetResetOnClose()
-				pr.cause.Store(uint32(resetCause))
-				pr.end(resetCause)
-			}
-			// Otherwise the pair was ended: by the other direction's end,
-			// the idle watch or shutdown.
-		case err == nil:
-			// Both directions are done: the owner's Close sends the FIN,
-			// a shutdown(2) first would only cost a system call.
-			pr.end(eofCause)
-		case errors.Is(err, net.ErrClosed):
-			// Aborted: whoever ended the pair set the cause.
-		default:
-			_ = dst.SetResetOnClose()
-			pr.end(resetCause)
+// splice starts the copies both ways, passing half-closes on: the
+// downstream one on a copier, the upstream one here. It returns when the
+// upstream copy finished or parked; the last copy to finish closes the
+// pair and logs it.
+func (f *frontend) splice(c *connRecord, pr *tcpPair) {
+	pr.up = halfCopy{f: f, c: c, pr: pr, dst: pr.backend, src: pr.client,
+		eofCause: CauseClientClosed, resetCause: CauseClientReset, count: c.addUp}
+	pr.down = halfCopy{f: f, c: c, pr: pr, dst: pr.client, src: pr.backend,
+		eofCause: CauseBackendClosed, resetCause: CauseBackendReset, count: c.addDown}
+	f.p.copiers.Go(pr.down.run)
+	pr.up.run()
+}
+
+// halfCopy is one direction of a pair. It runs on one goroutine at a time:
+// the handler's or a copier, and between the two, parked, on none.
+type halfCopy struct {
+	f                    *frontend
+	c                    *connRecord
+	pr                   *tcpPair
+	dst, src             *sock.Conn
+	eofCause, resetCause Cause
+	count                func(int64)
+	n                    int64 // bytes copied
+}
+
+// run copies until the direction ends or its source is idle; then it parks
+// the source, and the Parker calls resume when it wakes. A FIN is passed on
+// as a half-close and the other direction finishes on its own
+// (request/response protocols depend on it); anything else ends both
+// directions, a reset passed on. The direction that ends first names the
+// cause.
+func (h *halfCopy) run() {
+	idle := h.f.p.cfg.parkIdleAfter()
+	for {
+		n, err := sock.Copy(h.dst, h.src, h.count, idle)
+		h.n += n
+		if !errors.Is(err, sock.ErrIdle) {
+			h.ended(err)
+			return
 		}
-		return n
+		if perr := h.f.p.parker.Load().Park(h.src, h.resume); perr == nil {
+			return
+		} else if !errors.Is(perr, sock.ErrNotParked) {
+			h.f.log().WithError(perr).Debug("Parking an idle connection failed; its copy waits on it")
+		}
+		idle = 0 // no parking (a proxier without Run, or the parker failed): wait here
 	}
-	// Two goroutines per connection, this one (the handler's) included: the
-	// downstream copy runs beside, the upstream copy here.
-	downDone := make(chan int64, 1)
-	f.p.copiers.Go(func() { downDone <- copyHalf(pr.client, pr.backend, CauseBackendClosed, CauseBackendReset, c.addDown) })
-	up = copyHalf(pr.backend, pr.client, CauseClientClosed, CauseClientReset, c.addUp)
-	down = <-downDone
-	return up, down
+}
+
+// resume is the Parker's wake of a parked direction: it must not block.
+func (h *halfCopy) resume() { h.f.p.copiers.Go(h.run) }
+
+// ended is the end of the direction's copy: err nil is the source's EOF.
+func (h *halfCopy) ended(err error) {
+	pr := h.pr
+	last := pr.ended.Add(1) == 2
+	switch {
+	case err == nil && !last:
+		pr.setCause(h.eofCause)
+		_ = h.dst.CloseWrite()
+		if h.src.WaitPeerReset() {
+			// The peer that sent the FIN reset its socket since (a
+			// client that left before the reply came back): no one
+			// will read the other direction, so end the pair now, a
+			// reset passed on, or it would wait for the other peer
+			// to close. The reset, not the FIN, ended the pair.
+			_ = h.dst.SetResetOnClose()
+			pr.cause.Store(uint32(h.resetCause))
+			pr.end(h.resetCause)
+		}
+		// Otherwise the pair was ended: by the other direction's end,
+		// the idle watch or shutdown.
+	case err == nil:
+		// Both directions are done: the last Close sends the FIN, a
+		// shutdown(2) first would only cost a system call.
+		pr.end(h.eofCause)
+	case errors.Is(err, net.ErrClosed):
+		// Aborted: whoever ended the pair set the cause.
+	default:
+		_ = h.dst.SetResetOnClose()
+		pr.end(h.resetCause)
+	}
+	if pr.finished.Add(1) == 2 {
+		pr.finish(h.f, h.c)
+	}
+}
+
+// finish closes the pair's sockets, both copies having returned for good,
+// and logs the connection.
+func (pr *tcpPair) finish(f *frontend, c *connRecord) {
+	pr.client.Close()
+	pr.backend.Close()
+	f.bal.Done(c.endpoint())
+	c.finish(f, pr.up.n, pr.down.n, pr.endCause())
+	f.p.conns.remove(c)
 }

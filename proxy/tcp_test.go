@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -460,5 +462,109 @@ func TestTCPWithinDescriptorBudget(t *testing.T) {
 	waitFor(t, "a place freed", func() bool { return h.p.budget.tcpConns.Load() < int64(room) })
 	if got := fetchName(t, h.addr("full")); got != "a" {
 		t.Fatalf("after a connection ended: %q", got)
+	}
+}
+
+// Idle connections give up their copies' goroutines: with parking, 100 idle
+// connections have no goroutine in sock.Copy (without, 200), and each one
+// still carries data at once when it wakes, parks again, counts its bytes
+// and ends with its client.
+func TestIdleConnectionsParkWithoutGoroutines(t *testing.T) {
+	const conns = 100
+	copies := func() int {
+		buf := make([]byte, 8<<20)
+		return strings.Count(string(buf[:runtime.Stack(buf, true)]), "proxy/internal/sock.Copy(")
+	}
+	for _, tc := range []struct {
+		name    string
+		park    time.Duration
+		copying int // goroutines in sock.Copy while the connections are idle
+	}{
+		{"parked", 30 * time.Millisecond, 0},
+		{"never", -1, 2 * conns},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startProxier(t, Config{ParkIdleAfter: tc.park})
+			h.apply(svc("idle", config.TCP, tcpBackend(t, "a")))
+			var cs []net.Conn
+			var rs []*bufio.Reader
+			for i := 0; i < conns; i++ {
+				c, err := net.Dial("tcp", h.addr("idle"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+				r := bufio.NewReader(c)
+				if line, err := r.ReadString('\n'); line != "a\n" || err != nil {
+					t.Fatalf("connection %d: %q %v", i, line, err)
+				}
+				cs, rs = append(cs, c), append(rs, r)
+			}
+			quiet := func() {
+				t.Helper()
+				if tc.park > 0 {
+					waitFor(t, "every socket parked", func() bool { return h.p.parker.Load().Parked() == 2*conns })
+				} else {
+					time.Sleep(100 * time.Millisecond) // a parker, had there been one, would have parked them
+				}
+				if n := copies(); n != tc.copying {
+					t.Fatalf("%d goroutines in sock.Copy with %d idle connections, want %d", n, conns, tc.copying)
+				}
+			}
+			quiet()
+			for i, c := range cs {
+				fmt.Fprintf(c, "ping %d\n", i)
+				if line, err := rs[i].ReadString('\n'); line != fmt.Sprintf("ping %d\n", i) || err != nil {
+					t.Fatalf("connection %d after a pause: %q %v", i, line, err)
+				}
+			}
+			quiet()
+			for _, c := range cs {
+				c.Close()
+			}
+			waitFor(t, "every connection logged", func() bool { return len(h.logs.Find("Connection closed")) == conns })
+			for _, f := range h.logs.Find("Connection closed") {
+				up, down := f["bytesUp"].(int64), f["bytesDown"].(int64)
+				if f["cause"] != CauseClientClosed.String() || up < 7 || up > 8 || down != up+2 {
+					t.Fatalf("connection closed: cause %v, %d bytes up, %d down; want client closed, 7-8 up and 2 more down", f["cause"], up, down)
+				}
+			}
+			if n := h.p.parker.Load().Parked(); n != 0 {
+				t.Fatalf("%d sockets still parked after every connection ended", n)
+			}
+		})
+	}
+}
+
+// A shutdown ends connections whose sockets are parked: Run returns at once
+// (grace 0) and the client sees the connection end.
+func TestShutdownEndsParkedConnections(t *testing.T) {
+	h := startProxier(t, Config{ParkIdleAfter: 20 * time.Millisecond})
+	h.apply(svc("svc", config.TCP, tcpBackend(t, "a")))
+	c, err := net.Dial("tcp", h.addr("svc"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	r := bufio.NewReader(c)
+	if _, err := r.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "both sockets parked", func() bool { return h.p.parker.Load().Parked() == 2 })
+	stopped := make(chan struct{})
+	go func() { h.stop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		// The test binary's timeout ends it: Run is stuck for good.
+		panic("Run did not return within 10 s with a parked connection")
+	}
+	if _, err := r.ReadString('\n'); err == nil {
+		t.Fatal("the connection is still open after the shutdown")
+	}
+	if f := h.logs.Find("Connection closed"); len(f) != 1 || f[0]["cause"] != CauseShutdown.String() {
+		t.Fatalf("connection log %v, want one line with cause shutdown", f)
 	}
 }

@@ -40,6 +40,7 @@ type fileConfig struct {
 	// This proxy's own.
 	Manifests      *string `json:"manifests,omitempty"`
 	TCPIdleTimeout *string `json:"tcpIdleTimeout,omitempty"`
+	ParkIdleAfter  *string `json:"parkIdleAfter,omitempty"`
 	UDPMaxFlows    *int    `json:"udpMaxFlows,omitempty"`
 	ShutdownGrace  *string `json:"shutdownGrace,omitempty"`
 	// Outlier is --outlier-*.
@@ -127,6 +128,7 @@ func applyConfigFile(path string, fs *pflag.FlagSet, origin map[string]string) e
 		setting{"udpIdleTimeout", "udp-timeout", dur(fc.UDPIdleTimeout)},
 		setting{"manifests", "manifests", str(fc.Manifests)},
 		setting{"tcpIdleTimeout", "tcp-idle-timeout", dur(fc.TCPIdleTimeout)},
+		setting{"parkIdleAfter", "park-idle-after", dur(fc.ParkIdleAfter)},
 		setting{"shutdownGrace", "shutdown-grace", dur(fc.ShutdownGrace)},
 		setting{"connectionLog", "connection-log", str(fc.ConnectionLog)},
 		setting{"schedulingPolicy", "scheduling-policy", str(fc.SchedulingPolicy)},

@@ -27,6 +27,7 @@ type options struct {
 	udpTimeout       time.Duration
 	udpMaxFlows      int
 	tcpIdleTimeout   time.Duration
+	parkIdleAfter    time.Duration
 	outlier          proxy.OutlierConfig
 	minSyncPeriod    time.Duration
 	syncPeriod       time.Duration
@@ -75,6 +76,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
+	fs.DurationVar(&o.parkIdleAfter, "park-idle-after", proxy.DefaultParkIdleAfter, "A direction of a proxied TCP connection with nothing to read for this long gives up its goroutine and waits in an epoll set (an idle connection then costs ~2 KiB instead of ~8; waking costs microseconds). 0: never.")
 	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", proxy.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
 	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", proxy.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
 	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", proxy.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
@@ -132,6 +134,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		{"min-sync-period", o.minSyncPeriod, 0},
 		{"sync-period", o.syncPeriod, time.Second},
 		{"tcp-idle-timeout", o.tcpIdleTimeout, 0},
+		{"park-idle-after", o.parkIdleAfter, 0},
 		{"shutdown-grace", o.shutdownGrace, 0},
 		{"outlier-base-ejection-time", o.outlier.BaseEjectionTime, time.Millisecond},
 		{"outlier-max-ejection-time", o.outlier.MaxEjectionTime, o.outlier.BaseEjectionTime},

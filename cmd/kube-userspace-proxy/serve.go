@@ -130,6 +130,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		BindAddress:         o.bindAddress,
 		PortRange:           o.portRange,
 		TCPIdleTimeout:      o.tcpIdleTimeout,
+		ParkIdleAfter:       parkIdleAfter(o.parkIdleAfter),
 		Outlier:             o.outlier,
 		UDPTimeout:          o.udpTimeout,
 		UDPMaxFlows:         o.udpMaxFlows,
@@ -274,4 +275,12 @@ func hasNetAdmin() (bool, error) {
 		}
 	}
 	return false, errors.New("no CapEff in /proc/self/status")
+}
+
+// parkIdleAfter maps the flag (0: never) to proxy.Config's (negative: never).
+func parkIdleAfter(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }

@@ -220,6 +220,18 @@ fi
 # (of nginx's workers together).
 fds() { local p; for p in $1; do ls "/proc/$p/fd"; done | wc -l; }
 rss() { local p; for p in $1; do cat "/proc/$p/status"; done | awk '/VmRSS/{t+=$2} END{print t}'; }
+# The RSS once it stops moving (within 64 KiB over 200 ms, at most 3 s): a fresh daemon still hands startup memory
+# back for a moment, which read as a negative cost per connection once an idle one cost ~2 KiB.
+steady_rss() {
+  local a b i
+  a=$(rss "$1")
+  for i in $(seq 15); do
+    sleep 0.2; b=$(rss "$1")
+    [ $((b > a ? b - a : a - b)) -le 64 ] && break
+    a=$b
+  done
+  echo "$b"
+}
 for p in haproxy nginx proxy; do
   want idle || break
   runs "$p" || continue
@@ -232,7 +244,7 @@ for p in haproxy nginx proxy; do
       wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "proxy did not come back" >&2; exit 1; }
     fi
     pid=$(proxypid "$p")
-    fd0=$(fds "$pid"); rss0=$(rss "$pid")
+    fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
     mkfifo "$work/hold"
     N client "$BIN/loadgen" -mode idle -addr "${VIP[$p]}:9000" -n "$n" <"$work/hold" >"$work/idle.out" 2>&1 &
     lg=$!

@@ -34,8 +34,10 @@ type Conn struct {
 	raw syscall.RawConn
 	inq bool // TCP_INQ is on (inherited from the listener)
 
-	mu   sync.Mutex  // orders Abort against the deadlines of a dial
+	mu   sync.Mutex  // orders Abort against the deadlines of a dial and of Copy
 	done atomic.Bool // Abort or Close was called: errors after it are net.ErrClosed
+
+	parked atomic.Pointer[parked] // in a Parker's set (park.go)
 }
 
 // newConn hands the non-blocking descriptor fd to Go's poller; on error fd
@@ -63,13 +65,18 @@ var abortedAt = time.Unix(1, 0)
 // Close. It may be called from any goroutine, any number of times.
 func (c *Conn) Abort() {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if c.done.Swap(true) {
+		c.mu.Unlock()
 		return
 	}
 	// A past deadline readies the poller's waiters at once; setting it
 	// takes no lock that a parked read or write holds.
 	_ = c.f.SetDeadline(abortedAt)
+	c.mu.Unlock()
+	// A socket parked without a goroutine is woken by its Parker instead.
+	if e := c.parked.Load(); e != nil {
+		e.p.unpark(e)
+	}
 }
 
 // Close releases the descriptor. Only the owner calls it, once nothing else
@@ -85,6 +92,15 @@ func (c *Conn) setWriteDeadline(t time.Time) {
 	c.mu.Lock()
 	if !c.done.Load() {
 		_ = c.f.SetWriteDeadline(t)
+	}
+	c.mu.Unlock()
+}
+
+// setReadDeadline is setWriteDeadline's counterpart for reads.
+func (c *Conn) setReadDeadline(t time.Time) {
+	c.mu.Lock()
+	if !c.done.Load() {
+		_ = c.f.SetReadDeadline(t)
 	}
 	c.mu.Unlock()
 }

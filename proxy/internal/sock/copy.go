@@ -1,10 +1,13 @@
 package sock
 
 import (
+	"errors"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -30,7 +33,14 @@ import (
 // message. Waiting uses Go's poller; Abort on either socket ends the copy
 // with net.ErrClosed wherever it waits. count gets the bytes of every write,
 // so that a live connection's counters move while it runs.
-func Copy(dst, src *Conn, count func(int64)) (int64, error) {
+//
+// With idle > 0, Copy returns ErrIdle once src had nothing to read for
+// about idle (between idle and twice that): nothing is in flight then, and
+// the caller may park src (Parker) instead of holding a goroutine on it,
+// then call Copy again when src wakes. One read deadline, set again only
+// when it fires after data came, costs an active copy nothing per message.
+// Copy leaves no deadline behind.
+func Copy(dst, src *Conn, count func(int64), idle time.Duration) (int64, error) {
 	// The sink counts every write as it lands, so that a transfer held up
 	// by a slow reader shows its bytes moving (a burst under backpressure
 	// can last as long as the connection).
@@ -51,22 +61,27 @@ func Copy(dst, src *Conn, count func(int64)) (int64, error) {
 		inq = &inqReader{}
 	}
 	messages := 0
+	wakes := 0 // wake-ups that found data: an idle deadline after one is no idle time
 	burst := func(fd int) bool {
 		m, eof, err := spliceBurst(out, fd)
 		if err != nil {
 			cerr = err
 			return true
 		}
+		if m > 0 {
+			wakes++
+		}
 		bulk = m >= bufSize
 		return eof // drained (the pipe is back in the pool): wait, unless at EOF
 	}
-	err := src.read(func(fd uintptr) bool {
+	copyAvailable := func(fd uintptr) bool {
 		if bulk {
 			return burst(int(fd))
 		}
 		b := bufs.Get().(*[]byte)
 		n, eof, rerr := readAvailable(int(fd), *b, inq)
 		if n > 0 {
+			wakes++
 			if messages++; messages == 2 && inq == nil {
 				inq = newInqReader(int(fd))
 			}
@@ -92,11 +107,27 @@ func Copy(dst, src *Conn, count func(int64)) (int64, error) {
 			return false // src is drained: wait for more
 		}
 		return burst(int(fd))
-	})
-	if err != nil {
-		return out.total, err // deadline or closed while waiting
 	}
-	return out.total, cerr
+	if idle <= 0 {
+		if err := src.read(copyAvailable); err != nil {
+			return out.total, err // closed while waiting
+		}
+		return out.total, cerr
+	}
+	defer src.setReadDeadline(time.Time{})
+	for {
+		seen := wakes
+		src.setReadDeadline(time.Now().Add(idle))
+		err := src.read(copyAvailable)
+		switch {
+		case err == nil:
+			return out.total, cerr
+		case !errors.Is(err, os.ErrDeadlineExceeded):
+			return out.total, err // closed while waiting
+		case wakes == seen:
+			return out.total, ErrIdle
+		}
+	}
 }
 
 // readAvailable reads from the non-blocking socket fd into b until b is

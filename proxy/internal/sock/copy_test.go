@@ -37,7 +37,7 @@ func BenchmarkSpliceCopyMessage(b *testing.B) {
 	dst, server := sockPair(b)
 	done := make(chan error, 1)
 	go func() {
-		_, err := Copy(dst, src, func(int64) {})
+		_, err := Copy(dst, src, func(int64) {}, 0)
 		done <- err
 	}()
 	msg := make([]byte, 64)
@@ -72,7 +72,7 @@ func TestCopyCountsUnderBackpressure(t *testing.T) {
 	var counted atomic.Int64
 	done := make(chan struct{})
 	go func() {
-		_, _ = Copy(dst, src, func(n int64) { counted.Add(n) })
+		_, _ = Copy(dst, src, func(n int64) { counted.Add(n) }, 0)
 		close(done)
 	}()
 	const total = 32 << 20

@@ -9,9 +9,11 @@
 //     one goroutine (Listener.Serve; a listener costs no goroutine), DialTCP (a
 //     non-blocking connect that often finishes without a park), Copy (one
 //     direction of a proxied connection: small messages through a pooled
-//     buffer, bulk data through splice(2) and a pooled pipe), and on a Conn
-//     the calls a proxy needs: CloseWrite, SetResetOnClose, OriginalDst,
-//     WaitPeerReset.
+//     buffer, bulk data through splice(2) and a pooled pipe; with an idle
+//     time it returns ErrIdle when its source stays quiet), a Parker (an
+//     epoll set that holds idle sockets without a goroutine each and wakes
+//     them on data or Abort), and on a Conn the calls a proxy needs:
+//     CloseWrite, SetResetOnClose, OriginalDst, WaitPeerReset.
 //   - UDP: ListenUDP and DialUDP (with the buffers and IP_PKTINFO the proxy
 //     needs), Sender and Receiver (sendmsg/recvmsg with the source and
 //     local addresses, without an allocation per datagram).
@@ -28,7 +30,7 @@
 //   - Abort may be called by anyone, any number of times, at any time, also
 //     after Close. It never waits: it marks the Conn done and wakes every
 //     read or write waiting on it, now or later, which then return
-//     net.ErrClosed. A Copy parked writing to a peer that stopped reading
+//     net.ErrClosed, and a Conn parked in a Parker is woken. A Copy parked writing to a peer that stopped reading
 //     returns as promptly as one parked in a read. The descriptor stays open.
 //   - Close is the owner's, once, after every goroutine using the Conn has
 //     returned (abort first if they may be parked). Like os.File.Close it

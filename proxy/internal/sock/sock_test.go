@@ -68,7 +68,7 @@ func TestAbortWakesCopyParkedInWrite(t *testing.T) {
 	var moved atomic.Int64
 	copied := make(chan error, 1)
 	go func() {
-		_, err := Copy(dst, src, func(n int64) { moved.Add(n) })
+		_, err := Copy(dst, src, func(n int64) { moved.Add(n) }, 0)
 		copied <- err
 	}()
 	// The client pushes until the whole chain (its buffer, src's, dst's
@@ -104,7 +104,7 @@ func TestAbortWakesReadAndStays(t *testing.T) {
 	t.Cleanup(func() { client.Close(); server.Close(); src.Close(); dst.Close() })
 	copied := make(chan error, 1)
 	go func() {
-		_, err := Copy(dst, src, func(int64) {})
+		_, err := Copy(dst, src, func(int64) {}, 0)
 		copied <- err
 	}()
 	if _, err := client.Write([]byte("hello")); err != nil {
