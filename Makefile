@@ -103,6 +103,6 @@ bench-cluster-smoke: build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/clusterbench ./test/bench/clusterbench
 	$(BIN)/clusterbench -bin $(BIN) -n 200 -m 5 -churn 5s -runs 2
 
-# The same harness briefly (~75 s), so that it cannot rot (part of make test).
+# The same harness briefly (just under a minute), so that it cannot rot (part of make test).
 bench-smoke: bench-tools
 	SMOKE=1 BIN=$(BIN) ./test/bench/bench.sh

@@ -15,8 +15,9 @@ set -u
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-bin}
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; TAX_SIZES=${TAX_SIZES:-"1"} # every step once, within bench-smoke's minute
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; LG_DUR=0.5; TAX_SIZES=${TAX_SIZES:-"1"} # every step once, within bench-smoke's minute
 else RUNS=${RUNS:-5}; DUR=${DUR:-2}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
+LG_DUR=${LG_DUR:-$DUR} # loadgen's runs (iperf3 and sockperf take whole seconds only)
 [ "$(id -u)" = 0 ] || { echo "nodetax needs root (network namespaces)" >&2; exit 1; }
 for c in iperf3 sockperf; do
   command -v "$c" >/dev/null || { echo "nodetax needs $c (apt-get install $c; .ci/run installs it)" >&2; exit 1; }
@@ -94,7 +95,7 @@ start_daemon() { # N: serve N service ports; returns when the first and the last
   wait_until 120 N curl -s --max-time 1 "http://$last:80/" >/dev/null &&
     wait_until 30 N curl -s --max-time 1 http://10.96.0.10:80/ >/dev/null ||
     { echo "daemon with $1 service ports did not serve:" >&2; tail -20 "$work/daemon.log" >&2; exit 1; }
-  sleep 1 # its first sync's garbage collected, its threads idle
+  [ "$SMOKE" = 1 ] || sleep 1 # its first sync's garbage collected, its threads idle
 }
 
 stop_daemon() {
@@ -125,7 +126,7 @@ measure() { # label: the node's own traffic, not through any Service
   record tput "$1" "$(awk -v b="${bps:-0}" 'BEGIN{printf "%.2f", b/1e9}')"
   lat=$(N taskset -c "$cli_cpu" sockperf ping-pong -i 127.0.0.1 -p 11111 --tcp -t "$DUR" 2>&1 | awk '/percentile 50.000/{print $NF}')
   record lat "$1" "${lat:-0}"
-  cps=$(N taskset -c "$cli_cpu" "$BIN/loadgen" -mode cps -addr 127.0.0.1:8080 -d "${DUR}s" -c 32 | jsonval perSecond)
+  cps=$(N taskset -c "$cli_cpu" "$BIN/loadgen" -mode cps -addr 127.0.0.1:8080 -d "${LG_DUR}s" -c 32 | jsonval perSecond)
   record cps "$1" "$(printf "%.0f" "${cps:-0}")"
 }
 
@@ -138,7 +139,7 @@ for run in $(seq "$RUNS"); do
     jumps_off
     measure "off$n"
     jumps_on
-    record svc "$n" "$(printf "%.0f" "$(N "$BIN/loadgen" -mode cps -addr 10.96.0.10:80 -d "${DUR}s" -c 32 | jsonval perSecond)")"
+    record svc "$n" "$(printf "%.0f" "$(N "$BIN/loadgen" -mode cps -addr 10.96.0.10:80 -d "${LG_DUR}s" -c 32 | jsonval perSecond)")"
     stop_daemon
   done
 done
