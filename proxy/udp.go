@@ -341,16 +341,23 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		f.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
 	}
 	answered := false
+	armed := false // the read deadline is set; it moves only when it fires
 	for serr == nil {
-		last := time.Unix(0, fl.lastSeen.Load())
-		if time.Since(last) >= timeout {
-			f.endFlow(fl, CauseIdleTimeout)
-			break
+		if !armed {
+			last := time.Unix(0, fl.lastSeen.Load())
+			if time.Since(last) >= timeout {
+				f.endFlow(fl, CauseIdleTimeout)
+				break
+			}
+			// Set per datagram it cost a timer update each (lock and
+			// heap): an expiry re-checks lastSeen instead.
+			_ = backend.SetReadDeadline(last.Add(timeout))
+			armed = true
 		}
-		_ = backend.SetReadDeadline(last.Add(timeout))
 		n, _, _, err := fromBackend.Receive(buf)
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
+				armed = false
 				continue // re-check: the client may have sent meanwhile
 			}
 			if errors.Is(err, net.ErrClosed) {

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
 else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 75000 100000 150000"}
-  UDP_SIZES="64 1400"; UDP_FLOWS="1 64"; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
+  UDP_SIZES=${UDP_SIZES:-"64 1400"}; UDP_FLOWS=${UDP_FLOWS:-"1 64"}; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
 LG_DUR=${LG_DUR:-$DUR} # loadgen's runs; iperf3 takes whole seconds only
 RATE=${RATE:-2000}
 BIN=${BIN:-bin}
@@ -198,12 +198,25 @@ for p in direct dnat nginx socat proxy; do
   runs "$p" || continue
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
-      best=0
-      for r in $UDP_RATES; do
-        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${UDP_DUR:-2}s" -size "$size" -flows "$flows" -rate "$r")
+      # The rates step up until one loses ≥ 0.1 %; then three halvings of the gap between the last rate that
+      # passed and the first that failed (the steps alone made every figure one of a few values, and a ratio
+      # of two neighbours a step apart read as a 0.5× or a 2×).
+      best=0 pass=0 fail=0
+      udp_try() {
+        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${UDP_DUR:-2}s" -size "$size" -flows "$flows" -rate "$1")
         loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
-        awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' && best=$(printf "%.0f" "$pps") || break
+        awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' || return 1
+        best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
+      }
+      for r in $UDP_RATES; do
+        if udp_try "$r"; then pass=$r; else fail=$r; break; fi
       done
+      if [ "$fail" != 0 ]; then
+        for _ in 1 2 3; do
+          mid=$(((pass + fail) / 2))
+          if udp_try "$mid"; then pass=$mid; else fail=$mid; fi
+        done
+      fi
       record "udp_${size}_${flows}" "$p" "$best"
     done
   done
