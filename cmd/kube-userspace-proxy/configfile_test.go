@@ -33,6 +33,7 @@ portRange: 30000-30100
 iptables: {syncPeriod: 45s, minSyncPeriod: 2s}
 udpIdleTimeout: 10s
 tcpIdleTimeout: 1h
+parkIdleAfter: 250ms
 shutdownGrace: 9s
 outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTime: 1m}
 `)
@@ -42,7 +43,8 @@ outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTim
 	}
 	if o.kubeconfig != "/etc/kube/config" || o.bindAddress.String() != "10.0.0.5" || o.healthzAddr != "0.0.0.0:12256" ||
 		o.metricsAddr != "127.0.0.1:12249" || o.portRange.String() != "30000-30100" || len(o.nodePortCIDRs) != 1 ||
-		o.minSyncPeriod != 2*time.Second || o.udpTimeout != 10*time.Second || o.tcpIdleTimeout != time.Hour || o.shutdownGrace != 9*time.Second {
+		o.minSyncPeriod != 2*time.Second || o.udpTimeout != 10*time.Second || o.tcpIdleTimeout != time.Hour || o.shutdownGrace != 9*time.Second ||
+		o.parkIdleAfter != 250*time.Millisecond {
 		t.Fatalf("file values not applied: %+v", o)
 	}
 	if o.outlier != (proxy.OutlierConfig{ConsecutiveFailures: 3, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: time.Minute}) {
@@ -74,5 +76,25 @@ func TestConfigFileRejectsBadFields(t *testing.T) {
 	var stderr bytes.Buffer
 	if code := run([]string{"--config", writeConfig(t, "mode: ipvs\n")}, &bytes.Buffer{}, &stderr); code != exitUsage {
 		t.Errorf("bad config file: exit %d, want %d", code, exitUsage)
+	}
+}
+
+// --park-idle-after 0 turns parking off: proxy.Config says so with a
+// negative duration (its zero is the default).
+func TestParkIdleAfterZeroMeansNever(t *testing.T) {
+	for flag, want := range map[string]time.Duration{"0": -1, "250ms": 250 * time.Millisecond} {
+		o, err := parseFlags([]string{"--manifests", "x", "--park-idle-after", flag}, &bytes.Buffer{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := parkIdleAfter(o.parkIdleAfter); got != want {
+			t.Errorf("--park-idle-after %s: proxy.Config.ParkIdleAfter %v, want %v", flag, got, want)
+		}
+	}
+	if o, err := parseFlags([]string{"--manifests", "x"}, &bytes.Buffer{}); err != nil || o.parkIdleAfter != proxy.DefaultParkIdleAfter {
+		t.Errorf("default --park-idle-after %v (%v), want %v", o.parkIdleAfter, err, proxy.DefaultParkIdleAfter)
+	}
+	if _, err := parseFlags([]string{"--manifests", "x", "--park-idle-after", "-1s"}, &bytes.Buffer{}); err == nil {
+		t.Error("a negative --park-idle-after was accepted")
 	}
 }
