@@ -8,8 +8,11 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/netip"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -224,4 +227,43 @@ func fetchName(t *testing.T, addr string) string {
 		t.Fatalf("read from %s: %v", addr, err)
 	}
 	return strings.TrimSpace(line)
+}
+
+// freePorts returns the first of n consecutive TCP ports, below the
+// kernel's ephemeral range, that nothing holds on 127.0.0.1 now: a port range
+// for a proxier under test. A closed ephemeral port (closedPort) may be
+// taken again at any moment by any connection of the process, its
+// neighbour even more so: a range of two made that way failed one run in
+// four.
+func freePorts(t *testing.T, n int) int {
+	t.Helper()
+	low := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil {
+				low = v
+			}
+		}
+	}
+	const from = 10000
+	if low-n <= from {
+		t.Skipf("the ephemeral range starts at %d: no room below it for a test port range", low)
+	}
+	for tries := 0; tries < 200; tries++ {
+		base := from + rand.IntN(low-n-from)
+		ok := true
+		for p := base; p < base+n && ok; p++ {
+			ln, err := net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", p))
+			if err != nil {
+				ok = false
+				continue
+			}
+			ln.Close()
+		}
+		if ok {
+			return base
+		}
+	}
+	t.Fatalf("no %d consecutive free ports below %d", n, low)
+	return 0
 }

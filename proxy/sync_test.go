@@ -146,7 +146,7 @@ func TestEndpointChangeKeepsListenerPortChangeReplacesIt(t *testing.T) {
 }
 
 func TestPortRangeReleasedAndReused(t *testing.T) {
-	base := closedPort(t).Port()
+	base := freePorts(t, 1)
 	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}})
 	a := tcpBackend(t, "a")
 	h.apply(svc("one", config.TCP, a))
@@ -182,7 +182,7 @@ func (r *failingRules) Sync(context.Context, []Frontend, bool) error {
 // may still send the old Service's traffic there: not before a rule sync
 // succeeded without it.
 func TestPortHeldUntilRulesSyncedWithoutIt(t *testing.T) {
-	base := closedPort(t).Port()
+	base := freePorts(t, 1)
 	rules := &failingRules{}
 	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}, Rules: rules})
 	a := tcpBackend(t, "a")
@@ -325,7 +325,7 @@ func TestBulkSyncCollectsGarbage(t *testing.T) {
 // the second Service is served soon after the first goes, with no change
 // to it.
 func TestFailedListenerRetriedAndUnhealthy(t *testing.T) {
-	p := int(closedPort(t).Port())
+	p := freePorts(t, 1)
 	h := startProxier(t, Config{PortRange: PortRange{Base: p, Size: 1}})
 	a, b := svc("a", config.TCP, tcpBackend(t, "a")), svc("b", config.TCP, tcpBackend(t, "b"))
 	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{a.Name: a, b.Name: b}, Node: "node-a"}
@@ -408,10 +408,10 @@ func (r *gatedRules) started() int {
 // of a closed listener stays taken until a write made after its closing
 // succeeded — not merely the one in flight.
 func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
-	base := closedPort(t).Port()
+	base := freePorts(t, 2)
 	rules := newGatedRules()
-	t.Cleanup(rules.open) // before the proxier stops (cleanups run last first)
-	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 2}, Rules: rules})
+	h := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}, Rules: rules})
+	t.Cleanup(rules.open) // before the proxier stops (cleanups run last first): its last write is gated too
 	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
 	state := func(ports ...*config.ServicePort) *config.State {
 		st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}

@@ -105,7 +105,8 @@ type udpFlows struct {
 	budget  *descriptorBudget
 }
 
-// serveUDP reads datagrams until the socket is closed.
+// serveUDP reads datagrams until the socket is closed: one, waiting for
+// it, then whatever else is queued, a batch at a time (sock.Batch).
 func (f *frontend) serveUDP(s *udpSocket) {
 	buf := make([]byte, maxDatagram)
 	in, err := sock.NewReceiver(s.conn, s.family, true)
@@ -114,8 +115,13 @@ func (f *frontend) serveUDP(s *udpSocket) {
 		return
 	}
 	var backoff time.Duration
+	var run [][]byte // one client's datagrams, forwarded together
 	for {
 		n, from, to, err := in.Receive(buf)
+		if err == nil {
+			f.forward(s, from, to, append(run[:0], buf[:n]))
+			run, err = f.forwardQueued(s, in, run)
+		}
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
@@ -130,19 +136,64 @@ func (f *frontend) serveUDP(s *udpSocket) {
 			continue
 		}
 		backoff = 0
-		fl := f.flowFor(s, from, to)
-		if fl == nil {
-			continue // no endpoint: dropped (counted and logged in flowFor)
+	}
+}
+
+// forwardQueued forwards the datagrams queued on the frontend socket now,
+// without waiting, a batch at a time; consecutive datagrams of one client
+// to one address go together (one GSO send where they can). A read error
+// is returned for the read loop to handle.
+func (f *frontend) forwardQueued(s *udpSocket, in *sock.Receiver, run [][]byte) ([][]byte, error) {
+	var b *sock.Batch
+	defer func() {
+		if b != nil {
+			b.Put()
 		}
-		fl.touch()
-		fl.keep(buf[:n])
-		if err := fl.out.Send(buf[:n], netip.Addr{}, netip.AddrPort{}); err != nil {
-			f.debug(logrus.Fields{"client": from, "endpoint": fl.endpoint}, err, "UDP send to endpoint failed")
-			f.endpointFailed(s, fl, fmt.Errorf("send: %w", err))
-			continue
+	}()
+	for {
+		if b == nil {
+			b = sock.GetBatch()
 		}
-		fl.up.Add(int64(n))
-		f.m.get().bytesIn.Add(float64(n))
+		k, err := in.ReceiveMore(b)
+		if err != nil || k == 0 {
+			return run, err
+		}
+		for i := 0; i < k; {
+			from, to := b.From(i), b.To(i)
+			run = append(run[:0], b.Datagram(i))
+			j := i + 1
+			for ; j < k && b.From(j) == from && b.To(j) == to; j++ {
+				run = append(run, b.Datagram(j))
+			}
+			f.forward(s, from, to, run)
+			i = j
+		}
+		clear(run) // hold no datagram of the batch given back
+		if k < sock.BatchSize {
+			return run, nil
+		}
+	}
+}
+
+// forward sends datagrams, all from client to the local address to, to the
+// client's flow, making the flow if needed.
+func (f *frontend) forward(s *udpSocket, client netip.AddrPort, to netip.Addr, datagrams [][]byte) {
+	fl := f.flowFor(s, client, to)
+	if fl == nil {
+		return // no endpoint: dropped (counted and logged in flowFor)
+	}
+	fl.touch()
+	fl.keep(datagrams[len(datagrams)-1])
+	sent, err := fl.out.SendSegments(datagrams, netip.Addr{}, netip.AddrPort{})
+	var n int64
+	for _, d := range datagrams[:sent] {
+		n += int64(len(d))
+	}
+	fl.up.Add(n)
+	f.m.get().bytesIn.Add(float64(n))
+	if err != nil {
+		f.debug(logrus.Fields{"client": client, "endpoint": fl.endpoint}, err, "UDP send to endpoint failed")
+		f.endpointFailed(s, fl, fmt.Errorf("send: %w", err))
 	}
 }
 
@@ -341,6 +392,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		f.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
 	}
 	answered := false
+	var run [][]byte
 	armed := false // the read deadline is set; it moves only when it fires
 	for serr == nil {
 		if !armed {
@@ -355,6 +407,10 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			armed = true
 		}
 		n, _, _, err := fromBackend.Receive(buf)
+		if err == nil {
+			f.reply(fl, toClient, append(run[:0], buf[:n]), &answered)
+			run, err = f.replyQueued(fl, fromBackend, toClient, run, &answered)
+		}
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				armed = false
@@ -367,17 +423,6 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			}
 			break
 		}
-		if !answered {
-			answered = true
-			f.report(fl.endpoint, "") // the endpoint is alive
-		}
-		fl.touch()
-		if err := toClient.Send(buf[:n], fl.local, fl.client); err != nil {
-			f.debug(logrus.Fields{"client": fl.client}, err, "UDP reply to client failed")
-			continue
-		}
-		fl.down.Add(int64(n))
-		f.m.get().bytesOut.Add(float64(n))
 	}
 	// origDst stays out: the datagram arrived redirected, on fl.local, and
 	// the address and port the client sent to are only in conntrack.
@@ -387,6 +432,57 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		l.err = e.error
 	}
 	f.logEnd(l)
+}
+
+// reply sends the endpoint's datagrams to the flow's client, from the
+// address the client's came to (one GSO send where they can).
+func (f *frontend) reply(fl *udpFlow, toClient *sock.Sender, datagrams [][]byte, answered *bool) {
+	if !*answered {
+		*answered = true
+		f.report(fl.endpoint, "") // the endpoint is alive
+	}
+	fl.touch()
+	sent, err := toClient.SendSegments(datagrams, fl.local, fl.client)
+	var n int64
+	for _, d := range datagrams[:sent] {
+		n += int64(len(d))
+	}
+	fl.down.Add(n)
+	f.m.get().bytesOut.Add(float64(n))
+	if err != nil {
+		f.debug(logrus.Fields{"client": fl.client}, err, "UDP reply to client failed")
+	}
+}
+
+// replyQueued sends on the endpoint's datagrams queued on the flow's
+// socket now, without waiting, a batch at a time. A read error (an ICMP
+// error the kernel reports, a deadline, a close) is returned for the reply
+// loop to handle.
+func (f *frontend) replyQueued(fl *udpFlow, in *sock.Receiver, toClient *sock.Sender, run [][]byte, answered *bool) ([][]byte, error) {
+	var b *sock.Batch
+	defer func() {
+		if b != nil {
+			b.Put()
+		}
+	}()
+	for {
+		if b == nil {
+			b = sock.GetBatch()
+		}
+		k, err := in.ReceiveMore(b)
+		if err != nil || k == 0 {
+			return run, err
+		}
+		run = run[:0]
+		for i := 0; i < k; i++ {
+			run = append(run, b.Datagram(i))
+		}
+		f.reply(fl, toClient, run, answered)
+		clear(run)
+		if k < sock.BatchSize {
+			return run, nil
+		}
+	}
 }
 
 // closeFlows ends every flow (the frontend is going away) and waits for them.

@@ -207,3 +207,53 @@ func TestUDPFlowsShareOneBudget(t *testing.T) {
 		t.Fatalf("budget counts %d flows, want %d", got, share)
 	}
 }
+
+// A burst of one client's datagrams, written back to back, is drained in
+// batches and sent on in GSO sends both ways: every datagram and every
+// reply arrives whole and in order, and the flow counts their bytes. Two
+// clients' bursts interleaved keep to their own flows.
+func TestUDPBurstsArriveWholeAndInOrder(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("burst", config.UDP, udpBackend(t, "a")))
+	// 2 × 24 datagrams of 1 000 B (about 2.3 KiB each in a socket buffer)
+	// fit the test backend's and clients' default receive buffers.
+	const burst, size = 24, 1000
+	clients := []*net.UDPConn{dialUDP(t, h.addr("burst")), dialUDP(t, h.addr("burst"))}
+	payload := func(c, round, i int) []byte {
+		b := bytes.Repeat([]byte{byte('A' + c)}, size)
+		copy(b, fmt.Sprintf("%d/%d/%d/", c, round, i))
+		return b
+	}
+	for round := 0; round < 3; round++ {
+		for i := 0; i < burst; i++ {
+			for c, conn := range clients {
+				if _, err := conn.Write(payload(c, round, i)); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		buf := make([]byte, 70000)
+		for c, conn := range clients {
+			_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+			for i := 0; i < burst; i++ {
+				n, err := conn.Read(buf)
+				if err != nil {
+					t.Fatalf("client %d round %d: reply %d of %d missing: %v", c, round, i, burst, err)
+				}
+				if want := append([]byte("a:"), payload(c, round, i)...); !bytes.Equal(buf[:n], want) {
+					t.Fatalf("client %d round %d: reply %d is %q…, want %q…", c, round, i, buf[:min(n, 16)], want[:16])
+				}
+			}
+		}
+	}
+	for _, conn := range clients {
+		conn.Close()
+	}
+	h.apply() // the flows end with the service port
+	waitFor(t, "both flows logged", func() bool { return len(h.logs.Find("UDP flow closed")) == 2 })
+	for _, f := range h.logs.Find("UDP flow closed") {
+		if up, down := f["bytesUp"].(int64), f["bytesDown"].(int64); up != 3*burst*size || down != 3*burst*(size+2) {
+			t.Fatalf("flow counted %d bytes up and %d down, want %d and %d", up, down, 3*burst*size, 3*burst*(size+2))
+		}
+	}
+}

@@ -106,9 +106,13 @@ type Sender struct {
 	try    func(fd uintptr) bool // s.attempt
 	hdr    unix.Msghdr
 	iov    unix.Iovec
+	iovs   [batchSize]unix.Iovec // a GSO send's datagrams (batch.go)
 	name   unix.RawSockaddrInet6 // or an Inet4 one in its first bytes
-	oob    [8]uint64             // one IP_PKTINFO or IPV6_PKTINFO control message, aligned
+	oob    [8]uint64             // an IP_PKTINFO or IPV6_PKTINFO control message, and UDP_SEGMENT's, aligned
 	errno  syscall.Errno         // of the last attempt
+	// gsoRefused: datagrams of this size or larger are not sent with GSO
+	// (the kernel refused a GSO send of this size).
+	gsoRefused int
 }
 
 // NewSender returns a sender on c, whose family (4 or 6) gives the layout of
@@ -118,7 +122,7 @@ func NewSender(c *net.UDPConn, family int) (*Sender, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Sender{raw: raw, family: family}
+	s := &Sender{raw: raw, family: family, gsoRefused: maxDatagram + 1}
 	s.try = s.attempt
 	return s, nil
 }
@@ -243,22 +247,7 @@ func (r *Receiver) sender() netip.AddrPort { return sockaddrAddrPort(&r.name) }
 // local returns the address the last datagram was sent to, from its
 // IP_PKTINFO or IPV6_PKTINFO control message.
 func (r *Receiver) local() netip.Addr {
-	base := unsafe.Pointer(&r.oob)
-	for off := uint64(0); off+unix.SizeofCmsghdr <= r.hdr.Controllen; {
-		h := (*unix.Cmsghdr)(unsafe.Add(base, off))
-		if h.Len < unix.SizeofCmsghdr || off+h.Len > r.hdr.Controllen {
-			break
-		}
-		data := unsafe.Add(base, off+uint64(unix.CmsgLen(0)))
-		switch {
-		case h.Level == unix.IPPROTO_IP && h.Type == unix.IP_PKTINFO && h.Len >= uint64(unix.CmsgLen(unix.SizeofInet4Pktinfo)):
-			return netip.AddrFrom4((*unix.Inet4Pktinfo)(data).Addr)
-		case h.Level == unix.IPPROTO_IPV6 && h.Type == unix.IPV6_PKTINFO && h.Len >= uint64(unix.CmsgLen(unix.SizeofInet6Pktinfo)):
-			return netip.AddrFrom16((*unix.Inet6Pktinfo)(data).Addr).Unmap()
-		}
-		off += uint64(unix.CmsgSpace(int(h.Len) - unix.CmsgLen(0)))
-	}
-	return netip.Addr{}
+	return pktinfoAddr(unsafe.Pointer(&r.oob), uint64(r.hdr.Controllen))
 }
 
 // DatagramFailure names an error of a flow's endpoint socket, in the words

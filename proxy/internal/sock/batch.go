@@ -1,0 +1,223 @@
+package sock
+
+// Batches: under load a UDP socket holds many datagrams at once. One
+// recvmmsg(2) takes up to batchSize of them, and a run of one flow's
+// datagrams of one size leaves in one sendmsg(2) with UDP_SEGMENT (GSO):
+// one route lookup, one pass through netfilter and conntrack, one skb down
+// the stack until the device or the receiving socket cuts it up. A batch
+// is borrowed from a pool only while a socket has more queued, so that an
+// idle service port holds no batch (each is batchSize × 64 KiB, the largest
+// datagram: nothing is ever truncated).
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// batchSize is how many datagrams one recvmmsg takes and one GSO send
+// carries at most (the kernel's limit is 64 segments).
+const batchSize = 16
+
+// BatchSize is a Batch's capacity: a ReceiveMore that took fewer emptied
+// the socket.
+const BatchSize = batchSize
+
+// maxDatagram is the largest UDP payload.
+const maxDatagram = 64 * 1024
+
+// maxGSOBytes bounds one GSO send's payload: the segments travel as one
+// IP packet until cut up, and an IP packet holds 64 KiB.
+const maxGSOBytes = 65000
+
+// Batch holds datagrams taken from a socket by one ReceiveMore.
+type Batch struct {
+	msgs  [batchSize]unix.Mmsghdr
+	iovs  [batchSize]unix.Iovec
+	names [batchSize]unix.RawSockaddrInet6
+	oobs  [batchSize][8]uint64
+	bufs  [batchSize][]byte
+	n     int
+	addrs bool
+}
+
+var batches = sync.Pool{New: func() any {
+	b := &Batch{}
+	for i := range b.bufs {
+		b.bufs[i] = make([]byte, maxDatagram)
+	}
+	return b
+}}
+
+// GetBatch borrows a batch; Put gives it back.
+func GetBatch() *Batch { return batches.Get().(*Batch) }
+
+// Put returns b to the pool; b must not be used after.
+func (b *Batch) Put() {
+	b.n = 0
+	batches.Put(b)
+}
+
+// Len is how many datagrams the last ReceiveMore took.
+func (b *Batch) Len() int { return b.n }
+
+// Datagram is the i-th datagram; it stays valid until the next ReceiveMore
+// or Put.
+func (b *Batch) Datagram(i int) []byte { return b.bufs[i][:b.msgs[i].Len] }
+
+// From is the i-th datagram's sender (a Receiver with addrs only).
+func (b *Batch) From(i int) netip.AddrPort { return sockaddrAddrPort(&b.names[i]) }
+
+// To is the local address the i-th datagram arrived on (addrs only).
+func (b *Batch) To(i int) netip.Addr {
+	return pktinfoAddr(unsafe.Pointer(&b.oobs[i]), uint64(b.msgs[i].Hdr.Controllen))
+}
+
+// ReceiveMore fills b with the datagrams queued on the socket now, without
+// waiting (recvmmsg with MSG_DONTWAIT), and returns how many: 0 when there
+// were none.
+func (r *Receiver) ReceiveMore(b *Batch) (int, error) {
+	b.n, b.addrs = 0, r.addrs
+	for i := range b.msgs {
+		b.iovs[i].Base = &b.bufs[i][0]
+		b.iovs[i].SetLen(len(b.bufs[i]))
+		h := &b.msgs[i].Hdr
+		*h = unix.Msghdr{Iov: &b.iovs[i]}
+		h.SetIovlen(1)
+		if r.addrs {
+			h.Name = (*byte)(unsafe.Pointer(&b.names[i]))
+			h.Namelen = unix.SizeofSockaddrInet6
+			h.Control = (*byte)(unsafe.Pointer(&b.oobs[i]))
+			h.SetControllen(int(unsafe.Sizeof(b.oobs[i])))
+		}
+		b.msgs[i].Len = 0
+	}
+	var n int
+	var errno syscall.Errno
+	err := r.raw.Read(func(fd uintptr) bool {
+		for {
+			r1, _, e := unix.RawSyscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&b.msgs[0])), batchSize,
+				unix.MSG_DONTWAIT, 0, 0)
+			if e != unix.EINTR {
+				n, errno = int(r1), e
+				return true // never wait: the caller waits with Receive
+			}
+		}
+	})
+	switch {
+	case err != nil:
+		return 0, err
+	case errno == unix.EAGAIN:
+		return 0, nil
+	case errno != 0:
+		return 0, &net.OpError{Op: "read", Net: "udp", Err: os.NewSyscallError("recvmmsg", errno)}
+	}
+	b.n = n
+	return n, nil
+}
+
+// SendSegments sends bufs in order, as Send would one by one (to the
+// connected peer when to is not valid, from src when it is valid). Runs of
+// datagrams of one size (the last of a run may be shorter) leave as one GSO
+// send when the kernel takes it; sent counts the datagrams that left before
+// an error.
+func (s *Sender) SendSegments(bufs [][]byte, src netip.Addr, to netip.AddrPort) (sent int, err error) {
+	for sent < len(bufs) {
+		size := len(bufs[sent])
+		k := 1
+		total := size
+		for sent+k < len(bufs) && k < batchSize && len(bufs[sent+k]) <= size && total+len(bufs[sent+k]) <= maxGSOBytes {
+			last := len(bufs[sent+k]) < size
+			total += len(bufs[sent+k])
+			k++
+			if last {
+				break
+			}
+		}
+		if k > 1 && size > 0 && size < s.gsoRefused {
+			err := s.sendGSO(bufs[sent:sent+k], size, src, to)
+			if err == nil {
+				sent += k
+				continue
+			}
+			var errno syscall.Errno
+			if !errors.As(err, &errno) || (errno != unix.EINVAL && errno != unix.EIO && errno != unix.EOPNOTSUPP &&
+				errno != unix.ENOPROTOOPT && errno != unix.EMSGSIZE) {
+				return sent, err
+			}
+			// Refused (no UDP GSO, or segments too big for the
+			// route's MTU): this size and larger go one by one.
+			s.gsoRefused = size
+		}
+		if err := s.Send(bufs[sent], src, to); err != nil {
+			return sent, err
+		}
+		sent++
+	}
+	return sent, nil
+}
+
+// sendGSO sends bufs, segments of size bytes but the last, in one sendmsg
+// with a UDP_SEGMENT control message.
+func (s *Sender) sendGSO(bufs [][]byte, size int, src netip.Addr, to netip.AddrPort) error {
+	s.hdr = unix.Msghdr{}
+	for i, b := range bufs {
+		s.iovs[i].Base = &b[0]
+		s.iovs[i].SetLen(len(b))
+	}
+	s.hdr.Iov = &s.iovs[0]
+	s.hdr.SetIovlen(len(bufs))
+	if to.IsValid() {
+		s.hdr.Name = (*byte)(unsafe.Pointer(&s.name))
+		s.hdr.Namelen = putSockaddr(&s.name, to, s.family)
+	}
+	controllen := 0
+	if src.IsValid() {
+		controllen = s.pktinfo(src)
+	}
+	h := (*unix.Cmsghdr)(unsafe.Add(unsafe.Pointer(&s.oob), controllen))
+	h.Level, h.Type = unix.SOL_UDP, unix.UDP_SEGMENT
+	h.SetLen(unix.CmsgLen(2))
+	*(*uint16)(unsafe.Add(unsafe.Pointer(h), unix.CmsgLen(0))) = uint16(size)
+	controllen += unix.CmsgSpace(2)
+	s.hdr.Control = (*byte)(unsafe.Pointer(&s.oob))
+	s.hdr.SetControllen(controllen)
+	err := s.raw.Write(s.try)
+	for i := range bufs {
+		s.iovs[i].Base = nil // hold no buffer between datagrams
+	}
+	s.hdr = unix.Msghdr{}
+	if err != nil {
+		return err
+	}
+	if s.errno != 0 {
+		return &net.OpError{Op: "write", Net: "udp", Err: os.NewSyscallError("sendmsg", s.errno)}
+	}
+	return nil
+}
+
+// pktinfoAddr is the address of the IP_PKTINFO or IPV6_PKTINFO control
+// message among the controllen bytes at base.
+func pktinfoAddr(base unsafe.Pointer, controllen uint64) netip.Addr {
+	for off := uint64(0); off+unix.SizeofCmsghdr <= controllen; {
+		h := (*unix.Cmsghdr)(unsafe.Add(base, off))
+		if h.Len < unix.SizeofCmsghdr || off+h.Len > controllen {
+			break
+		}
+		data := unsafe.Add(base, off+uint64(unix.CmsgLen(0)))
+		switch {
+		case h.Level == unix.IPPROTO_IP && h.Type == unix.IP_PKTINFO && h.Len >= uint64(unix.CmsgLen(unix.SizeofInet4Pktinfo)):
+			return netip.AddrFrom4((*unix.Inet4Pktinfo)(data).Addr)
+		case h.Level == unix.IPPROTO_IPV6 && h.Type == unix.IPV6_PKTINFO && h.Len >= uint64(unix.CmsgLen(unix.SizeofInet6Pktinfo)):
+			return netip.AddrFrom16((*unix.Inet6Pktinfo)(data).Addr).Unmap()
+		}
+		off += uint64(unix.CmsgSpace(int(h.Len) - unix.CmsgLen(0)))
+	}
+	return netip.Addr{}
+}

@@ -1,0 +1,140 @@
+package sock
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+)
+
+// datagram i of a test: its size, filled with a byte of i so that any mix-up
+// or truncation shows.
+func datagram(i, size int) []byte { return bytes.Repeat([]byte{byte(i)}, size) }
+
+// One flow's datagrams leave in GSO sends and arrive whole and in order,
+// whatever the run of sizes: equal sizes, a shorter last one, a longer one
+// that starts a new run, more than a batch; the sender's socket and the
+// receiver drain them with recvmmsg, with the sender's and the local address
+// of each.
+func TestSendSegmentsAndReceiveMore(t *testing.T) {
+	srv, err := ListenUDP(netip.AddrPortFrom(loopback, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	r, err := NewReceiver(srv, 4, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := DialUDP(srv.LocalAddr().(*net.UDPAddr).AddrPort())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := NewSender(c, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	from := c.LocalAddr().(*net.UDPAddr).AddrPort()
+
+	for _, sizes := range [][]int{
+		{1400, 1400, 1400, 1400},
+		{1000, 1000, 1000, 300},
+		{500, 500, 900, 900, 900, 10},
+		{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+		{20000, 20000, 20000, 20000}, // more than one IP packet's worth: two GSO sends
+		{1400},
+	} {
+		t.Run(fmt.Sprint(len(sizes), "x", sizes[0]), func(t *testing.T) {
+			var bufs [][]byte
+			for i, size := range sizes {
+				bufs = append(bufs, datagram(i, size))
+			}
+			if sent, err := s.SendSegments(bufs, netip.Addr{}, netip.AddrPort{}); err != nil || sent != len(bufs) {
+				t.Fatalf("sent %d of %d: %v", sent, len(bufs), err)
+			}
+			if s.gsoRefused <= maxDatagram {
+				t.Fatalf("the kernel refused GSO of %d bytes on loopback", s.gsoRefused)
+			}
+			// The first waits (Receive), the rest are drained.
+			_ = srv.SetReadDeadline(time.Now().Add(10 * time.Second))
+			buf := make([]byte, maxDatagram)
+			n, gotFrom, to, err := r.Receive(buf)
+			if err != nil || !bytes.Equal(buf[:n], bufs[0]) || gotFrom != from || to != loopback {
+				t.Fatalf("first datagram: %d bytes from %v to %v (%v)", n, gotFrom, to, err)
+			}
+			got := 1
+			b := GetBatch()
+			defer b.Put()
+			deadline := time.Now().Add(10 * time.Second)
+			for got < len(bufs) {
+				k, err := r.ReceiveMore(b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if k == 0 {
+					if time.Now().After(deadline) {
+						t.Fatalf("%d of %d datagrams arrived", got, len(bufs))
+					}
+					time.Sleep(time.Millisecond)
+					continue
+				}
+				if k > BatchSize {
+					t.Fatalf("a batch of %d", k)
+				}
+				for i := 0; i < k; i++ {
+					if !bytes.Equal(b.Datagram(i), bufs[got]) || b.From(i) != from || b.To(i) != loopback {
+						t.Fatalf("datagram %d: %d bytes (want %d) of %v from %v to %v", got, len(b.Datagram(i)),
+							len(bufs[got]), b.Datagram(i)[:min(1, len(b.Datagram(i)))], b.From(i), b.To(i))
+					}
+					got++
+				}
+			}
+			if k, err := r.ReceiveMore(b); k != 0 || err != nil {
+				t.Fatalf("after the last datagram ReceiveMore took %d (%v)", k, err)
+			}
+		})
+	}
+}
+
+// Replies go out as GSO sends from a given source address to an unconnected
+// peer (the frontend socket's case), and a size the kernel refuses for GSO
+// (larger than the device's MTU) falls back to one send per datagram.
+func TestSendSegmentsFromAddressAndFallback(t *testing.T) {
+	front, err := ListenUDP(netip.AddrPortFrom(loopback, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer front.Close()
+	s, err := NewSender(front, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	to := client.LocalAddr().(*net.UDPAddr).AddrPort()
+	check := func(bufs [][]byte) {
+		t.Helper()
+		if sent, err := s.SendSegments(bufs, loopback, to); err != nil || sent != len(bufs) {
+			t.Fatalf("sent %d of %d: %v", sent, len(bufs), err)
+		}
+		_ = client.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, maxDatagram)
+		for i, want := range bufs {
+			n, from, err := client.ReadFromUDPAddrPort(buf)
+			if err != nil || !bytes.Equal(buf[:n], want) || from != front.LocalAddr().(*net.UDPAddr).AddrPort() {
+				t.Fatalf("datagram %d: %d bytes (want %d) from %v (%v)", i, n, len(want), from, err)
+			}
+		}
+	}
+	check([][]byte{datagram(0, 1200), datagram(1, 1200), datagram(2, 700)})
+	// A GSO send the kernel refuses: pretend it refused this size before,
+	// as it would for segments over the route's MTU.
+	s.gsoRefused = 1000
+	check([][]byte{datagram(0, 1200), datagram(1, 1200), datagram(2, 999), datagram(3, 999), datagram(4, 999)})
+}
