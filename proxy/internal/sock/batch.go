@@ -5,9 +5,12 @@ package sock
 // datagrams of one size leaves in one sendmsg(2) with UDP_SEGMENT (GSO):
 // one route lookup, one pass through netfilter and conntrack, one skb down
 // the stack until the device or the receiving socket cuts it up. A batch
-// is borrowed from a pool only while a socket has more queued, so that an
-// idle service port holds no batch (each is batchSize × 64 KiB, the largest
-// datagram: nothing is ever truncated).
+// is borrowed only while a socket has more queued, so that an idle service
+// port holds no batch. Each batch is batchSize × 64 KiB (the largest
+// datagram: nothing is ever truncated) of anonymous memory mapped outside
+// Go's heap: the kernel fills only the pages a datagram needs, so a batch
+// of 1 400 B datagrams is 64 KiB of RSS, not the 1 MiB a heap allocation
+// (zeroed by the runtime) would be. At most batchesKept wait for reuse.
 
 import (
 	"errors"
@@ -38,6 +41,7 @@ const maxGSOBytes = 65000
 
 // Batch holds datagrams taken from a socket by one ReceiveMore.
 type Batch struct {
+	mem   []byte // the buffers' mapping (nil: on the heap)
 	msgs  [batchSize]unix.Mmsghdr
 	iovs  [batchSize]unix.Iovec
 	names [batchSize]unix.RawSockaddrInet6
@@ -47,21 +51,51 @@ type Batch struct {
 	addrs bool
 }
 
-var batches = sync.Pool{New: func() any {
-	b := &Batch{}
-	for i := range b.bufs {
-		b.bufs[i] = make([]byte, maxDatagram)
-	}
-	return b
-}}
+// batchesKept bounds the batches kept for reuse (a burst on many flows at
+// once borrows more; they are unmapped when given back).
+const batchesKept = 32
+
+var batches struct {
+	mu   sync.Mutex
+	free []*Batch
+}
 
 // GetBatch borrows a batch; Put gives it back.
-func GetBatch() *Batch { return batches.Get().(*Batch) }
+func GetBatch() *Batch {
+	batches.mu.Lock()
+	if n := len(batches.free); n > 0 {
+		b := batches.free[n-1]
+		batches.free = batches.free[:n-1]
+		batches.mu.Unlock()
+		return b
+	}
+	batches.mu.Unlock()
+	b := &Batch{}
+	mem, err := unix.Mmap(-1, 0, batchSize*maxDatagram, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err == nil {
+		b.mem = mem
+	} else {
+		mem = make([]byte, batchSize*maxDatagram) // no mapping: the heap will do
+	}
+	for i := range b.bufs {
+		b.bufs[i] = mem[i*maxDatagram : (i+1)*maxDatagram : (i+1)*maxDatagram]
+	}
+	return b
+}
 
-// Put returns b to the pool; b must not be used after.
+// Put gives b back; b must not be used after.
 func (b *Batch) Put() {
 	b.n = 0
-	batches.Put(b)
+	batches.mu.Lock()
+	if len(batches.free) < batchesKept {
+		batches.free = append(batches.free, b)
+		batches.mu.Unlock()
+		return
+	}
+	batches.mu.Unlock()
+	if b.mem != nil {
+		_ = unix.Munmap(b.mem)
+	}
 }
 
 // Len is how many datagrams the last ReceiveMore took.

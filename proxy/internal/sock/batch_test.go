@@ -138,3 +138,65 @@ func TestSendSegmentsFromAddressAndFallback(t *testing.T) {
 	s.gsoRefused = 1000
 	check([][]byte{datagram(0, 1200), datagram(1, 1200), datagram(2, 999), datagram(3, 999), datagram(4, 999)})
 }
+
+// Batches are mapped outside the heap and kept for reuse up to a bound;
+// past it they are unmapped. A reused batch still carries datagrams.
+func TestBatchesKeptUpToABound(t *testing.T) {
+	var held []*Batch
+	for i := 0; i < batchesKept+8; i++ {
+		b := GetBatch()
+		if b.mem == nil {
+			t.Fatal("a batch on the heap: mmap failed")
+		}
+		if len(b.bufs[batchSize-1]) != maxDatagram || cap(b.bufs[0]) != maxDatagram {
+			t.Fatalf("buffers of %d (cap %d), want %d", len(b.bufs[batchSize-1]), cap(b.bufs[0]), maxDatagram)
+		}
+		held = append(held, b)
+	}
+	for _, b := range held {
+		b.Put()
+	}
+	batches.mu.Lock()
+	kept := len(batches.free)
+	batches.mu.Unlock()
+	if kept != batchesKept {
+		t.Fatalf("%d batches kept, want %d", kept, batchesKept)
+	}
+	// A kept one works again.
+	srv, err := ListenUDP(netip.AddrPortFrom(loopback, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	r, _ := NewReceiver(srv, 4, true)
+	c, err := net.DialUDP("udp4", nil, srv.LocalAddr().(*net.UDPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for i := 0; i < 3; i++ {
+		_, _ = c.Write(datagram(i, 65000))
+	}
+	b := GetBatch()
+	defer b.Put()
+	got := 0
+	deadline := time.Now().Add(10 * time.Second)
+	for got < 3 && time.Now().Before(deadline) {
+		k, err := r.ReceiveMore(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < k; i++ {
+			if !bytes.Equal(b.Datagram(i), datagram(got, 65000)) {
+				t.Fatalf("datagram %d: %d bytes", got, len(b.Datagram(i)))
+			}
+			got++
+		}
+		if k == 0 {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	if got != 3 {
+		t.Fatalf("%d of 3 large datagrams drained", got)
+	}
+}
