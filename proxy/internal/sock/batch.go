@@ -166,7 +166,8 @@ func (s *Sender) SendSegments(bufs [][]byte, src netip.Addr, to netip.AddrPort) 
 		size := len(bufs[sent])
 		k := 1
 		total := size
-		for sent+k < len(bufs) && k < batchSize && len(bufs[sent+k]) <= size && total+len(bufs[sent+k]) <= maxGSOBytes {
+		for sent+k < len(bufs) && k < batchSize && len(bufs[sent+k]) <= size && len(bufs[sent+k]) > 0 &&
+			total+len(bufs[sent+k]) <= maxGSOBytes {
 			last := len(bufs[sent+k]) < size
 			total += len(bufs[sent+k])
 			k++

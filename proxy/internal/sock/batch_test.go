@@ -46,6 +46,7 @@ func TestSendSegmentsAndReceiveMore(t *testing.T) {
 		{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
 		{20000, 20000, 20000, 20000}, // more than one IP packet's worth: two GSO sends
 		{1400},
+		{1400, 1400, 0, 0, 7, 7}, // empty datagrams are datagrams too, never part of a GSO send
 	} {
 		t.Run(fmt.Sprint(len(sizes), "x", sizes[0]), func(t *testing.T) {
 			var bufs [][]byte
