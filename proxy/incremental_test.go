@@ -1,17 +1,13 @@
 package proxy
 
 import (
-	"context"
 	"fmt"
-	"io"
 	"maps"
 	"math/rand/v2"
 	"net"
 	"net/netip"
 	"slices"
 	"testing"
-
-	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
@@ -22,17 +18,7 @@ import (
 // endpoint changes, traffic policy splits (two frontends) and joins, and
 // re-adds of the same pointer.
 func TestIncrementalSyncEqualsFull(t *testing.T) {
-	if _, err := RaiseFileLimit(); err != nil {
-		t.Skip(err)
-	}
-	log := logrus.New()
-	log.SetOutput(io.Discard)
-	mk := func() *Proxier {
-		p := New(Config{BindAddress: loopback, Log: log})
-		p.ctx = context.Background()
-		return p
-	}
-	inc, full := mk(), mk()
+	inc, full := benchProxier(t), benchProxier(t)
 	defer inc.shutdown(0)
 	defer full.shutdown(0)
 	r := rand.New(rand.NewPCG(3, 4))
@@ -157,13 +143,7 @@ func TestUpdateMergesChanges(t *testing.T) {
 // full visit: 30-60 ms). A retry of the same State visits the failed one
 // alone, and takes the NodePort once it is free.
 func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
-	if _, err := RaiseFileLimit(); err != nil {
-		t.Skip(err)
-	}
-	log := logrus.New()
-	log.SetOutput(io.Discard)
-	p := New(Config{BindAddress: loopback, Log: log})
-	p.ctx = context.Background()
+	p := benchProxier(t)
 	defer p.shutdown(0)
 	other, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {

@@ -86,10 +86,11 @@ func BenchmarkSyncOneChangedAt10k(b *testing.B) {
 	}
 }
 
-// benchProxier is a Proxier on loopback without rules, logging nowhere.
-func benchProxier(b *testing.B) *Proxier {
+// benchProxier is a Proxier on loopback without rules and without Run
+// (tests call sync), logging nowhere.
+func benchProxier(tb testing.TB) *Proxier {
 	if _, err := RaiseFileLimit(); err != nil {
-		b.Skip(err)
+		tb.Skip(err)
 	}
 	log := logrus.New()
 	log.SetOutput(io.Discard)

@@ -120,7 +120,9 @@ func (f *frontend) serveUDP(s *udpSocket) {
 		n, from, to, err := in.Receive(buf)
 		if err == nil {
 			f.forward(s, from, to, append(run[:0], buf[:n]))
-			run, err = f.forwardQueued(s, in, run)
+			// Then what else is queued, without waiting; a read error
+			// is handled below.
+			err = in.Drain(func(b *sock.Batch) { run = f.forwardBatch(s, b, run) })
 		}
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
@@ -139,40 +141,22 @@ func (f *frontend) serveUDP(s *udpSocket) {
 	}
 }
 
-// forwardQueued forwards the datagrams queued on the frontend socket now,
-// without waiting, a batch at a time; consecutive datagrams of one client
-// to one address go together (one GSO send where they can). A read error
-// is returned for the read loop to handle.
-func (f *frontend) forwardQueued(s *udpSocket, in *sock.Receiver, run [][]byte) ([][]byte, error) {
-	var b *sock.Batch
-	defer func() {
-		if b != nil {
-			b.Put()
+// forwardBatch forwards a batch drained from the frontend socket:
+// consecutive datagrams of one client to one address go together (one GSO
+// send where they can). run is scratch space, returned for reuse.
+func (f *frontend) forwardBatch(s *udpSocket, b *sock.Batch, run [][]byte) [][]byte {
+	for i := 0; i < b.Len(); {
+		from, to := b.From(i), b.To(i)
+		run = append(run[:0], b.Datagram(i))
+		j := i + 1
+		for ; j < b.Len() && b.From(j) == from && b.To(j) == to; j++ {
+			run = append(run, b.Datagram(j))
 		}
-	}()
-	for {
-		if b == nil {
-			b = sock.GetBatch()
-		}
-		k, err := in.ReceiveMore(b)
-		if err != nil || k == 0 {
-			return run, err
-		}
-		for i := 0; i < k; {
-			from, to := b.From(i), b.To(i)
-			run = append(run[:0], b.Datagram(i))
-			j := i + 1
-			for ; j < k && b.From(j) == from && b.To(j) == to; j++ {
-				run = append(run, b.Datagram(j))
-			}
-			f.forward(s, from, to, run)
-			i = j
-		}
-		clear(run) // hold no datagram of the batch given back
-		if k < sock.BatchSize {
-			return run, nil
-		}
+		f.forward(s, from, to, run)
+		i = j
 	}
+	clear(run) // hold no datagram of the batch given back
+	return run
 }
 
 // forward sends datagrams, all from client to the local address to, to the
@@ -185,10 +169,7 @@ func (f *frontend) forward(s *udpSocket, client netip.AddrPort, to netip.Addr, d
 	fl.touch()
 	fl.keep(datagrams[len(datagrams)-1])
 	sent, err := fl.out.SendSegments(datagrams, netip.Addr{}, netip.AddrPort{})
-	var n int64
-	for _, d := range datagrams[:sent] {
-		n += int64(len(d))
-	}
+	n := payloadBytes(datagrams[:sent])
 	fl.up.Add(n)
 	f.m.get().bytesIn.Add(float64(n))
 	if err != nil {
@@ -409,7 +390,17 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		n, _, _, err := fromBackend.Receive(buf)
 		if err == nil {
 			f.reply(fl, toClient, append(run[:0], buf[:n]), &answered)
-			run, err = f.replyQueued(fl, fromBackend, toClient, run, &answered)
+			// Then what else is queued, without waiting; a read error
+			// (an ICMP error the kernel reports, a deadline, a close) is
+			// handled below.
+			err = fromBackend.Drain(func(b *sock.Batch) {
+				run = run[:0]
+				for i := 0; i < b.Len(); i++ {
+					run = append(run, b.Datagram(i))
+				}
+				f.reply(fl, toClient, run, &answered)
+				clear(run)
+			})
 		}
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
@@ -443,10 +434,7 @@ func (f *frontend) reply(fl *udpFlow, toClient *sock.Sender, datagrams [][]byte,
 	}
 	fl.touch()
 	sent, err := toClient.SendSegments(datagrams, fl.local, fl.client)
-	var n int64
-	for _, d := range datagrams[:sent] {
-		n += int64(len(d))
-	}
+	n := payloadBytes(datagrams[:sent])
 	fl.down.Add(n)
 	f.m.get().bytesOut.Add(float64(n))
 	if err != nil {
@@ -454,35 +442,12 @@ func (f *frontend) reply(fl *udpFlow, toClient *sock.Sender, datagrams [][]byte,
 	}
 }
 
-// replyQueued sends on the endpoint's datagrams queued on the flow's
-// socket now, without waiting, a batch at a time. A read error (an ICMP
-// error the kernel reports, a deadline, a close) is returned for the reply
-// loop to handle.
-func (f *frontend) replyQueued(fl *udpFlow, in *sock.Receiver, toClient *sock.Sender, run [][]byte, answered *bool) ([][]byte, error) {
-	var b *sock.Batch
-	defer func() {
-		if b != nil {
-			b.Put()
-		}
-	}()
-	for {
-		if b == nil {
-			b = sock.GetBatch()
-		}
-		k, err := in.ReceiveMore(b)
-		if err != nil || k == 0 {
-			return run, err
-		}
-		run = run[:0]
-		for i := 0; i < k; i++ {
-			run = append(run, b.Datagram(i))
-		}
-		f.reply(fl, toClient, run, answered)
-		clear(run)
-		if k < sock.BatchSize {
-			return run, nil
-		}
+// payloadBytes is the bytes of datagrams together.
+func payloadBytes(datagrams [][]byte) (n int64) {
+	for _, d := range datagrams {
+		n += int64(len(d))
 	}
+	return n
 }
 
 // closeFlows ends every flow (the frontend is going away) and waits for them.

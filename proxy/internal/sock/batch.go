@@ -28,10 +28,6 @@ import (
 // carries at most (the kernel's limit is 64 segments).
 const batchSize = 16
 
-// BatchSize is a Batch's capacity: a ReceiveMore that took fewer emptied
-// the socket.
-const BatchSize = batchSize
-
 // maxDatagram is the largest UDP payload.
 const maxDatagram = 64 * 1024
 
@@ -154,6 +150,25 @@ func (r *Receiver) ReceiveMore(b *Batch) (int, error) {
 	}
 	b.n = n
 	return n, nil
+}
+
+// Drain takes the datagrams queued on the socket now, without waiting, a
+// batch at a time, and hands each batch to each (its datagrams valid only
+// during the call). It returns when the socket is empty (nil) or with a read
+// error, which the caller handles as one from Receive.
+func (r *Receiver) Drain(each func(b *Batch)) error {
+	b := GetBatch()
+	defer b.Put()
+	for {
+		k, err := r.ReceiveMore(b)
+		if err != nil || k == 0 {
+			return err
+		}
+		each(b)
+		if k < batchSize {
+			return nil
+		}
+	}
 }
 
 // SendSegments sends bufs in order, as Send would one by one (to the

@@ -82,7 +82,7 @@ func TestSendSegmentsAndReceiveMore(t *testing.T) {
 					time.Sleep(time.Millisecond)
 					continue
 				}
-				if k > BatchSize {
+				if k > batchSize {
 					t.Fatalf("a batch of %d", k)
 				}
 				for i := 0; i < k; i++ {
