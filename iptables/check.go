@@ -27,11 +27,11 @@ func (r *Rules) Check(ctx context.Context) (drift bool, err error) {
 			continue // being written, or unknown: the next Sync rewrites it anyway
 		}
 		start := time.Now()
-		live, jumps, err := f.live()
+		live, jumps, err := f.live(true)
 		if err != nil {
 			return drift, fmt.Errorf("IPv%d: %w", f.fam, err)
 		}
-		same := jumps && equalSets(live.sets(), want.sets())
+		same := jumps && live.Same(want)
 		r.mu.Lock()
 		moot := r.writes[f.fam] != seq
 		r.mu.Unlock()

@@ -16,7 +16,7 @@ func (r *Rules) Counters(fam int) (map[string]Counter, error) {
 	}
 	out := map[string]Counter{}
 	for _, table := range []string{"nat", "filter"} {
-		data, err := f.dump(table, "-c")
+		data, err := f.dump(table, false, "-c")
 		if err != nil {
 			return nil, err
 		}

@@ -208,6 +208,11 @@ type Proxier struct {
 	nodeDeleting bool
 	kick         chan struct{} // capacity 1: merges bursts
 
+	// busy counts the syncs and rule writes under way; idleSince is when
+	// the last one ended (unix nanoseconds): Quiet.
+	busy      atomic.Int32
+	idleSince atomic.Int64
+
 	// Owned by the sync goroutine (Run).
 	ctx       context.Context
 	frontends map[frontendKey]*frontend
@@ -241,6 +246,20 @@ type Proxier struct {
 	// liveMu orders the sync goroutine's writes to frontends before the
 	// reads of other goroutines (debug views of live listeners).
 	liveMu sync.RWMutex
+}
+
+// Quiet reports whether no sync or rule write has been under way for at
+// least d: a moment in which work of the daemon's own choosing (a garbage
+// collection) delays no change.
+func (p *Proxier) Quiet(d time.Duration) bool {
+	return p.busy.Load() == 0 && time.Since(time.Unix(0, p.idleSince.Load())) >= d
+}
+
+func (p *Proxier) enter() { p.busy.Add(1) }
+
+func (p *Proxier) leave() {
+	p.idleSince.Store(time.Now().UnixNano()) // before busy drops: Quiet sees both
+	p.busy.Add(-1)
 }
 
 // New returns a Proxier; nothing happens until Run.
@@ -361,11 +380,14 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	written := make(chan error, 1)
 	write := func(w *ruleWrite) {
 		writing = w
+		p.enter()
 		go func() { written <- p.writeRules(w) }()
 	}
 	stop := func() {
 		if writing != nil {
-			p.written(writing, <-written)
+			err := <-written
+			p.leave()
+			p.written(writing, err)
 		}
 		if queued != nil {
 			p.written(queued, ctx.Err()) // stops what it replaced
@@ -404,6 +426,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		case err := <-written:
 			w := writing
 			writing = nil
+			p.leave()
 			p.written(w, err)
 			end := time.Now()
 			syncDuration.Observe(end.Sub(w.start).Seconds())
@@ -450,7 +473,9 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		}
 		serviceChangesPending.Set(0)
 		endpointChangesPending.Set(0)
+		p.enter()
 		w := p.apply(current, verify)
+		p.leave()
 		w.queuedAt = queuedAt
 		p.mu.Lock()
 		p.healthListenFailures = p.listenFailures

@@ -514,3 +514,28 @@ func TestStopWhileRulesAreWritten(t *testing.T) {
 		t.Fatal("the listener still accepts after Run returned")
 	}
 }
+
+// TestQuietWhileNothingIsSynced: Quiet is false while a rule write is under
+// way and for the given time after, true once that time has passed.
+func TestQuietWhileNothingIsSynced(t *testing.T) {
+	base := freePorts(t, 2)
+	rules := newGatedRules()
+	h := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}, Rules: rules})
+	t.Cleanup(rules.open)
+	if !h.p.Quiet(0) {
+		t.Fatal("a proxier that has synced nothing is not quiet")
+	}
+	a := tcpBackend(t, "a")
+	one := svc("one", config.TCP, a)
+	h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{one.Name: one}, Node: "node-a"})
+	waitFor(t, "the write", func() bool { return rules.started() == 1 })
+	if h.p.Quiet(0) {
+		t.Fatal("quiet while a rule write is under way")
+	}
+	rules.gate <- struct{}{}
+	waitFor(t, "the write done", func() bool { return h.p.Health().LastUpdated != time.Time{} })
+	if h.p.Quiet(time.Hour) {
+		t.Fatal("quiet for an hour right after a write")
+	}
+	waitFor(t, "quiet for 50 ms", func() bool { return h.p.Quiet(50 * time.Millisecond) })
+}

@@ -42,7 +42,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		return showRules(o, node, stdout)
 	}
 	gcCtx, stopGC := context.WithCancel(ctx)
-	gcDone := tuneGC(gcCtx, log, gcTunePeriod)
+	gc, gcDone := tuneGC(gcCtx, log, gcTunePeriod)
 	defer func() { stopGC(); <-gcDone }()
 	// Everything that can fail on bad input fails before the kernel is touched.
 	if err := checkLocal(o.bindAddress); err != nil {
@@ -140,6 +140,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		ConnLog:             log.WithField("component", "conn"),
 		ConnLogMode:         proxy.ConnLogMode(o.connLog),
 	})
+	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()

@@ -690,6 +690,9 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 	}
 	done := time.Now()
 	add = [2]time.Duration{done.Sub(t), b.sinceEvent("slice/"+name, called, done)}
+	if b.o.logs != "" { // to line up with the daemon's log
+		fmt.Fprintf(os.Stderr, "%s add %s: %v from the call, %v from the slice's event\n", done.UTC().Format("15:04:05.000"), name, add[0], add[1])
+	}
 	lone()
 	var at time.Time
 	called = time.Now()
