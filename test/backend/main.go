@@ -12,6 +12,8 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+
+	"golang.org/x/sys/unix"
 )
 
 func main() {
@@ -21,6 +23,7 @@ func main() {
 	echo := flag.String("echo", "", "TCP echo listen address (benchmarks); empty to disable")
 	stall := flag.String("stall", "", "TCP listen address whose connections are accepted and never read (a stuck backend); empty to disable")
 	dns := flag.String("dns", "", "UDP DNS listen address: every question is answered with one A record, 192.0.2.1 (for dig); empty to disable")
+	flag.IntVar(&udpBuffer, "udp-buffer", 0, "UDP socket buffer size in bytes, each way (0: the kernel's default; with CAP_NET_ADMIN beyond net.core.rmem_max)")
 	flag.Parse()
 	if *name == "" {
 		*name, _ = os.Hostname()
@@ -100,12 +103,18 @@ func serveBytes(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// udpBuffer is --udp-buffer.
+var udpBuffer int
+
 // serveUDP answers every datagram on addr with what answer returns for it
 // (nothing for nil), until reading fails.
 func serveUDP(addr string, answer func([]byte) []byte) error {
 	c, err := net.ListenPacket("udp", addr)
 	if err != nil {
 		log.Fatal(err)
+	}
+	if udpBuffer > 0 {
+		setBuffers(c.(*net.UDPConn), udpBuffer)
 	}
 	buf := make([]byte, 65536)
 	for {
@@ -117,6 +126,23 @@ func serveUDP(addr string, answer func([]byte) []byte) error {
 			_, _ = c.WriteTo(reply, from)
 		}
 	}
+}
+
+// setBuffers sets both buffers of c to size: with SO_RCVBUFFORCE and
+// SO_SNDBUFFORCE where the process may (CAP_NET_ADMIN), else as far as
+// net.core.rmem_max and wmem_max allow.
+func setBuffers(c *net.UDPConn, size int) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		log.Fatal(err)
+	}
+	_ = raw.Control(func(fd uintptr) {
+		for _, o := range [][2]int{{unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}, {unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}} {
+			if unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[0], size) != nil {
+				_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, o[1], size)
+			}
+		}
+	})
 }
 
 // dnsAnswer answers a DNS query's first question with the A record

@@ -26,7 +26,7 @@ bench_lab kb
 N node sysctl -qw net.ipv4.tcp_tw_reuse=1
 N client sysctl -qw net.ipv4.tcp_tw_reuse=1
 # Backend pod: HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201.
-N pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 >/dev/null 2>&1 &
+N pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 ${BACKEND_UDP_BUFFER:+--udp-buffer "$BACKEND_UDP_BUFFER"} >/dev/null 2>&1 &
 N pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
 wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
 
