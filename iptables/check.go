@@ -27,7 +27,7 @@ func (r *Rules) Check(ctx context.Context) (drift bool, err error) {
 			continue // being written, or unknown: the next Sync rewrites it anyway
 		}
 		start := time.Now()
-		live, jumps, err := f.live(true)
+		live, jumps, err := f.live(ctx, true)
 		if err != nil {
 			return drift, fmt.Errorf("IPv%d: %w", f.fam, err)
 		}

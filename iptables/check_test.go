@@ -1,10 +1,15 @@
 package iptables
 
 import (
+	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 func TestRulesetSame(t *testing.T) {
@@ -56,7 +61,7 @@ func TestCheckDumpRunsNiced(t *testing.T) {
 	}
 	f := &family{fam: 4, save: save}
 	t.Setenv("WAIT_FOR_NICE", "1")
-	out, err := f.dump("nat", true)
+	out, err := f.dump(context.Background(), "nat", true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,10 +69,96 @@ func TestCheckDumpRunsNiced(t *testing.T) {
 		t.Errorf("background dump printed %q, want %q", out, "# nice 10")
 	}
 	t.Setenv("WAIT_FOR_NICE", "0")
-	if out, err = f.dump("nat", false); err != nil {
+	if out, err = f.dump(context.Background(), "nat", false); err != nil {
 		t.Fatal(err)
 	}
 	if strings.TrimSpace(out) != "# nice 0" {
 		t.Errorf("foreground dump printed %q, want %q", out, "# nice 0")
 	}
+}
+
+// stuckCommand writes a script that records its PID and then never ends,
+// as an iptables-restore stuck in the kernel or on a lock would.
+func stuckCommand(t *testing.T) (bin, pidFile string) {
+	dir := t.TempDir()
+	bin, pidFile = filepath.Join(dir, "stuck"), filepath.Join(dir, "pid")
+	script := "#!/bin/sh\necho $$ > " + pidFile + "\nexec sleep 600\n"
+	if err := os.WriteFile(bin, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return bin, pidFile
+}
+
+// gone waits (up to 10 s) for the process whose PID is in pidFile to be
+// gone; it fails the test if it is not.
+func gone(t *testing.T, pidFile string) {
+	t.Helper()
+	data, err := os.ReadFile(pidFile)
+	if err != nil {
+		t.Fatalf("the command never ran: %v", err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for syscall.Kill(pid, 0) == nil {
+		if time.Now().After(deadline) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			t.Fatalf("process %d still runs", pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestStuckRestoreIsKilled: a write whose iptables-restore never ends
+// fails after the family's timeout, saying so, and the process is gone.
+func TestStuckRestoreIsKilled(t *testing.T) {
+	bin, pidFile := stuckCommand(t)
+	f := &family{fam: 4, restore: bin, timeout: 300 * time.Millisecond}
+	start := time.Now()
+	err := f.run(context.Background(), f.restore, []string{"-w", "--noflush"}, "*nat\nCOMMIT\n")
+	took := time.Since(start)
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "killed, not done after 300ms") {
+		t.Fatalf("err = %v, want one that says the restore was killed after 300ms", err)
+	}
+	// The bound is the timeout and the wait for its output (waitDelay),
+	// with room for a loaded machine; the command itself would take 600 s.
+	if took > 300*time.Millisecond+waitDelay+5*time.Second {
+		t.Fatalf("the write returned after %v", took)
+	}
+	gone(t, pidFile)
+}
+
+// TestShutdownKillsAStuckSave: the periodic check's iptables-save ends when
+// its context does (shutdown), long before the timeout.
+func TestShutdownKillsAStuckSave(t *testing.T) {
+	bin, pidFile := stuckCommand(t)
+	f := &family{fam: 4, save: bin} // the default timeout: a minute
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		_, _, err := f.live(ctx, true)
+		errc <- err
+	}()
+	for { // until it runs
+		if _, err := os.Stat(pidFile); err == nil {
+			break
+		}
+		select {
+		case err := <-errc:
+			t.Fatalf("the check ended before it was stopped: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	cancel()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "killed") {
+			t.Fatalf("err = %v, want one that says the save was killed", err)
+		}
+	case <-time.After(waitDelay + 10*time.Second):
+		t.Fatal("the check did not end within 11 s of its context")
+	}
+	gone(t, pidFile)
 }

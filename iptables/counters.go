@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"strings"
@@ -16,7 +17,7 @@ func (r *Rules) Counters(fam int) (map[string]Counter, error) {
 	}
 	out := map[string]Counter{}
 	for _, table := range []string{"nat", "filter"} {
-		data, err := f.dump(table, false, "-c")
+		data, err := f.dump(context.Background(), table, false, "-c")
 		if err != nil {
 			return nil, err
 		}

@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -63,7 +64,7 @@ func TestSyncChangedEqualsFull(t *testing.T) {
 	}
 	all := view()
 	for _, f := range []*family{hinted, full} {
-		if _, _, err := f.sync(all, all4, false, nil, log); err != nil {
+		if _, _, err := f.sync(context.Background(), all, all4, false, nil, log); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -90,10 +91,10 @@ func TestSyncChangedEqualsFull(t *testing.T) {
 			}
 		}
 		all := view()
-		if _, _, err := hinted.sync(all, all4, false, &hint{changed: changed, fresh: fresh}, log); err != nil {
+		if _, _, err := hinted.sync(context.Background(), all, all4, false, &hint{changed: changed, fresh: fresh}, log); err != nil {
 			t.Fatal(err)
 		}
-		if _, _, err := full.sync(all, all4, false, nil, log); err != nil {
+		if _, _, err := full.sync(context.Background(), all, all4, false, nil, log); err != nil {
 			t.Fatal(err)
 		}
 		if got, want := hinted.render(), full.render(); !reflect.DeepEqual(got, want) {

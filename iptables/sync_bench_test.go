@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"os"
@@ -19,13 +20,13 @@ func BenchmarkPartialSyncAt10k(b *testing.B) {
 	fes := manyFrontends(10001)
 	f := &family{fam: 4, restore: "true", features: allFeatures, jumpsOK: true}
 	f.installed = &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
-	if _, _, err := f.sync(fes[:10000], all4, false, nil, log); err != nil {
+	if _, _, err := f.sync(context.Background(), fes[:10000], all4, false, nil, log); err != nil {
 		b.Fatal(err)
 	}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		n := 10000 + i%2 // add, then remove, the last one
-		if _, _, err := f.sync(fes[:n], all4, false, nil, log); err != nil {
+		if _, _, err := f.sync(context.Background(), fes[:n], all4, false, nil, log); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -39,7 +40,7 @@ func BenchmarkCheckAt10k(b *testing.B) {
 	log.SetOutput(io.Discard)
 	f := &family{fam: 4, restore: "true", features: allFeatures, jumpsOK: true}
 	f.installed = &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
-	if _, _, err := f.sync(manyFrontends(10000), all4, false, nil, log); err != nil {
+	if _, _, err := f.sync(context.Background(), manyFrontends(10000), all4, false, nil, log); err != nil {
 		b.Fatal(err)
 	}
 	want := f.installed
@@ -72,7 +73,7 @@ func BenchmarkCheckAt10k(b *testing.B) {
 	}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		live, jumpsOK, err := f.live(true)
+		live, jumpsOK, err := f.live(context.Background(), true)
 		if err != nil {
 			b.Fatal(err)
 		}

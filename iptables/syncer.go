@@ -90,6 +90,50 @@ type family struct {
 	gen uint64
 	// conntrack deletes the UDP entries a sync made stale.
 	conntrack *conntrackCleaner
+	// timeout bounds each iptables-restore and iptables-save (0:
+	// commandTimeout).
+	timeout time.Duration
+}
+
+// commandTimeout bounds one iptables-restore or iptables-save. A full write
+// of 10k service ports takes ~1 s; one that has not finished in a minute is
+// stuck (a kernel or a lock holder gone wrong), and is killed so that the
+// rule writer, the syncs queued behind it and shutdown go on: the write
+// fails and is tried again like any failed write.
+const commandTimeout = time.Minute
+
+// waitDelay bounds the wait for a killed command's output to close (a
+// child it left holding the pipes).
+const waitDelay = time.Second
+
+// commandTimeout is the bound of one command of this family.
+func (f *family) commandTimeout() time.Duration {
+	if f.timeout > 0 {
+		return f.timeout
+	}
+	return commandTimeout
+}
+
+// command returns bin with args, bound by ctx and the family's timeout (the
+// context returned); done releases the timeout.
+func (f *family) command(ctx context.Context, bin string, args []string) (*exec.Cmd, context.Context, context.CancelFunc) {
+	ctx, done := context.WithTimeout(ctx, f.commandTimeout())
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.WaitDelay = waitDelay
+	return cmd, ctx, done
+}
+
+// commandError describes a failed command; one that was killed (ctx ended)
+// says why.
+func (f *family) commandError(ctx context.Context, bin string, args []string, err error, stderr string) error {
+	what := strings.TrimSpace(bin + " " + strings.Join(args, " "))
+	switch cerr := ctx.Err(); {
+	case errors.Is(cerr, context.DeadlineExceeded):
+		return fmt.Errorf("%s: killed, not done after %v: %w", what, f.commandTimeout(), cerr)
+	case cerr != nil:
+		return fmt.Errorf("%s: killed: %w", what, cerr)
+	}
+	return fmt.Errorf("%s: %w: %s", what, err, strings.TrimSpace(stderr))
 }
 
 type feKey struct {
@@ -182,7 +226,7 @@ func (f *family) probe() error {
 	defer func() { _ = f.ipt.ClearAndDeleteChain("nat", chainProbe) }()
 	try := func(rule string) error {
 		in := fmt.Sprintf("*nat\n:%s - [0:0]\n-A %s %s\nCOMMIT\n", chainProbe, chainProbe, rule)
-		return f.run(f.restore, []string{"-w", "--noflush"}, in)
+		return f.run(context.Background(), f.restore, []string{"-w", "--noflush"}, in)
 	}
 	if err := try("-p tcp -m tcp --dport 1 -j REDIRECT --to-ports 1"); err != nil {
 		return fmt.Errorf("%w: IPv%d REDIRECT target unusable (kernel needs nf_nat / REDIRECT support): %v", ErrNotSupported, f.fam, err)
@@ -196,8 +240,11 @@ func (f *family) probe() error {
 	return nil
 }
 
-func (f *family) run(bin string, args []string, stdin string) error {
-	cmd := exec.Command(bin, args...)
+// run runs bin with args and stdin as its input, bound by ctx and the
+// family's timeout.
+func (f *family) run(ctx context.Context, bin string, args []string, stdin string) error {
+	cmd, ctx, done := f.command(ctx, bin, args)
+	defer done()
 	cmd.Stdin = strings.NewReader(stdin)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -205,7 +252,7 @@ func (f *family) run(bin string, args []string, stdin string) error {
 		if bin == f.restore {
 			restoreFailures.Inc()
 		}
-		return fmt.Errorf("%s %s: %w: %s", bin, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+		return f.commandError(ctx, bin, args, err, stderr.String())
 	}
 	return nil
 }
@@ -223,7 +270,7 @@ func (r *Rules) sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 		r.mu.Lock()
 		r.writes[f.fam]++ // odd: writing
 		r.mu.Unlock()
-		nat, filter, err := f.sync(mine, opts, verify, h, r.log)
+		nat, filter, err := f.sync(ctx, mine, opts, verify, h, r.log)
 		if err != nil {
 			r.mu.Lock()
 			r.writes[f.fam]++
@@ -353,7 +400,7 @@ func LocalAddrs(fam int, cidrs []netip.Prefix) []netip.Addr {
 // the few tree chains on its path); otherwise, or when verify finds the live
 // rules differ, it rewrites all of our chains and deletes any other chain of
 // ours. It returns the rule counts per table.
-func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
+func (f *family) sync(ctx context.Context, frontends []proxy.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
 	if !reflect.DeepEqual(opts, f.opts) {
 		f.records = nil // node addresses changed: every NodePort rule may
 	}
@@ -365,7 +412,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 	}
 	if verify && f.installed != nil {
 		var jumps bool
-		if live, jumps, err = f.live(false); err != nil {
+		if live, jumps, err = f.live(ctx, false); err != nil {
 			return 0, 0, err
 		}
 		if !live.Same(f.installed) || !jumps {
@@ -393,7 +440,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 			return nat, filter, nil
 		}
 		restoreStart := time.Now()
-		err := f.run(f.restore, []string{"-w", "--noflush"}, in)
+		err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, in)
 		if err == nil {
 			f.installed = want
 			log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(),
@@ -407,7 +454,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 	// that are not wanted (left by an earlier layout or version).
 	if live == nil {
 		var jumps bool
-		if live, jumps, err = f.live(false); err != nil {
+		if live, jumps, err = f.live(ctx, false); err != nil {
 			f.installed = nil
 			return 0, 0, err
 		}
@@ -420,7 +467,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 		// service ports a restart wrote 10 685 rules for 1.2 s.
 		in := diffInput(live, want)
 		if in != "" {
-			if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err != nil {
+			if err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, in); err != nil {
 				f.installed = nil
 				return 0, 0, err
 			}
@@ -450,7 +497,7 @@ func (f *family) sync(frontends []proxy.Frontend, opts RenderOptions, verify boo
 		}
 	}
 	in := want.RestoreInput() + deleteChainsInput(stale)
-	if err := f.run(f.restore, []string{"-w", "--noflush"}, in); err != nil {
+	if err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, in); err != nil {
 		f.installed = nil
 		return 0, 0, err
 	}
@@ -668,11 +715,11 @@ func diffInput(old, want *Ruleset) string {
 // live reads our chains with one iptables-save per table, each chain's
 // rules in order, and reports whether the jump rules into them are exactly
 // the wanted ones; background: for the periodic check (dump).
-func (f *family) live(background bool) (*Ruleset, bool, error) {
+func (f *family) live(ctx context.Context, background bool) (*Ruleset, bool, error) {
 	out := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
 	jumpsOK := true
 	for _, table := range []string{"nat", "filter"} {
-		data, err := f.dump(table, background)
+		data, err := f.dump(ctx, table, background)
 		if err != nil {
 			return nil, false, err
 		}
@@ -716,9 +763,10 @@ func (f *family) live(background bool) (*Ruleset, bool, error) {
 // arguments: -c for counters). A background dump (the periodic check) runs
 // at a low CPU priority: at 10k service ports iptables-save spends ~110 ms of
 // CPU, which a rule write or the node's own work should not wait behind.
-func (f *family) dump(table string, background bool, extra ...string) (string, error) {
+func (f *family) dump(ctx context.Context, table string, background bool, extra ...string) (string, error) {
 	args := append(append([]string(nil), extra...), "-t", table)
-	cmd := exec.Command(f.save, args...)
+	cmd, ctx, done := f.command(ctx, f.save, args)
+	defer done()
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Start()
@@ -730,7 +778,7 @@ func (f *family) dump(table string, background bool, extra ...string) (string, e
 		err = cmd.Wait()
 	}
 	if err != nil {
-		return "", fmt.Errorf("%s %s: %w: %s", f.save, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+		return "", f.commandError(ctx, f.save, args, err, stderr.String())
 	}
 	return stdout.String(), nil
 }
