@@ -195,9 +195,12 @@ type Proxier struct {
 	// sockets).
 	parker atomic.Pointer[sock.Parker]
 
-	mu          sync.Mutex // guards pending, queuedAt, latest and health
-	pending     *config.State
-	queuedAt    time.Time
+	mu       sync.Mutex // guards pending, queuedAt, latest and health
+	pending  *config.State
+	queuedAt time.Time // the oldest change in pending
+	// unwrittenAt is the oldest change a sync took whose rules are not
+	// written yet (in the write under way or the one queued behind it).
+	unwrittenAt time.Time
 	latest      *config.State // the newest State given to Update, for counting changes
 	lastUpdated time.Time     // the end of the last successful sync
 	lastErr     error         // of the last rule write
@@ -383,6 +386,19 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		p.enter()
 		go func() { written <- p.writeRules(w) }()
 	}
+	// unwritten tells Health the oldest change of the writes under way or
+	// queued: a change is in force once its rules are.
+	unwritten := func() {
+		var oldest time.Time
+		for _, w := range []*ruleWrite{writing, queued} {
+			if w != nil && !w.queuedAt.IsZero() && (oldest.IsZero() || w.queuedAt.Before(oldest)) {
+				oldest = w.queuedAt
+			}
+		}
+		p.mu.Lock()
+		p.unwrittenAt = oldest
+		p.mu.Unlock()
+	}
 	stop := func() {
 		if writing != nil {
 			err := <-written
@@ -448,6 +464,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 				write(queued)
 				queued = nil
 			}
+			unwritten()
 			continue
 		case <-retry.C:
 			verify = true
@@ -466,6 +483,9 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		if p.pending != nil {
 			current, p.pending = p.pending, nil
 			p.queuedAt = time.Time{}
+			if !queuedAt.IsZero() && (p.unwrittenAt.IsZero() || queuedAt.Before(p.unwrittenAt)) {
+				p.unwrittenAt = queuedAt // until the write is made (unwritten)
+			}
 		}
 		p.mu.Unlock()
 		if current == nil {
@@ -486,6 +506,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		} else {
 			queued = queued.merge(w)
 		}
+		unwritten()
 		if p.failing > 0 {
 			// Listeners or NodePorts that could not be opened are
 			// tried again soon, then less often while they fail.
@@ -1079,7 +1100,7 @@ func (p *Proxier) acceptor() (*sock.Acceptor, error) {
 // Health is what /healthz reports.
 type Health struct {
 	LastUpdated time.Time // end of the last successful sync; zero before the first
-	QueuedAt    time.Time // when the oldest change not yet synced arrived; zero if none
+	QueuedAt    time.Time // when the oldest change not yet in force (its sync or rule write to come) arrived; zero if none
 	LastErr     error     // the last sync's error
 	// ListenFailures counts the listeners the last sync could not open:
 	// not one Service's conflict (NodePort conflicts do not count) but the
@@ -1098,7 +1119,11 @@ type Health struct {
 func (p *Proxier) Health() Health {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return Health{LastUpdated: p.lastUpdated, QueuedAt: p.queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures,
+	queuedAt := p.queuedAt
+	if !p.unwrittenAt.IsZero() && (queuedAt.IsZero() || p.unwrittenAt.Before(queuedAt)) {
+		queuedAt = p.unwrittenAt
+	}
+	return Health{LastUpdated: p.lastUpdated, QueuedAt: queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures,
 		OutOfFiles: p.budget.exhaustedWithin(10 * time.Second), NodeDeleting: p.nodeDeleting}
 }
 

@@ -539,3 +539,27 @@ func TestQuietWhileNothingIsSynced(t *testing.T) {
 	}
 	waitFor(t, "quiet for 50 ms", func() bool { return h.p.Quiet(50 * time.Millisecond) })
 }
+
+// TestHealthQueuedUntilRulesAreWritten: a change counts as queued for
+// /healthz until its rules are written, not only until a sync took it: a
+// rule write that hangs makes the daemon unhealthy after 2 × --sync-period.
+func TestHealthQueuedUntilRulesAreWritten(t *testing.T) {
+	base := freePorts(t, 2)
+	rules := newGatedRules()
+	h := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}, Rules: rules})
+	t.Cleanup(rules.open)
+	a := tcpBackend(t, "a")
+	one := svc("one", config.TCP, a)
+	before := time.Now()
+	h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{one.Name: one}, Node: "node-a"})
+	waitFor(t, "the write", func() bool { return rules.started() == 1 })
+	// The sync is done and the listener serves; the rules are not written.
+	waitFor(t, "the listener", func() bool { return len(h.p.Frontends()) == 1 })
+	health := h.p.Health()
+	if health.QueuedAt.IsZero() || health.QueuedAt.Before(before) || !health.LastUpdated.IsZero() {
+		t.Fatalf("while the write hangs: QueuedAt %v, LastUpdated %v; want the change's arrival and no update", health.QueuedAt, health.LastUpdated)
+	}
+	rules.gate <- struct{}{}
+	waitFor(t, "the write done", func() bool { return !h.p.Health().LastUpdated.IsZero() })
+	waitFor(t, "nothing queued", func() bool { return h.p.Health().QueuedAt.IsZero() })
+}
