@@ -18,6 +18,8 @@ SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; LG_DUR=0.5; TAX_SIZES=${TAX_SIZES:-"1"} # every step once, within bench-smoke's minute
 else RUNS=${RUNS:-5}; DUR=${DUR:-2}; TAX_SIZES=${TAX_SIZES:-"1 100 1000 10000"}; fi
 LG_DUR=${LG_DUR:-$DUR} # loadgen's runs (iperf3 and sockperf take whole seconds only)
+# iperf3 for DUR seconds; the smoke run, which only keeps the steps from rotting, sends a fixed 256 MB instead.
+IPERF_LEN="-t $DUR"; [ "$SMOKE" = 1 ] && IPERF_LEN="-n 256M"
 [ "$(id -u)" = 0 ] || { echo "nodetax needs root (network namespaces)" >&2; exit 1; }
 for c in iperf3 sockperf; do
   command -v "$c" >/dev/null || { echo "nodetax needs $c (apt-get install $c; .ci/run installs it)" >&2; exit 1; }
@@ -122,7 +124,7 @@ results="$work/results"
 
 measure() { # label: the node's own traffic, not through any Service
   local bps lat cps
-  bps=$(N taskset -c "$cli_cpu" iperf3 -c 127.0.0.1 -p 5201 -t "$DUR" -J 2>/dev/null | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
+  bps=$(N taskset -c "$cli_cpu" iperf3 -c 127.0.0.1 -p 5201 $IPERF_LEN -J 2>/dev/null | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
   record tput "$1" "$(awk -v b="${bps:-0}" 'BEGIN{printf "%.2f", b/1e9}')"
   lat=$(N taskset -c "$cli_cpu" sockperf ping-pong -i 127.0.0.1 -p 11111 --tcp -t "$DUR" 2>&1 | awk '/percentile 50.000/{print $NF}')
   record lat "$1" "${lat:-0}"
