@@ -1077,11 +1077,18 @@ func (p *Proxier) shutdown(grace time.Duration) {
 	p.accMu.Unlock()
 	p.conns.drain(grace)
 	if p.cfg.Rules != nil {
-		if err := p.cfg.Rules.Sync(context.Background(), nil, false); err != nil {
-			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed")
+		ctx, cancel := context.WithTimeout(context.Background(), removeRulesTimeout)
+		defer cancel()
+		if err := p.cfg.Rules.Sync(ctx, nil, false); err != nil {
+			p.cfg.log().WithError(err).Warn("Removing rules at shutdown failed; the next start (or --cleanup) removes them")
 		}
 	}
 }
+
+// removeRulesTimeout bounds the removal of the rules at shutdown (~1 s at
+// 10k service ports): a rule command that hangs must not keep the daemon
+// from exiting. Rules left behind redirect to closed ports, which refuse.
+const removeRulesTimeout = 10 * time.Second
 
 // acceptor returns the acceptor of the TCP listeners, made at first use.
 func (p *Proxier) acceptor() (*sock.Acceptor, error) {

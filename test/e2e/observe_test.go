@@ -65,6 +65,58 @@ func TestHealthTurnsUnhealthyWhenRulesFail(t *testing.T) {
 	}
 }
 
+// An iptables-restore that hangs: /healthz turns unhealthy once the change
+// it holds has waited 2 × --sync-period, and SIGTERM still ends the daemon
+// within its bounds (the grace, then at most removeRulesTimeout for the
+// rules), the hung commands killed.
+func TestHungRuleWrite(t *testing.T) {
+	dir := t.TempDir()
+	hang, pids := filepath.Join(dir, "hang"), filepath.Join(dir, "pids")
+	script := filepath.Join(dir, "restore.sh")
+	os.WriteFile(script, []byte(fmt.Sprintf("#!/bin/sh\nif [ -e %s ]; then echo $$ >> %s; exec sleep 600; fi\nexec iptables-restore \"$@\"\n", hang, pids)), 0o755)
+	const grace = time.Second
+	l, d, m := startWeb(t, webManifest(), "--iptables-restore-command", script, "--sync-period", "1s", "--shutdown-grace", grace.String())
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	health := func() int { code, _ := l.get("node", "http://127.0.0.1:10256/healthz"); return code }
+	waitFor(t, "healthy", func() bool { return health() == 200 })
+
+	os.WriteFile(hang, nil, 0o644)
+	changed := time.Now()
+	writeManifest(t, m, webManifest()+"---\n"+service("extra", "ClusterIP", "10.96.0.50", "", `{name: http, port: 80, protocol: TCP}`))
+	waitFor(t, "the write to hang", func() bool { _, err := os.Stat(pids); return err == nil })
+	waitFor(t, "unhealthy while the write hangs", func() bool { return health() == 503 })
+	// 2 × --sync-period after the change, with room for a loaded machine.
+	if took := time.Since(changed); took > 2*time.Second+5*time.Second {
+		t.Errorf("unhealthy %v after the change, want about 2 s", took)
+	}
+	if code, _ := l.get("node", "http://127.0.0.1:10256/livez"); code != 503 {
+		t.Errorf("/livez %d while a change waits for its rules, want 503", code)
+	}
+
+	start := time.Now()
+	_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- d.Cmd.Wait() }()
+	// The grace, the removal's bound (10 s, removeRulesTimeout), and 5 s
+	// for a loaded machine.
+	bound := grace + 10*time.Second + 5*time.Second
+	select {
+	case <-done:
+		t.Logf("exited %v after SIGTERM", time.Since(start).Round(time.Millisecond))
+	case <-time.After(bound):
+		t.Fatalf("still running %v after SIGTERM with a hung iptables-restore\n%s", bound, tail(d.Output(), 20))
+	}
+	if !strings.Contains(d.Output(), "killed") {
+		t.Errorf("the log does not say the hung command was killed:\n%s", tail(d.Output(), 20))
+	}
+	data, _ := os.ReadFile(pids)
+	for _, f := range strings.Fields(string(data)) {
+		var pid int
+		fmt.Sscan(f, &pid)
+		waitFor(t, fmt.Sprintf("hung iptables-restore %d to be gone", pid), func() bool { return syscall.Kill(pid, 0) != nil })
+	}
+}
+
 func scrape(t *testing.T, l *Lab) map[string]*dto.MetricFamily {
 	t.Helper()
 	code, body := l.get("node", "http://127.0.0.1:10249/metrics")
