@@ -391,8 +391,8 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	unwritten := func() {
 		var oldest time.Time
 		for _, w := range []*ruleWrite{writing, queued} {
-			if w != nil && !w.queuedAt.IsZero() && (oldest.IsZero() || w.queuedAt.Before(oldest)) {
-				oldest = w.queuedAt
+			if w != nil {
+				oldest = earliest(oldest, w.queuedAt)
 			}
 		}
 		p.mu.Lock()
@@ -483,9 +483,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		if p.pending != nil {
 			current, p.pending = p.pending, nil
 			p.queuedAt = time.Time{}
-			if !queuedAt.IsZero() && (p.unwrittenAt.IsZero() || queuedAt.Before(p.unwrittenAt)) {
-				p.unwrittenAt = queuedAt // until the write is made (unwritten)
-			}
+			p.unwrittenAt = earliest(p.unwrittenAt, queuedAt) // until the write is made (unwritten)
 		}
 		p.mu.Unlock()
 		if current == nil {
@@ -768,9 +766,7 @@ func (w *ruleWrite) merge(next *ruleWrite) *ruleWrite {
 	m.release = append(slices.Clip(w.release), next.release...)
 	m.stale = append(slices.Clip(w.stale), next.stale...)
 	m.start = w.start
-	if !w.queuedAt.IsZero() {
-		m.queuedAt = w.queuedAt
-	}
+	m.queuedAt = earliest(w.queuedAt, next.queuedAt)
 	if w.changed == nil || next.changed == nil {
 		m.changed, m.fresh = nil, nil
 		return &m
@@ -1122,15 +1118,19 @@ type Health struct {
 	NodeDeleting bool
 }
 
+// earliest is the earlier of two change times, the zero time meaning none.
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
 // Health returns the sync state for health checks.
 func (p *Proxier) Health() Health {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	queuedAt := p.queuedAt
-	if !p.unwrittenAt.IsZero() && (queuedAt.IsZero() || p.unwrittenAt.Before(queuedAt)) {
-		queuedAt = p.unwrittenAt
-	}
-	return Health{LastUpdated: p.lastUpdated, QueuedAt: queuedAt, LastErr: p.lastErr, ListenFailures: p.healthListenFailures,
+	return Health{LastUpdated: p.lastUpdated, QueuedAt: earliest(p.queuedAt, p.unwrittenAt), LastErr: p.lastErr, ListenFailures: p.healthListenFailures,
 		OutOfFiles: p.budget.exhaustedWithin(10 * time.Second), NodeDeleting: p.nodeDeleting}
 }
 

@@ -88,9 +88,6 @@ func (t *gcTuner) tune() {
 		t.log.WithFields(logrus.Fields{"GOGC": next, "liveHeapMiB": live >> 20}).Debug("Garbage collector target changed")
 		t.current = next
 	}
-	if t.heap == nil {
-		return
-	}
 	h := t.heap()
 	cycled := h.cycles != t.cycles
 	t.cycles = h.cycles

@@ -15,7 +15,8 @@ func TestGCTargetFollowsTheLiveHeap(t *testing.T) {
 	log.SetOutput(io.Discard)
 	var live uint64
 	var sets []int
-	tu := &gcTuner{live: func() uint64 { return live }, set: func(p int) { sets = append(sets, p) }, current: gcSmallPercent, log: log}
+	tu := &gcTuner{live: func() uint64 { return live }, set: func(p int) { sets = append(sets, p) }, current: gcSmallPercent, log: log,
+		heap: readHeap, collect: func() { t.Fatal("collected without a quiet proxier") }}
 	steps := []struct {
 		live uint64
 		want int
