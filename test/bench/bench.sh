@@ -236,15 +236,19 @@ fi
 # (of nginx's workers together).
 fds() { local p; for p in $1; do ls "/proc/$p/fd"; done | wc -l; }
 rss() { local p; for p in $1; do cat "/proc/$p/status"; done | awk '/VmRSS/{t+=$2} END{print t}'; }
-# The RSS once it stops moving (within 64 KiB over 200 ms, at most 3 s): a fresh daemon still hands startup memory
-# back for a moment, which read as a negative cost per connection once an idle one cost ~2 KiB.
+# The RSS once it stops moving (within 64 KiB for a second, at most 6 s): a fresh daemon still hands startup memory
+# back for a moment, which read as a negative cost per connection once an idle one cost ~2 KiB (and, with a
+# window of 200 ms, still did once in three counts of 1000).
 steady_rss() {
-  local a b i
+  local a b i still=0
   a=$(rss "$1")
-  for i in $(seq 15); do
+  for i in $(seq 30); do
     sleep 0.2; b=$(rss "$1")
-    [ $((b > a ? b - a : a - b)) -le 64 ] && break
-    a=$b
+    if [ $((b > a ? b - a : a - b)) -le 64 ]; then
+      still=$((still + 1)); [ "$still" -ge 5 ] && break
+    else
+      still=0; a=$b
+    fi
   done
   echo "$b"
 }

@@ -32,12 +32,13 @@ import (
 type Conn struct {
 	f   *os.File
 	raw syscall.RawConn
-	inq bool // TCP_INQ is on (inherited from the listener)
+	inq bool // TCP_INQ is on: inherited from the listener, or set by a Copy (one direction's, which owns the field)
 
 	mu   sync.Mutex  // orders Abort against the deadlines of a dial and of Copy
 	done atomic.Bool // Abort or Close was called: errors after it are net.ErrClosed
 
 	parked atomic.Pointer[parked] // in a Parker's set (park.go)
+	inSet  bool                   // registered in the Parker's epoll set, armed or not (its mu)
 }
 
 // newConn hands the non-blocking descriptor fd to Go's poller; on error fd

@@ -83,7 +83,10 @@ func Copy(dst, src *Conn, count func(int64), idle time.Duration) (int64, error) 
 		if n > 0 {
 			wakes++
 			if messages++; messages == 2 && inq == nil {
+				// Kept on the Conn: a copy resumed after a pause
+				// starts with it instead of counting again.
 				inq = newInqReader(int(fd))
+				src.inq = inq != nil
 			}
 			flags := 0
 			if eof {
