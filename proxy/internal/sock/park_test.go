@@ -263,3 +263,63 @@ func BenchmarkWaitingWake(b *testing.B) {
 	for range woken {
 	}
 }
+
+// A socket parks again after a wake (its one-shot registration armed again)
+// and wakes again only with new data; a socket closed while registered
+// leaves nothing behind for a new one that gets its descriptor number.
+func TestParkAgainAfterWake(t *testing.T) {
+	p := runParker(t)
+	src, client := sockPair(t)
+	defer client.Close()
+	buf := make([]byte, 8)
+	drain := func() {
+		if err := src.read(func(fd uintptr) bool { _, _ = rawRead(int(fd), buf); return true }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for round := 0; round < 3; round++ {
+		woken := make(chan struct{}, 2)
+		if err := p.Park(src, func() { woken <- struct{}{} }); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-woken:
+			t.Fatalf("round %d: woken without data", round)
+		case <-time.After(30 * time.Millisecond):
+		}
+		if _, err := client.Write([]byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		within(t, 5*time.Second, "the wake after data", func() { <-woken })
+		drain()
+		select {
+		case <-woken:
+			t.Fatalf("round %d: woken twice", round)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+
+	// Parked, then aborted and closed: the next socket, likely on the same
+	// descriptor number, parks and wakes like a fresh one.
+	woken := make(chan struct{}, 1)
+	if err := p.Park(src, func() { woken <- struct{}{} }); err != nil {
+		t.Fatal(err)
+	}
+	src.Abort()
+	within(t, 5*time.Second, "the wake after Abort", func() { <-woken })
+	src.Close()
+	next, peer := sockPair(t)
+	defer next.Close()
+	defer peer.Close()
+	woken2 := make(chan struct{}, 1)
+	if err := p.Park(next, func() { woken2 <- struct{}{} }); err != nil {
+		t.Fatalf("parking a socket on a reused descriptor: %v", err)
+	}
+	if _, err := peer.Write([]byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	within(t, 5*time.Second, "the new socket's wake", func() { <-woken2 })
+	if p.Parked() != 0 {
+		t.Fatalf("parked %d, want 0", p.Parked())
+	}
+}
