@@ -7,7 +7,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; UDP_WARMUP=0.2; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; UDP_WARMUP=0; STEADY=2; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
 else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 75000 100000 150000"}
   UDP_SIZES=${UDP_SIZES:-"64 1400"}; UDP_FLOWS=${UDP_FLOWS:-"1 64"}; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
 LG_DUR=${LG_DUR:-$DUR} # loadgen's runs; iperf3 takes whole seconds only
@@ -213,7 +213,7 @@ for p in direct dnat nginx socat proxy; do
         best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
       }
       udp_try() { udp_once "$1" || udp_once "$1"; }
-      udp_once "${UDP_RATES%% *}" "$UDP_WARMUP" || true
+      [ "$UDP_WARMUP" = 0 ] || udp_once "${UDP_RATES%% *}" "$UDP_WARMUP" || true
       best=0
       for r in $UDP_RATES; do
         if udp_try "$r"; then pass=$r; else fail=$r; break; fi
@@ -243,7 +243,7 @@ fi
 # (of nginx's workers together).
 fds() { local p; for p in $1; do ls "/proc/$p/fd"; done | wc -l; }
 rss() { local p; for p in $1; do cat "/proc/$p/status"; done | awk '/VmRSS/{t+=$2} END{print t}'; }
-# The RSS once it stops moving (within 64 KiB for a second, at most 6 s): a fresh daemon still hands startup memory
+# The RSS once it stops moving (within 64 KiB for STEADY samples 200 ms apart, a second by default; at most 6 s): a fresh daemon still hands startup memory
 # back for a moment, which read as a negative cost per connection once an idle one cost ~2 KiB (and, with a
 # window of 200 ms, still did once in three counts of 1000).
 steady_rss() {
@@ -252,7 +252,7 @@ steady_rss() {
   for i in $(seq 30); do
     sleep 0.2; b=$(rss "$1")
     if [ $((b > a ? b - a : a - b)) -le 64 ]; then
-      still=$((still + 1)); [ "$still" -ge 5 ] && break
+      still=$((still + 1)); [ "$still" -ge "${STEADY:-5}" ] && break
     else
       still=0; a=$b
     fi
