@@ -32,24 +32,35 @@ type Acceptor struct {
 // NewAcceptor creates the epoll set and starts the acceptor's goroutine;
 // Close stops it.
 func NewAcceptor() (*Acceptor, error) {
-	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	ep, raw, _, err := newPolledEpoll("acceptor")
 	if err != nil {
-		return nil, os.NewSyscallError("epoll_create1", err)
-	}
-	// Non-blocking, so that os.NewFile hands it to the poller.
-	if err := unix.SetNonblock(epfd, true); err != nil {
-		unix.Close(epfd)
-		return nil, os.NewSyscallError("fcntl", err)
-	}
-	ep := os.NewFile(uintptr(epfd), "epoll")
-	raw, err := ep.SyscallConn()
-	if err != nil {
-		ep.Close()
-		return nil, fmt.Errorf("epoll descriptor: %w", err)
+		return nil, err
 	}
 	a := &Acceptor{ep: ep, raw: raw, listeners: make(map[uint32]*Listener), done: make(chan struct{})}
 	go a.run()
 	return a, nil
+}
+
+// newPolledEpoll creates an epoll set whose own descriptor Go's poller
+// watches (non-blocking, so that os.NewFile hands it to the poller): one
+// goroutine waits on many sockets without blocking a thread in epoll_wait.
+// The file owns the descriptor, also returned as a number for epoll_ctl.
+func newPolledEpoll(name string) (*os.File, syscall.RawConn, int, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, nil, -1, os.NewSyscallError("epoll_create1", err)
+	}
+	if err := unix.SetNonblock(epfd, true); err != nil {
+		unix.Close(epfd)
+		return nil, nil, -1, os.NewSyscallError("fcntl", err)
+	}
+	ep := os.NewFile(uintptr(epfd), name)
+	raw, err := ep.SyscallConn()
+	if err != nil {
+		ep.Close()
+		return nil, nil, -1, fmt.Errorf("%s's epoll descriptor: %w", name, err)
+	}
+	return ep, raw, epfd, nil
 }
 
 // Close stops the acceptor and waits for its goroutine. Listeners still

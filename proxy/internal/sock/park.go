@@ -64,33 +64,20 @@ type parked struct {
 
 // NewParker makes a Parker; Run starts it.
 func NewParker() (*Parker, error) {
-	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	ep, raw, epfd, err := newPolledEpoll("parker")
 	if err != nil {
-		return nil, os.NewSyscallError("epoll_create1", err)
+		return nil, err
 	}
 	wakefd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 	if err != nil {
-		unix.Close(epfd)
+		ep.Close()
 		return nil, os.NewSyscallError("eventfd", err)
 	}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN}
 	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wakefd, &ev); err != nil {
-		unix.Close(epfd)
-		unix.Close(wakefd)
-		return nil, os.NewSyscallError("epoll_ctl", err)
-	}
-	// Non-blocking, so that os.NewFile hands it to the poller.
-	if err := unix.SetNonblock(epfd, true); err != nil {
-		unix.Close(epfd)
-		unix.Close(wakefd)
-		return nil, os.NewSyscallError("fcntl", err)
-	}
-	ep := os.NewFile(uintptr(epfd), "parker")
-	raw, err := ep.SyscallConn()
-	if err != nil {
 		ep.Close()
 		unix.Close(wakefd)
-		return nil, fmt.Errorf("parker's epoll descriptor: %w", err)
+		return nil, os.NewSyscallError("epoll_ctl", err)
 	}
 	return &Parker{epfd: epfd, wakefd: wakefd, ep: ep, raw: raw, parked: map[uint64]*parked{}, next: 1}, nil
 }

@@ -299,6 +299,28 @@ func TestParkAgainAfterWake(t *testing.T) {
 		}
 	}
 
+	// Parked again (re-armed) and the peer resets: the wake comes too.
+	rst, rstPeer := sockPair(t)
+	defer rst.Close()
+	wokenRst := make(chan struct{}, 2)
+	wakeRst := func() { wokenRst <- struct{}{} }
+	if err := p.Park(rst, wakeRst); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rstPeer.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	within(t, 5*time.Second, "the first wake", func() { <-wokenRst })
+	if err := rst.read(func(fd uintptr) bool { _, _ = rawRead(int(fd), buf); return true }); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Park(rst, wakeRst); err != nil {
+		t.Fatal(err)
+	}
+	_ = rstPeer.SetLinger(0)
+	rstPeer.Close()
+	within(t, 5*time.Second, "the wake of a re-armed socket whose peer reset", func() { <-wokenRst })
+
 	// Parked, then aborted and closed: the next socket, likely on the same
 	// descriptor number, parks and wakes like a fresh one.
 	woken := make(chan struct{}, 1)
