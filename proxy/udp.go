@@ -28,9 +28,6 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
-// maxDatagram is the largest UDP payload: nothing is ever truncated.
-const maxDatagram = 64 * 1024
-
 // DefaultUDPTimeout is how long a UDP flow lives without traffic. It matches
 // the kernel's nf_conntrack_udp_timeout (30 s), so the REDIRECT's conntrack
 // entry and the flow expire together, and it is far longer than any DNS
@@ -105,39 +102,33 @@ type udpFlows struct {
 	budget  *descriptorBudget
 }
 
-// serveUDP reads datagrams until the socket is closed: one, waiting for
-// it, then whatever else is queued, a batch at a time (sock.Batch).
+// serveUDP reads datagrams until the socket is closed: whatever is queued
+// when it wakes, a batch at a time (sock.Batch).
 func (f *frontend) serveUDP(s *udpSocket) {
-	buf := make([]byte, maxDatagram)
-	in, err := sock.NewReceiver(s.conn, s.family, true)
+	in, err := sock.NewReceiver(s.conn, true)
 	if err != nil {
 		f.log().WithError(err).Error("UDP socket unusable; service port not served")
 		return
 	}
 	var backoff time.Duration
 	var run [][]byte // one client's datagrams, forwarded together
+	forward := func(b *sock.Batch) { run = f.forwardBatch(s, b, run) }
 	for {
-		n, from, to, err := in.Receive(buf)
+		err := in.Next(forward)
 		if err == nil {
-			f.forward(s, from, to, append(run[:0], buf[:n]))
-			// Then what else is queued, without waiting; a read error
-			// is handled below.
-			err = in.Drain(func(b *sock.Batch) { run = f.forwardBatch(s, b, run) })
-		}
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			f.log().WithError(err).Warn("UDP read failed")
-			select {
-			case <-time.After(backoff):
-			case <-f.ctx.Done():
-				return
-			}
+			backoff = 0
 			continue
 		}
-		backoff = 0
+		if errors.Is(err, net.ErrClosed) {
+			return
+		}
+		backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+		f.log().WithError(err).Warn("UDP read failed")
+		select {
+		case <-time.After(backoff):
+		case <-f.ctx.Done():
+			return
+		}
 	}
 }
 
@@ -362,18 +353,25 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 	defer f.udp.wg.Done()
 	defer f.bal.Done(fl.endpoint)
 	timeout := f.p.cfg.udpTimeout()
-	buf := make([]byte, maxDatagram)
 	// This goroutine's own, as they hold the datagram in flight.
 	toClient, serr := sock.NewSender(s.conn, s.family)
 	var fromBackend *sock.Receiver
 	if serr == nil {
-		fromBackend, serr = sock.NewReceiver(backend, s.family, false)
+		fromBackend, serr = sock.NewReceiver(backend, false)
 	}
 	if serr != nil {
 		f.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
 	}
 	answered := false
 	var run [][]byte
+	reply := func(b *sock.Batch) {
+		run = run[:0]
+		for i := 0; i < b.Len(); i++ {
+			run = append(run, b.Datagram(i))
+		}
+		f.reply(fl, toClient, run, &answered)
+		clear(run) // hold no datagram of the batch given back
+	}
 	armed := false // the read deadline is set; it moves only when it fires
 	for serr == nil {
 		if !armed {
@@ -387,22 +385,9 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 			_ = backend.SetReadDeadline(last.Add(timeout))
 			armed = true
 		}
-		n, _, _, err := fromBackend.Receive(buf)
-		if err == nil {
-			f.reply(fl, toClient, append(run[:0], buf[:n]), &answered)
-			// Then what else is queued, without waiting; a read error
-			// (an ICMP error the kernel reports, a deadline, a close) is
-			// handled below.
-			err = fromBackend.Drain(func(b *sock.Batch) {
-				run = run[:0]
-				for i := 0; i < b.Len(); i++ {
-					run = append(run, b.Datagram(i))
-				}
-				f.reply(fl, toClient, run, &answered)
-				clear(run)
-			})
-		}
-		if err != nil {
+		// A read error: an ICMP error the kernel reports, the deadline, a
+		// close.
+		if err := fromBackend.Next(reply); err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				armed = false
 				continue // re-check: the client may have sent meanwhile

@@ -109,10 +109,74 @@ func (b *Batch) To(i int) netip.Addr {
 	return pktinfoAddr(unsafe.Pointer(&b.oobs[i]), uint64(b.msgs[i].Hdr.Controllen))
 }
 
+// Next waits until datagrams are queued on the socket (its read deadline
+// applies), then takes them a batch at a time (recvmmsg) and hands each
+// batch to each (its datagrams valid only during the call), until the
+// socket is empty. No buffer is held while it waits: a batch is borrowed
+// when datagrams arrive, so an idle flow costs none, and the first datagram
+// and those queued behind it come in one system call.
+func (r *Receiver) Next(each func(b *Batch)) error {
+	err := r.raw.Read(r.tryBatch)
+	b := r.batch
+	r.batch = nil
+	if b == nil {
+		return err // closed, or the deadline passed, while waiting
+	}
+	defer b.Put()
+	switch {
+	case err != nil:
+		return err
+	case r.errno != 0:
+		return recvmmsgError(r.errno)
+	}
+	for {
+		each(b)
+		if b.n < batchSize {
+			return nil // the socket was emptied
+		}
+		if k, err := r.ReceiveMore(b); err != nil || k == 0 {
+			return err
+		}
+	}
+}
+
+// attemptBatch is one recvmmsg into a borrowed batch, given back on
+// EAGAIN: false then says wait for readability.
+func (r *Receiver) attemptBatch(fd uintptr) bool {
+	if r.batch == nil {
+		r.batch = GetBatch()
+	}
+	r.errno = r.recvmmsg(fd, r.batch)
+	if r.errno == unix.EAGAIN {
+		r.batch.Put()
+		r.batch = nil
+		return false
+	}
+	return true
+}
+
 // ReceiveMore fills b with the datagrams queued on the socket now, without
-// waiting (recvmmsg with MSG_DONTWAIT), and returns how many: 0 when there
-// were none.
+// waiting, and returns how many: 0 when there were none.
 func (r *Receiver) ReceiveMore(b *Batch) (int, error) {
+	var errno syscall.Errno
+	err := r.raw.Read(func(fd uintptr) bool {
+		errno = r.recvmmsg(fd, b)
+		return true // never wait: Next waits
+	})
+	switch {
+	case err != nil:
+		return 0, err
+	case errno == unix.EAGAIN:
+		return 0, nil
+	case errno != 0:
+		return 0, recvmmsgError(errno)
+	}
+	return b.n, nil
+}
+
+// recvmmsg takes up to a batch of datagrams into b (MSG_DONTWAIT, retried
+// on EINTR) and sets b.n to how many.
+func (r *Receiver) recvmmsg(fd uintptr, b *Batch) syscall.Errno {
 	b.n, b.addrs = 0, r.addrs
 	for i := range b.msgs {
 		b.iovs[i].Base = &b.bufs[i][0]
@@ -128,47 +192,23 @@ func (r *Receiver) ReceiveMore(b *Batch) (int, error) {
 		}
 		b.msgs[i].Len = 0
 	}
-	var n int
-	var errno syscall.Errno
-	err := r.raw.Read(func(fd uintptr) bool {
-		for {
-			r1, _, e := unix.RawSyscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&b.msgs[0])), batchSize,
-				unix.MSG_DONTWAIT, 0, 0)
-			if e != unix.EINTR {
-				n, errno = int(r1), e
-				return true // never wait: the caller waits with Receive
+	for {
+		r1, _, e := unix.RawSyscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&b.msgs[0])), batchSize,
+			unix.MSG_DONTWAIT, 0, 0)
+		if e != unix.EINTR {
+			if e == 0 {
+				b.n = int(r1)
 			}
+			return e
 		}
-	})
-	switch {
-	case err != nil:
-		return 0, err
-	case errno == unix.EAGAIN:
-		return 0, nil
-	case errno != 0:
-		return 0, &net.OpError{Op: "read", Net: "udp", Err: os.NewSyscallError("recvmmsg", errno)}
 	}
-	b.n = n
-	return n, nil
 }
 
-// Drain takes the datagrams queued on the socket now, without waiting, a
-// batch at a time, and hands each batch to each (its datagrams valid only
-// during the call). It returns when the socket is empty (nil) or with a read
-// error, which the caller handles as one from Receive.
-func (r *Receiver) Drain(each func(b *Batch)) error {
-	b := GetBatch()
-	defer b.Put()
-	for {
-		k, err := r.ReceiveMore(b)
-		if err != nil || k == 0 {
-			return err
-		}
-		each(b)
-		if k < batchSize {
-			return nil
-		}
-	}
+// recvmmsgError is a failed recvmmsg as a read error: an ICMP error the
+// kernel reports on a connected socket (ECONNREFUSED, EHOSTUNREACH) among
+// others.
+func recvmmsgError(errno syscall.Errno) error {
+	return &net.OpError{Op: "read", Net: "udp", Err: os.NewSyscallError("recvmmsg", errno)}
 }
 
 // SendSegments sends bufs in order, as Send would one by one (to the

@@ -2,9 +2,11 @@ package sock
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
 )
@@ -24,7 +26,7 @@ func TestSendSegmentsAndReceiveMore(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	r, err := NewReceiver(srv, 4, true)
+	r, err := NewReceiver(srv, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,40 +61,31 @@ func TestSendSegmentsAndReceiveMore(t *testing.T) {
 			if s.gsoRefused <= maxDatagram {
 				t.Fatalf("the kernel refused GSO of %d bytes on loopback", s.gsoRefused)
 			}
-			// The first waits (Receive), the rest are drained.
+			// Next waits for the first and takes what is queued behind it.
 			_ = srv.SetReadDeadline(time.Now().Add(10 * time.Second))
-			buf := make([]byte, maxDatagram)
-			n, gotFrom, to, err := r.Receive(buf)
-			if err != nil || !bytes.Equal(buf[:n], bufs[0]) || gotFrom != from || to != loopback {
-				t.Fatalf("first datagram: %d bytes from %v to %v (%v)", n, gotFrom, to, err)
+			got := 0
+			for got < len(bufs) {
+				err := r.Next(func(b *Batch) {
+					if b.Len() < 1 || b.Len() > batchSize {
+						t.Fatalf("a batch of %d", b.Len())
+					}
+					for i := 0; i < b.Len(); i++ {
+						if got == len(bufs) {
+							t.Fatalf("datagram %d of %d sent", got+1, len(bufs))
+						}
+						if !bytes.Equal(b.Datagram(i), bufs[got]) || b.From(i) != from || b.To(i) != loopback {
+							t.Fatalf("datagram %d: %d bytes (want %d) of %v from %v to %v", got, len(b.Datagram(i)),
+								len(bufs[got]), b.Datagram(i)[:min(1, len(b.Datagram(i)))], b.From(i), b.To(i))
+						}
+						got++
+					}
+				})
+				if err != nil {
+					t.Fatalf("after %d of %d datagrams: %v", got, len(bufs), err)
+				}
 			}
-			got := 1
 			b := GetBatch()
 			defer b.Put()
-			deadline := time.Now().Add(10 * time.Second)
-			for got < len(bufs) {
-				k, err := r.ReceiveMore(b)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if k == 0 {
-					if time.Now().After(deadline) {
-						t.Fatalf("%d of %d datagrams arrived", got, len(bufs))
-					}
-					time.Sleep(time.Millisecond)
-					continue
-				}
-				if k > batchSize {
-					t.Fatalf("a batch of %d", k)
-				}
-				for i := 0; i < k; i++ {
-					if !bytes.Equal(b.Datagram(i), bufs[got]) || b.From(i) != from || b.To(i) != loopback {
-						t.Fatalf("datagram %d: %d bytes (want %d) of %v from %v to %v", got, len(b.Datagram(i)),
-							len(bufs[got]), b.Datagram(i)[:min(1, len(b.Datagram(i)))], b.From(i), b.To(i))
-					}
-					got++
-				}
-			}
 			if k, err := r.ReceiveMore(b); k != 0 || err != nil {
 				t.Fatalf("after the last datagram ReceiveMore took %d (%v)", k, err)
 			}
@@ -169,7 +162,7 @@ func TestBatchesKeptUpToABound(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	r, _ := NewReceiver(srv, 4, true)
+	r, _ := NewReceiver(srv, true)
 	c, err := net.DialUDP("udp4", nil, srv.LocalAddr().(*net.UDPAddr))
 	if err != nil {
 		t.Fatal(err)
@@ -199,5 +192,87 @@ func TestBatchesKeptUpToABound(t *testing.T) {
 	}
 	if got != 3 {
 		t.Fatalf("%d of 3 large datagrams drained", got)
+	}
+}
+
+// Next waits for a datagram (a read deadline and a close end the wait),
+// then takes it and everything queued behind it, in order, in batches, and
+// keeps no batch once it returns.
+func TestNextWaitsThenTakesTheQueue(t *testing.T) {
+	srv, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	r, err := NewReceiver(srv, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.DialUDP("udp4", nil, srv.LocalAddr().(*net.UDPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fail := func(*Batch) { t.Error("a batch from an empty socket") }
+
+	// The deadline ends a wait on an empty socket.
+	start := time.Now()
+	_ = srv.SetReadDeadline(start.Add(50 * time.Millisecond))
+	if err := r.Next(fail); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("Next on an empty socket: %v, want the deadline", err)
+	}
+	if waited := time.Since(start); waited > 5*time.Second {
+		t.Fatalf("the 50 ms deadline ended the wait after %v", waited)
+	}
+	if r.batch != nil {
+		t.Fatal("a batch held after the wait")
+	}
+
+	// A datagram sent while Next waits wakes it; then 40 queued behind
+	// one another arrive whole, in order, at most a batch at a time.
+	_ = srv.SetReadDeadline(time.Now().Add(10 * time.Second))
+	woke := make(chan error, 1)
+	var first []byte
+	go func() { woke <- r.Next(func(b *Batch) { first = append(first, b.Datagram(0)...) }) }()
+	if _, err := c.Write(datagram(200, 512)); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-woke; err != nil || !bytes.Equal(first, datagram(200, 512)) {
+		t.Fatalf("the waiting Next: %d bytes, %v", len(first), err)
+	}
+	const queued = 40
+	for i := 0; i < queued; i++ {
+		if _, err := c.Write(datagram(i, 100+i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := 0
+	for got < queued {
+		err := r.Next(func(b *Batch) {
+			if b.Len() < 1 || b.Len() > batchSize {
+				t.Fatalf("a batch of %d", b.Len())
+			}
+			for i := 0; i < b.Len(); i++ {
+				if got >= queued || !bytes.Equal(b.Datagram(i), datagram(got, 100+got)) {
+					t.Fatalf("datagram %d: %d bytes", got, len(b.Datagram(i)))
+				}
+				got++
+			}
+		})
+		if err != nil {
+			t.Fatalf("after %d of %d: %v", got, queued, err)
+		}
+	}
+
+	// Closing the socket ends a wait.
+	go func() { woke <- r.Next(fail) }()
+	srv.Close()
+	select {
+	case err := <-woke:
+		if !errors.Is(err, net.ErrClosed) {
+			t.Fatalf("Next after close: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a close did not end Next's wait")
 	}
 }

@@ -179,75 +179,28 @@ func (s *Sender) pktinfo(src netip.Addr) int {
 	return unix.CmsgSpace(unix.SizeofInet6Pktinfo)
 }
 
-// Receiver reads datagrams from one UDP socket with recvmsg(2), on the
+// Receiver reads datagrams from one UDP socket with recvmmsg(2), on the
 // frontend socket with the sender's address and the local address each
 // datagram arrived on (IP_PKTINFO or IPV6_PKTINFO, which the socket must
 // have enabled). One per goroutine.
 type Receiver struct {
-	raw    syscall.RawConn
-	family int
-	addrs  bool                  // ask for the sender's and the local address
-	try    func(fd uintptr) bool // r.attempt
-	hdr    unix.Msghdr
-	iov    unix.Iovec
-	name   unix.RawSockaddrInet6 // or an Inet4 one in its first bytes
-	oob    [8]uint64
-	n      int           // of the last attempt
-	errno  syscall.Errno // of the last attempt
+	raw      syscall.RawConn
+	addrs    bool                  // ask for the sender's and the local address
+	tryBatch func(fd uintptr) bool // r.attemptBatch, bound once: a wait costs no allocation
+	batch    *Batch                // borrowed by attemptBatch for Next
+	errno    syscall.Errno         // of the last attemptBatch
 }
 
 // NewReceiver returns a receiver on c; with addrs it reports each datagram's
 // sender and local address (c must come from ListenUDP).
-func NewReceiver(c *net.UDPConn, family int, addrs bool) (*Receiver, error) {
+func NewReceiver(c *net.UDPConn, addrs bool) (*Receiver, error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
 		return nil, err
 	}
-	r := &Receiver{raw: raw, family: family, addrs: addrs}
-	r.try = r.attempt
+	r := &Receiver{raw: raw, addrs: addrs}
+	r.tryBatch = r.attemptBatch
 	return r, nil
-}
-
-// Receive reads one datagram into b, waiting for one as needed (the
-// socket's read deadline applies). from and to are set only with addrs.
-func (r *Receiver) Receive(b []byte) (n int, from netip.AddrPort, to netip.Addr, err error) {
-	r.iov.Base = &b[0]
-	r.iov.SetLen(len(b))
-	err = r.raw.Read(r.try)
-	r.iov.Base = nil // hold no buffer between datagrams
-	if err != nil {
-		return 0, from, to, err
-	}
-	if r.errno != 0 {
-		return 0, from, to, &net.OpError{Op: "read", Net: "udp", Err: os.NewSyscallError("recvmsg", r.errno)}
-	}
-	if r.addrs {
-		from, to = r.sender(), r.local()
-	}
-	return r.n, from, to, nil
-}
-
-// attempt is one recvmsg; it returns false (wait for readability) on EAGAIN.
-func (r *Receiver) attempt(fd uintptr) bool {
-	r.hdr = unix.Msghdr{Iov: &r.iov}
-	r.hdr.SetIovlen(1)
-	if r.addrs {
-		r.hdr.Name = (*byte)(unsafe.Pointer(&r.name))
-		r.hdr.Namelen = unix.SizeofSockaddrInet6
-		r.hdr.Control = (*byte)(unsafe.Pointer(&r.oob))
-		r.hdr.SetControllen(int(unsafe.Sizeof(r.oob)))
-	}
-	r.n, r.errno = msgCall(unix.SYS_RECVMSG, fd, &r.hdr)
-	return r.errno != unix.EAGAIN
-}
-
-// sender returns the address the last datagram came from.
-func (r *Receiver) sender() netip.AddrPort { return sockaddrAddrPort(&r.name) }
-
-// local returns the address the last datagram was sent to, from its
-// IP_PKTINFO or IPV6_PKTINFO control message.
-func (r *Receiver) local() netip.Addr {
-	return pktinfoAddr(unsafe.Pointer(&r.oob), uint64(r.hdr.Controllen))
 }
 
 // DatagramFailure names an error of a flow's endpoint socket, in the words

@@ -276,7 +276,7 @@ func TestListenUDP(t *testing.T) {
 	if get(unix.IPPROTO_IP, unix.IP_PKTINFO) != 1 {
 		t.Fatal("IP_PKTINFO is off")
 	}
-	r, err := NewReceiver(c, 4, true)
+	r, err := NewReceiver(c, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -289,10 +289,14 @@ func TestListenUDP(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	buf := make([]byte, 100)
-	n, from, to, err := r.Receive(buf)
-	if err != nil || string(buf[:n]) != "ping" || from != client.LocalAddr().(*net.UDPAddr).AddrPort() || to != loopback {
-		t.Fatalf("got %q from %v to %v (%v)", buf[:n], from, to, err)
+	var got []byte
+	var from netip.AddrPort
+	var to netip.Addr
+	err = r.Next(func(b *Batch) {
+		got, from, to = append(got, b.Datagram(0)...), b.From(0), b.To(0)
+	})
+	if err != nil || string(got) != "ping" || from != client.LocalAddr().(*net.UDPAddr).AddrPort() || to != loopback {
+		t.Fatalf("got %q from %v to %v (%v)", got, from, to, err)
 	}
 	// The reply leaves from the address the datagram came to.
 	s, err := NewSender(c, 4)
@@ -302,6 +306,7 @@ func TestListenUDP(t *testing.T) {
 	if err := s.Send([]byte("pong"), to, from); err != nil {
 		t.Fatal(err)
 	}
+	buf := make([]byte, 100)
 	_ = client.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, err := client.Read(buf); err != nil || string(buf[:n]) != "pong" {
 		t.Fatalf("reply %q, %v", buf[:n], err)
@@ -323,12 +328,12 @@ func TestDialUDPDeadPort(t *testing.T) {
 	}
 	defer c.Close()
 	s, _ := NewSender(c, 4)
-	r, _ := NewReceiver(c, 4, false)
+	r, _ := NewReceiver(c, false)
 	if err := s.Send([]byte("query"), netip.Addr{}, netip.AddrPort{}); err != nil {
 		t.Fatal(err)
 	}
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, _, _, err := r.Receive(make([]byte, 100)); !errors.Is(err, syscall.ECONNREFUSED) {
+	if err := r.Next(func(*Batch) { t.Error("a datagram from a dead port") }); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("receive: %v, want ECONNREFUSED", err)
 	}
 }
