@@ -46,7 +46,7 @@ PATHS=${PATHS:-$DEFAULT_PATHS}
 # The smoke run leaves out tput4 (tput128 runs the same code) and counts idle connections through the daemon
 # alone (the count is the same code for every path).
 [ "$SMOKE" = 1 ] && TESTS=${TESTS:-"tput128 cps rps latency udp idle prog tax"}
-TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle prog tax"}
+TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle flows prog tax"}
 want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
 runs() { case " $PATHS " in *" $1 "*) return 0 ;; esac; return 1; } # path $1 is measured
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
@@ -132,9 +132,9 @@ addressType: IPv4
 ports: [{name: http, port: 8080, protocol: TCP}, {name: echo, port: 9000, protocol: TCP}, {name: iperf, port: 5201, protocol: TCP}, {name: udp, port: 8081, protocol: UDP}]
 endpoints: [{addresses: [10.251.19.12]}]
 EOF
-start_proxy() {
+start_proxy() { # extra daemon flags in $@
   N node env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
-    --metrics-bind-address "" --healthz-bind-address "" ${PROXY_ARGS:-} >>"$work/proxy.log" 2>&1 &
+    --metrics-bind-address "" --healthz-bind-address "" ${PROXY_ARGS:-} "$@" >>"$work/proxy.log" 2>&1 &
 }
 start_proxy
 for p in $PATHS; do
@@ -259,6 +259,12 @@ steady_rss() {
   done
   echo "$b"
 }
+# A fresh daemon (flags in $@).
+restart_proxy() {
+  kill "$(proxypid proxy)"; wait_until 10 sh -c "! pgrep -f 'kube-userspace-proxy --manifests $work' >/dev/null"
+  start_proxy "$@"
+  wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "proxy did not come back" >&2; exit 1; }
+}
 for p in haproxy nginx proxy; do
   want idle || break
   runs "$p" || continue
@@ -267,9 +273,7 @@ for p in haproxy nginx proxy; do
     if [ "$p" = proxy ]; then
       # A fresh daemon: the one that ran the throughput tests has a grown heap that the Go runtime may hand back
       # while the connections open, which made the RSS delta meaningless (even negative).
-      kill "$(proxypid proxy)"; wait_until 10 sh -c "! pgrep -f 'kube-userspace-proxy --manifests $work' >/dev/null"
-      start_proxy
-      wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "proxy did not come back" >&2; exit 1; }
+      restart_proxy
     fi
     pid=$(proxypid "$p")
     fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
@@ -287,6 +291,28 @@ for p in haproxy nginx proxy; do
     rm -f "$work/hold"
     sleep "${SETTLE:-2}" # the closed connections leave before the next count
   done
+done
+
+# UDP flows: RSS per live flow once flows have come and gone, from the fresh process (FLOWS_N clients, each a
+# flow sending 1 400 B datagrams for 1.5 s, twice). The daemon's flows of the first round expire before the second
+# (--udp-timeout 2s for this count, and the count waits until their sockets are closed): memory a flow left behind is
+# what the next one reuses, and a buffer the heap hands over zeroed is resident whatever the datagrams touch. nginx
+# keeps its 30 s timeout and holds both rounds. Live flows are counted as descriptors (one socket each, both servers).
+FLOWS_N=${FLOWS_N:-2000}
+for p in nginx proxy; do
+  want flows || break
+  runs "$p" || continue
+  [ "$p" = proxy ] && restart_proxy --udp-timeout 2s
+  pid=$(proxypid "$p")
+  fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
+  for round in 1 2; do
+    N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d 1.5s -size 1400 -flows "$FLOWS_N" -rate "$((FLOWS_N * 4))" >/dev/null
+    if [ "$p" = proxy ] && [ "$round" = 1 ]; then
+      wait_until 20 sh -c "[ \$(for q in $pid; do ls /proc/\$q/fd; done | wc -l) -le $fd0 ]" || echo "UDP flows of $p did not expire" >&2
+    fi
+  done
+  fd1=$(fds "$pid"); rss1=$(rss "$pid")
+  record udp_flow_kib "$p" "$(awk -v a="$rss0" -v b="$rss1" -v f="$((fd1 - fd0))" 'BEGIN{if(f>0) printf "%.1f", (b-a)/f}')"
 done
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
@@ -330,6 +356,7 @@ udp_1400_1 UDP 1400 B, 1 flow: pps at < 0.1 % loss
 udp_1400_64 UDP 1400 B, 64 flows: pps at < 0.1 % loss
 udp_per_core UDP datagrams forwarded per proxy CPU-second (64 B at ${UDP_CPU_RATE:-40000}/s, both directions)
 $(for n in $IDLE_NS; do echo "idle_fd_$n descriptors per idle connection ($n open)"; echo "idle_kib_$n RSS KiB per idle connection ($n open)"; done)
+udp_flow_kib RSS KiB per UDP flow ($FLOWS_N live, after $FLOWS_N others came and went)
 EOF
 } >"$table"
 
@@ -349,7 +376,7 @@ if want tax; then
 fi
 
 # Only a full run (all paths, all figures) replaces the published table.
-if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle prog tax" ]; then
+if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle flows prog tax" ]; then
   doc=docs/benchmarks.md
   {
     sed '/<!-- bench:start -->/,$d' "$doc" # what comes before the table
