@@ -15,8 +15,10 @@
 //     them on data or Abort), and on a Conn the calls a proxy needs:
 //     CloseWrite, SetResetOnClose, OriginalDst, WaitPeerReset.
 //   - UDP: ListenUDP and DialUDP (with the buffers and IP_PKTINFO the proxy
-//     needs), Sender and Receiver (sendmsg/recvmsg with the source and
-//     local addresses, without an allocation per datagram).
+//     needs), Sender (sendmsg with the source address, runs of a flow as
+//     one GSO send) and Receiver (recvmmsg into a pooled batch borrowed
+//     only while datagrams are taken, with the sender's and local
+//     addresses), without an allocation per datagram.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes) and RaiseFileLimit.
 //
