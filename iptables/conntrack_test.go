@@ -2,12 +2,17 @@ package iptables
 
 import (
 	"errors"
-	"net"
+	"fmt"
 	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
 	"testing"
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
@@ -93,14 +98,6 @@ func (h *countHook) Fire(*logrus.Entry) error {
 
 func TestUDPFilterMatches(t *testing.T) {
 	f := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{30053: true}}
-	flow := func(proto uint8, dst string) *netlink.ConntrackFlow {
-		ap := netip.MustParseAddrPort(dst)
-		fl := &netlink.ConntrackFlow{}
-		fl.Forward.Protocol = proto
-		fl.Forward.DstIP = net.IP(ap.Addr().AsSlice())
-		fl.Forward.DstPort = ap.Port()
-		return fl
-	}
 	for _, tc := range []struct {
 		proto uint8
 		dst   string
@@ -110,10 +107,124 @@ func TestUDPFilterMatches(t *testing.T) {
 		{unix.IPPROTO_TCP, "10.96.0.10:53", false},
 		{unix.IPPROTO_UDP, "10.96.0.10:54", false},
 		{unix.IPPROTO_UDP, "192.168.1.7:30053", true},
+		{unix.IPPROTO_TCP, "192.168.1.7:30053", false},
 		{unix.IPPROTO_UDP, "10.96.0.11:53", false},
 	} {
-		if got := f.MatchConntrackFlow(flow(tc.proto, tc.dst)); got != tc.want {
+		if got := f.match(tc.proto, netip.MustParseAddrPort(tc.dst)); got != tc.want {
 			t.Errorf("proto %d to %s: %v, want %v", tc.proto, tc.dst, got, tc.want)
 		}
 	}
+}
+
+// requireRoot skips a test that needs root, or fails it when CI demands
+// that root tests run.
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("KUP_REQUIRE_ROOT_TESTS") != "" {
+		t.Fatal("this test needs root (a network namespace) and KUP_REQUIRE_ROOT_TESTS is set")
+	}
+	t.Skip("needs root: it creates a network namespace")
+}
+
+// In a network namespace of its own holding 300 TCP entries and three UDP
+// ones, the cleanup deletes the two UDP entries its filter names (a
+// ClusterIP's and a NodePort's), keeps the third and every TCP entry, and
+// the kernel hands it only the UDP entries (Linux 5.8 and later filter the
+// dump by protocol).
+func TestDeleteUDPConntrackInNamespace(t *testing.T) {
+	requireRoot(t)
+	name := fmt.Sprintf("kupct%d", os.Getpid())
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns add: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
+	ns, err := netns.GetFromName(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_NETFILTER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+
+	flow := func(proto uint8, src, dst string) *netlink.ConntrackFlow {
+		s, d := netip.MustParseAddrPort(src), netip.MustParseAddrPort(dst)
+		fl := &netlink.ConntrackFlow{FamilyType: unix.AF_INET, TimeOut: 300}
+		fl.Forward = netlink.IPTuple{SrcIP: s.Addr().AsSlice(), DstIP: d.Addr().AsSlice(), SrcPort: s.Port(), DstPort: d.Port(), Protocol: proto}
+		fl.Reverse = netlink.IPTuple{SrcIP: d.Addr().AsSlice(), DstIP: s.Addr().AsSlice(), SrcPort: d.Port(), DstPort: s.Port(), Protocol: proto}
+		if proto == unix.IPPROTO_TCP {
+			fl.ProtoInfo = &netlink.ProtoInfoTCP{State: nl.TCP_CONNTRACK_ESTABLISHED}
+		}
+		return fl
+	}
+	const tcpEntries = 300
+	for i := 0; i < tcpEntries; i++ {
+		if err := h.ConntrackCreate(netlink.ConntrackTable, unix.AF_INET, flow(unix.IPPROTO_TCP, fmt.Sprintf("10.1.%d.%d:40000", i/200, i%200+1), "10.96.0.10:53")); err != nil {
+			t.Fatalf("create TCP entry %d: %v", i, err)
+		}
+	}
+	for _, f := range []*netlink.ConntrackFlow{
+		flow(unix.IPPROTO_UDP, "10.1.9.1:40053", "10.96.0.10:53"),     // a stale ClusterIP's
+		flow(unix.IPPROTO_UDP, "10.1.9.2:40053", "192.168.7.7:30053"), // a stale NodePort's
+		flow(unix.IPPROTO_UDP, "10.1.9.3:40053", "10.96.0.11:53"),     // another Service's
+	} {
+		if err := h.ConntrackCreate(netlink.ConntrackTable, unix.AF_INET, f); err != nil {
+			t.Fatalf("create UDP entry: %v", err)
+		}
+	}
+
+	filter := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{30053: true}}
+	var deleted, read uint
+	err = inNamespace(ns, func() (err error) {
+		deleted, read, err = deleteUDPConntrack(4, filter)
+		return err
+	})
+	if err != nil || deleted != 2 {
+		t.Fatalf("deleted %d (%v), want 2", deleted, err)
+	}
+	left, err := h.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tcp int
+	var udp []string
+	for _, f := range left {
+		switch f.Forward.Protocol {
+		case unix.IPPROTO_TCP:
+			tcp++
+		case unix.IPPROTO_UDP:
+			udp = append(udp, fmt.Sprintf("%v:%d", f.Forward.DstIP, f.Forward.DstPort))
+		}
+	}
+	if tcp != tcpEntries || len(udp) != 1 || udp[0] != "10.96.0.11:53" {
+		t.Fatalf("left %d TCP entries and UDP %v, want %d and [10.96.0.11:53]", tcp, udp, tcpEntries)
+	}
+	var uts unix.Utsname
+	_ = unix.Uname(&uts)
+	var major, minor int
+	_, _ = fmt.Sscanf(unix.ByteSliceToString(uts.Release[:]), "%d.%d", &major, &minor)
+	if (major > 5 || major == 5 && minor >= 8) && read != 3 {
+		t.Fatalf("the dump returned %d entries on Linux %d.%d, want the 3 UDP ones", read, major, minor)
+	}
+}
+
+// inNamespace runs fn on a thread in network namespace ns. The thread stays
+// locked to its goroutine and ends with it, never going back to the pool in
+// the wrong namespace.
+func inNamespace(ns netns.NsHandle, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
+		if err := unix.Setns(int(ns), unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("setns: %w", err)
+			return
+		}
+		errc <- fn()
+	}()
+	return <-errc
 }
