@@ -162,10 +162,11 @@ func deleteConntrack(fam int, filter *udpFilter) (uint, error) {
 // returned. The kernel filters the dump by protocol (CTA_FILTER, Linux 5.8;
 // an older kernel ignores it and returns every entry, which match then
 // skips): a node's table is mostly TCP, hundreds of thousands of entries on
-// a busy one, and parsing all of them into the netlink package's flows on
-// every start took the daemon's heap up by ~11 MB at 30 000 entries. The
-// dump is read a message at a time and only the matches are kept, to be
-// deleted after it (deleting while dumping can interrupt the dump).
+// a busy one, and parsing all of them into the netlink package's flows cost
+// a start with 100 000 TCP entries 1.04 s of CPU and 84 MiB of RSS (now
+// 0.07 s and 30 MiB). The dump is read a message at a time and only the
+// matches are kept, to be deleted after it (deleting while dumping can
+// interrupt the dump).
 func deleteUDPConntrack(fam int, filter *udpFilter) (deleted, read uint, err error) {
 	family := uint8(unix.AF_INET)
 	if fam == 6 {

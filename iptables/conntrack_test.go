@@ -3,6 +3,7 @@ package iptables
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -133,7 +134,7 @@ func requireRoot(t *testing.T) {
 // ones, the cleanup deletes the two UDP entries its filter names (a
 // ClusterIP's and a NodePort's), keeps the third and every TCP entry, and
 // the kernel hands it only the UDP entries (Linux 5.8 and later filter the
-// dump by protocol).
+// dump by protocol); IPv6 entries the same, in their own family's dump.
 func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 	requireRoot(t)
 	name := fmt.Sprintf("kupct%d", os.Getpid())
@@ -155,6 +156,9 @@ func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 	flow := func(proto uint8, src, dst string) *netlink.ConntrackFlow {
 		s, d := netip.MustParseAddrPort(src), netip.MustParseAddrPort(dst)
 		fl := &netlink.ConntrackFlow{FamilyType: unix.AF_INET, TimeOut: 300}
+		if d.Addr().Is6() {
+			fl.FamilyType = unix.AF_INET6
+		}
 		fl.Forward = netlink.IPTuple{SrcIP: s.Addr().AsSlice(), DstIP: d.Addr().AsSlice(), SrcPort: s.Port(), DstPort: d.Port(), Protocol: proto}
 		fl.Reverse = netlink.IPTuple{SrcIP: d.Addr().AsSlice(), DstIP: s.Addr().AsSlice(), SrcPort: d.Port(), DstPort: s.Port(), Protocol: proto}
 		if proto == unix.IPPROTO_TCP {
@@ -204,6 +208,25 @@ func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 	if tcp != tcpEntries || len(udp) != 1 || udp[0] != "10.96.0.11:53" {
 		t.Fatalf("left %d TCP entries and UDP %v, want %d and [10.96.0.11:53]", tcp, udp, tcpEntries)
 	}
+	// IPv6: its own dump, its own addresses.
+	for _, f := range []*netlink.ConntrackFlow{
+		flow(unix.IPPROTO_UDP, "[fd00::1]:40053", "[fd00:96::10]:53"),
+		flow(unix.IPPROTO_UDP, "[fd00::2]:40053", "[fd00:96::11]:53"),
+	} {
+		if err := h.ConntrackCreate(netlink.ConntrackTable, unix.AF_INET6, f); err != nil {
+			t.Fatalf("create IPv6 UDP entry: %v", err)
+		}
+	}
+	filter6 := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("[fd00:96::10]:53"): true}}
+	err = inNamespace(ns, func() (err error) {
+		deleted, _, err = deleteUDPConntrack(6, filter6)
+		return err
+	})
+	left6, lerr := h.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET6)
+	if err != nil || lerr != nil || deleted != 1 || len(left6) != 1 || !left6[0].Forward.DstIP.Equal(net.ParseIP("fd00:96::11")) {
+		t.Fatalf("IPv6: deleted %d (%v, %v), left %v, want fd00:96::11:53 left", deleted, err, lerr, left6)
+	}
+
 	var uts unix.Utsname
 	_ = unix.Uname(&uts)
 	var major, minor int
