@@ -18,6 +18,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 func udpFrontend(name string, listen uint16, nodePort int, ips ...string) proxy.Frontend {
@@ -117,26 +118,13 @@ func TestUDPFilterMatches(t *testing.T) {
 	}
 }
 
-// requireRoot skips a test that needs root, or fails it when CI demands
-// that root tests run.
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("KUP_REQUIRE_ROOT_TESTS") != "" {
-		t.Fatal("this test needs root (a network namespace) and KUP_REQUIRE_ROOT_TESTS is set")
-	}
-	t.Skip("needs root: it creates a network namespace")
-}
-
 // In a network namespace of its own holding 300 TCP entries and three UDP
 // ones, the cleanup deletes the two UDP entries its filter names (a
 // ClusterIP's and a NodePort's), keeps the third and every TCP entry, and
 // the kernel hands it only the UDP entries (Linux 5.8 and later filter the
 // dump by protocol); IPv6 entries the same, in their own family's dump.
 func TestDeleteUDPConntrackInNamespace(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "it creates a network namespace")
 	name := fmt.Sprintf("kupct%d", os.Getpid())
 	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
 		t.Fatalf("ip netns add: %v: %s", err, out)

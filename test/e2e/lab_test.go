@@ -60,13 +60,7 @@ func run(m *testing.M) int {
 // that root tests run.
 func requireRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("KUP_REQUIRE_ROOT_TESTS") != "" {
-		t.Fatal("this test needs root (network namespaces, iptables) and KUP_REQUIRE_ROOT_TESTS is set")
-	}
-	t.Skip("needs root: it creates network namespaces and iptables rules inside them")
+	testutil.RequireRoot(t, "it creates network namespaces and iptables rules inside them")
 }
 
 // Lab is one set of namespaces: node, pod1, pod2, client, ext.

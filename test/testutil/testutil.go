@@ -1,17 +1,31 @@
 // Package testutil holds what the tests of several packages share: waiting
 // for a condition with a deadline (never a fixed sleep), a buffer a child
-// process may write while the test reads it, and a logrus hook that keeps
-// the entries a test asserts on.
+// process may write while the test reads it, a logrus hook that keeps the
+// entries a test asserts on, and the rule for tests that need root.
 package testutil
 
 import (
 	"bytes"
+	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/sirupsen/logrus"
 )
+
+// RequireRoot skips a test that needs root (why says for what), or fails it
+// when CI demands that root tests run (KUP_REQUIRE_ROOT_TESTS, set by .ci/run).
+func RequireRoot(t testing.TB, why string) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("KUP_REQUIRE_ROOT_TESTS") != "" {
+		t.Fatalf("this test needs root (%s) and KUP_REQUIRE_ROOT_TESTS is set", why)
+	}
+	t.Skipf("needs root: %s", why)
+}
 
 // WaitFor polls cond every poll until it holds, or fails the test once
 // timeout has passed, naming what it waited for.

@@ -157,17 +157,7 @@ func TestBatchesKeptUpToABound(t *testing.T) {
 		t.Fatalf("%d batches kept, want %d", kept, batchesKept)
 	}
 	// A kept one works again.
-	srv, err := ListenUDP(netip.AddrPortFrom(loopback, 0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	r, _ := NewReceiver(srv, true)
-	c, err := net.DialUDP("udp4", nil, srv.LocalAddr().(*net.UDPAddr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	_, r, c := loopbackReceiver(t, true)
 	for i := 0; i < 3; i++ {
 		_, _ = c.Write(datagram(i, 65000))
 	}
@@ -199,20 +189,7 @@ func TestBatchesKeptUpToABound(t *testing.T) {
 // then takes it and everything queued behind it, in order, in batches, and
 // keeps no batch once it returns.
 func TestNextWaitsThenTakesTheQueue(t *testing.T) {
-	srv, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	r, err := NewReceiver(srv, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := net.DialUDP("udp4", nil, srv.LocalAddr().(*net.UDPAddr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	srv, r, c := loopbackReceiver(t, false)
 	fail := func(*Batch) { t.Error("a batch from an empty socket") }
 
 	// The deadline ends a wait on an empty socket.
@@ -275,4 +252,25 @@ func TestNextWaitsThenTakesTheQueue(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("a close did not end Next's wait")
 	}
+}
+
+// loopbackReceiver is a frontend socket on loopback (ListenUDP) with a
+// receiver on it (addrs as given) and a client socket connected to it, all
+// closed when the test ends.
+func loopbackReceiver(t *testing.T, addrs bool) (srv *net.UDPConn, r *Receiver, client *net.UDPConn) {
+	t.Helper()
+	srv, err := ListenUDP(netip.AddrPortFrom(loopback, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	if r, err = NewReceiver(srv, addrs); err != nil {
+		t.Fatal(err)
+	}
+	client, err = net.DialUDP("udp4", nil, srv.LocalAddr().(*net.UDPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	return srv, r, client
 }
