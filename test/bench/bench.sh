@@ -7,11 +7,16 @@
 set -u
 cd "$(dirname "$0")/../.."
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; UDP_WARMUP=0; STEADY=2; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; UDP_WARMUP=0; UDP_CPU_FLOWS=1; UDP_CPU_PATHS=proxy; STEADY=2; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
 else RUNS=${RUNS:-3}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 75000 100000 150000"}
   UDP_SIZES=${UDP_SIZES:-"64 1400"}; UDP_FLOWS=${UDP_FLOWS:-"1 64"}; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
 LG_DUR=${LG_DUR:-$DUR} # loadgen's runs; iperf3 takes whole seconds only
-UDP_WARMUP=${UDP_WARMUP:-1} # seconds of the uncounted UDP try before each search
+UDP_WARMUP=${UDP_WARMUP:-0.5} # seconds of the uncounted UDP try before each search
+UDP_DUR=${UDP_DUR:-1}         # seconds of each counted UDP try
+UDP_BURST=${UDP_BURST:-4}     # datagrams a UDP flow sends at once
+UDP_CPU_RATE=${UDP_CPU_RATE:-20000} # datagrams/s of the UDP cost figures
+UDP_CPU_FLOWS=${UDP_CPU_FLOWS:-"1 64"}
+UDP_CPU_PATHS=${UDP_CPU_PATHS:-"nginx proxy"}
 RATE=${RATE:-2000}
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
@@ -193,49 +198,65 @@ for run in $(seq "$RUNS"); do
   done
 done
 
-# UDP: the highest offered rate with < 0.1 % loss, one flow and 64 flows.
-for p in direct dnat nginx socat proxy; do
-  want udp || break
-  runs "$p" || continue
+# UDP: the highest rate with < 0.1 % loss, one flow and 64 flows, each figure the median of RUNS searches with the
+# paths interleaved (one search per path, then the next run): one search per path, minutes apart, moved the direct
+# path's own figure by 1.8× from run to run. The load generator paces each flow by the clock in sends of
+# UDP_BURST datagrams (loadgen -burst): a millisecond's worth at once overflowed the backend's socket at rates the
+# path carried, and made the figures a tail of the scheduler (docs/benchmarks.md, fourteenth round).
+# udp_search PATH SIZE FLOWS: the rates step up until one loses ≥ 0.1 %; then three halvings of the gap between the
+# last rate that passed and the first that failed (the steps alone made every figure one of a few values, and a
+# ratio of two neighbours a step apart read as a 0.5× or a 2×). A rate fails only when it fails twice in a row, after
+# an uncounted warm-up try: one try in three or four of the first size change lost a few dozen datagrams in the
+# backend's socket at a rate four times lower than the path carried.
+udp_search() {
+  local p=$1 size=$2 flows=$3 r mid pass=0 fail=0
+  best=0
+  udp_once() {
+    out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${2:-$UDP_DUR}s" -size "$size" -flows "$flows" -burst "$UDP_BURST" -rate "$1")
+    loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
+    awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' || return 1
+    best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
+  }
+  udp_try() { udp_once "$1" || udp_once "$1"; }
+  [ "$UDP_WARMUP" = 0 ] || udp_once "${UDP_RATES%% *}" "$UDP_WARMUP" || true
+  best=0
+  for r in $UDP_RATES; do
+    if udp_try "$r"; then pass=$r; else fail=$r; break; fi
+  done
+  if [ "$fail" != 0 ]; then
+    for _ in 1 2 3; do
+      mid=$(((pass + fail) / 2))
+      if udp_try "$mid"; then pass=$mid; else fail=$mid; fi
+    done
+  fi
+  record "udp_${size}_${flows}" "$p" "$best"
+}
+if want udp; then
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
-      # The rates step up until one loses ≥ 0.1 %; then three halvings of the gap between the last rate that
-      # passed and the first that failed (the steps alone made every figure one of a few values, and a ratio
-      # of two neighbours a step apart read as a 0.5× or a 2×). A rate fails only when it fails twice in a row,
-      # after an uncounted warm-up try: one try in three or four of the first size change lost a few dozen
-      # datagrams in the backend's socket at a rate four times lower than the path carried, and made the
-      # figure a quarter of what it was (every path alike).
-      best=0 pass=0 fail=0
-      udp_once() {
-        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${2:-${UDP_DUR:-2}}s" -size "$size" -flows "$flows" -rate "$1")
-        loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
-        awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' || return 1
-        best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
-      }
-      udp_try() { udp_once "$1" || udp_once "$1"; }
-      [ "$UDP_WARMUP" = 0 ] || udp_once "${UDP_RATES%% *}" "$UDP_WARMUP" || true
-      best=0
-      for r in $UDP_RATES; do
-        if udp_try "$r"; then pass=$r; else fail=$r; break; fi
-      done
-      if [ "$fail" != 0 ]; then
-        for _ in 1 2 3; do
-          mid=$(((pass + fail) / 2))
-          if udp_try "$mid"; then pass=$mid; else fail=$mid; fi
+      for run in $(seq "$RUNS"); do
+        for p in direct dnat nginx socat proxy; do
+          runs "$p" && udp_search "$p" "$size" "$flows"
         done
-      fi
-      record "udp_${size}_${flows}" "$p" "$best"
+      done
     done
   done
-done
+fi
 
-# UDP cost: proxy CPU per forwarded datagram at a fixed rate (64 B, one flow;
-# requests and replies both count), reported as datagrams per CPU-second.
-if want udp && runs proxy; then
+# UDP cost: the serving process's CPU per datagram at a fixed rate that every path carries (64 B, one flow and 64
+# flows; requests and replies both count), reported as datagrams per CPU-second, for nginx and the daemon
+# interleaved. With 64 flows paced by the clock a flow rarely has two datagrams queued, so nothing can be sent
+# as a batch: the figure is the cost of one datagram at a time.
+if want udp; then
   for run in $(seq "$RUNS"); do
-    pid=$(proxypid proxy); t0=$(cputicks "$pid")
-    out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[proxy]}:8081" -d "${LG_DUR}s" -size 64 -flows 1 -rate "${UDP_CPU_RATE:-40000}")
-    record udp_per_core proxy "$(awk -v c="$(cpusince "$pid" "$t0")" -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(c>0) printf "%.0f", (s+r)/c}')"
+    for flows in $UDP_CPU_FLOWS; do
+      for p in $UDP_CPU_PATHS; do
+        runs "$p" || continue
+        pid=$(proxypid "$p"); t0=$(cputicks "$pid")
+        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 64 -flows "$flows" -burst "$UDP_BURST" -rate "$UDP_CPU_RATE")
+        record "udp_per_core_$flows" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(c>0) printf "%.0f", (s+r)/c}')"
+      done
+    done
   done
 fi
 
@@ -355,7 +376,8 @@ udp_64_1 UDP 64 B, 1 flow: pps at < 0.1 % loss
 udp_64_64 UDP 64 B, 64 flows: pps at < 0.1 % loss
 udp_1400_1 UDP 1400 B, 1 flow: pps at < 0.1 % loss
 udp_1400_64 UDP 1400 B, 64 flows: pps at < 0.1 % loss
-udp_per_core UDP datagrams forwarded per proxy CPU-second (64 B at ${UDP_CPU_RATE:-40000}/s, both directions)
+udp_per_core_1 UDP datagrams forwarded per proxy CPU-second (64 B, 1 flow at $UDP_CPU_RATE/s, both directions)
+udp_per_core_64 UDP datagrams forwarded per proxy CPU-second (64 B, 64 flows at $UDP_CPU_RATE/s, both directions)
 $(for n in $IDLE_NS; do echo "idle_fd_$n descriptors per idle connection ($n open)"; echo "idle_kib_$n RSS KiB per idle connection ($n open)"; done)
 udp_flow_kib RSS KiB per UDP flow ($FLOWS_N live, after $FLOWS_N others came and went)
 EOF

@@ -4,7 +4,7 @@
 //	loadgen -mode cps     -addr A -d 5s -c 32          new connections per second (HTTP, Connection: close)
 //	loadgen -mode rps     -addr A -d 5s -c 32          keep-alive requests per second
 //	loadgen -mode latency -addr A -d 5s -rate 2000     fixed-rate keep-alive requests: p50/p99/p99.9
-//	loadgen -mode udp     -addr A -d 3s -size 64 -flows 1 -rate R   datagrams sent/received at a fixed rate
+//	loadgen -mode udp     -addr A -d 3s -size 64 -flows 1 -rate R -burst 4   datagrams sent/received at a paced rate
 //	loadgen -mode idle    -addr A -n 1000              open n idle connections, print "ready", hold until stdin closes
 package main
 
@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"golang.org/x/net/ipv4"
+	"golang.org/x/sys/unix"
 )
 
 func main() {
@@ -34,6 +35,7 @@ func main() {
 	rate := flag.Float64("rate", 1000, "requests or datagrams per second (latency, udp)")
 	size := flag.Int("size", 64, "datagram size (udp)")
 	flows := flag.Int("flows", 1, "UDP client sockets (udp)")
+	burst := flag.Int("burst", 4, "datagrams a flow sends at once (udp), paced by the clock between sends")
 	n := flag.Int("n", 1000, "connections (idle)")
 	flag.Parse()
 	var out any
@@ -45,7 +47,7 @@ func main() {
 	case "latency":
 		out = fixedRate(*addr, *dur, *conns, *rate)
 	case "udp":
-		out = udp(*addr, *dur, *size, *flows, *rate)
+		out = udp(*addr, *dur, *size, *flows, *burst, *rate)
 	case "idle":
 		idle(*addr, *n)
 		return
@@ -209,13 +211,15 @@ type udpResult struct {
 	Received int64   `json:"received"`
 	Loss     float64 `json:"loss"`
 	PPS      float64 `json:"pps"`
+	Skipped  int64   `json:"skipped"` // owed while the generator itself stalled, not sent
 }
 
 // udp sends datagrams from flows sockets at a total rate to an echo server
-// and counts the replies. Sending and receiving are batched (sendmmsg,
-// recvmmsg) so that the generator, not the path under test, is cheap.
-func udp(addr string, d time.Duration, size, flows int, rate float64) udpResult {
-	var sent, recv atomic.Int64
+// and counts the replies. Each flow is paced by the clock (pace); sending
+// and receiving are batched (sendmmsg, recvmmsg) so that the generator, not
+// the path under test, is cheap.
+func udp(addr string, d time.Duration, size, flows, burst int, rate float64) udpResult {
+	var sent, recv, skipped atomic.Int64
 	end := time.Now().Add(d)
 	var wg sync.WaitGroup
 	perFlow := rate / float64(flows)
@@ -252,24 +256,7 @@ func udp(addr string, d time.Duration, size, flows int, rate float64) udpResult 
 			for i := range msgs {
 				msgs[i].Buffers = [][]byte{make([]byte, size)}
 			}
-			// Send in bursts every millisecond to reach high rates.
-			tick := time.Millisecond
-			perTick := perFlow * tick.Seconds()
-			var owed float64
-			for now := time.Now(); now.Before(end); now = time.Now() {
-				owed += perTick
-				for owed >= 1 {
-					k := min(int(owed), batch)
-					n, err := pc.WriteBatch(msgs[:k], 0)
-					if err != nil || n == 0 {
-						owed -= float64(k) // dropped by the sender: never counted as sent
-						continue
-					}
-					sent.Add(int64(n))
-					owed -= float64(n)
-				}
-				time.Sleep(tick)
-			}
+			pace(pc, msgs, perFlow, burst, end, &sent, &skipped)
 		}()
 	}
 	wg.Wait()
@@ -278,7 +265,48 @@ func udp(addr string, d time.Duration, size, flows int, rate float64) udpResult 
 	if s > 0 {
 		loss = 1 - float64(r)/float64(s)
 	}
-	return udpResult{Sent: s, Received: r, Loss: loss, PPS: float64(r) / d.Seconds()}
+	return udpResult{Sent: s, Received: r, Loss: loss, PPS: float64(r) / d.Seconds(), Skipped: skipped.Load()}
+}
+
+// pace sends one flow's datagrams by the clock: at every moment it has
+// offered what perFlow datagrams a second owe since the start, about burst at
+// a time (one sendmmsg). A sleep under a millisecond is a nanosleep(2), since
+// Go's timers wake no sooner than a millisecond on Linux: sends every
+// millisecond made bursts of rate/1 000 datagrams, and a sleep that took 2 ms
+// halved the rate offered. What a stall of the generator itself leaves owed
+// beyond two sends is skipped, not sent at once, so that the backend never
+// sees a burst the path did not make.
+func pace(pc *ipv4.PacketConn, msgs []ipv4.Message, perFlow float64, burst int, end time.Time, sent, skipped *atomic.Int64) {
+	tick := time.Duration(float64(burst) / perFlow * float64(time.Second))
+	tick = min(max(tick, 20*time.Microsecond), time.Millisecond)
+	limit := max(2*perFlow*tick.Seconds(), 2)
+	start := time.Now()
+	var offered float64 // datagrams sent, dropped by the sender, or skipped
+	for now := start; now.Before(end); now = time.Now() {
+		owed := perFlow*now.Sub(start).Seconds() - offered
+		if owed > limit {
+			skipped.Add(int64(owed - limit))
+			offered += owed - limit
+			owed = limit
+		}
+		for owed >= 1 {
+			k := min(int(owed), len(msgs))
+			n, err := pc.WriteBatch(msgs[:k], 0)
+			if err != nil || n == 0 {
+				n = k // dropped by the sender: never counted as sent
+			} else {
+				sent.Add(int64(n))
+			}
+			offered += float64(n)
+			owed -= float64(n)
+		}
+		if tick < time.Millisecond {
+			ts := unix.NsecToTimespec(tick.Nanoseconds())
+			_ = unix.Nanosleep(&ts, nil)
+		} else {
+			time.Sleep(tick)
+		}
+	}
 }
 
 // idle opens n connections, says "ready" and holds them until stdin closes.
