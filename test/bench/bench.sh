@@ -408,7 +408,7 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo
     echo "Run $(date -u +%Y-%m-%d) on $(nproc) vCPU $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo), Linux $(uname -r);"
     echo "$(haproxy -v | head -1 | cut -d' ' -f1-3), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(iperf3 --version | head -1 | cut -d' ' -f1-2), $(socat -V | sed -n 's/^socat version \([^ ]*\).*/socat \1/p')."
-    echo "Command: \`make bench\` (test/bench/bench.sh: $RUNS interleaved runs of ${DUR} s per figure, median). Lab: client pod → node → backend pod over veth in network namespaces;"
+    echo "Command: \`make bench\` (test/bench/bench.sh: $RUNS interleaved runs of ${DUR} s per figure, median; a UDP figure the median of $RUNS interleaved searches of ${UDP_DUR} s tries, each client flow paced by the clock in sends of $UDP_BURST datagrams). Lab: client pod → node → backend pod over veth in network namespaces;"
     echo "HAProxy (mode tcp, splice-auto), nginx (stream module, TCP and UDP, two workers) and socat listen behind the same kind of REDIRECT as this proxy;"
     echo "kernel DNAT is what kube-proxy's iptables mode does."
     echo
