@@ -260,6 +260,24 @@ if want udp; then
   done
 fi
 
+# udprt (not in the default set): all CPU time of the machine (/proc/stat: user, nice, system, irq, softirq) per UDP
+# round trip at a rate every path carries, 1 400 B, one flow and 64: what a path costs the machine, which is the
+# ceiling of its UDP figures where the CPUs are the limit (docs/benchmarks.md, fourteenth round).
+# e.g. TESTS=udprt PATHS="direct dnat nginx proxy" test/bench/bench.sh
+busyticks() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }
+if want udprt; then
+  for run in $(seq "$RUNS"); do
+    for flows in 1 64; do
+      for p in direct dnat nginx socat proxy; do
+        runs "$p" || continue
+        b0=$(busyticks)
+        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 1400 -flows "$flows" -burst "$UDP_BURST" -rate "${UDPRT_RATE:-10000}")
+        record "udp_rt_us_$flows" "$p" "$(awk -v t=$(($(busyticks) - b0)) -v hz="$HZ" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(r>0) printf "%.1f", t/hz/r*1e6}')"
+      done
+    done
+  done
+fi
+
 # Idle connections: descriptors and RSS per connection of the serving process
 # (of nginx's workers together).
 fds() { local p; for p in $1; do ls "/proc/$p/fd"; done | wc -l; }
@@ -378,6 +396,8 @@ udp_1400_1 UDP 1400 B, 1 flow: pps at < 0.1 % loss
 udp_1400_64 UDP 1400 B, 64 flows: pps at < 0.1 % loss
 udp_per_core_1 UDP datagrams forwarded per proxy CPU-second (64 B, 1 flow at $UDP_CPU_RATE/s, both directions)
 udp_per_core_64 UDP datagrams forwarded per proxy CPU-second (64 B, 64 flows at $UDP_CPU_RATE/s, both directions)
+udp_rt_us_1 machine CPU µs per UDP round trip (1 400 B, 1 flow at ${UDPRT_RATE:-10000}/s)
+udp_rt_us_64 machine CPU µs per UDP round trip (1 400 B, 64 flows at ${UDPRT_RATE:-10000}/s)
 $(for n in $IDLE_NS; do echo "idle_fd_$n descriptors per idle connection ($n open)"; echo "idle_kib_$n RSS KiB per idle connection ($n open)"; done)
 udp_flow_kib RSS KiB per UDP flow ($FLOWS_N live, after $FLOWS_N others came and went)
 EOF
