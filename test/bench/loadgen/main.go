@@ -48,6 +48,10 @@ func main() {
 	case "latency":
 		out = fixedRate(*addr, *dur, *conns, *rate)
 	case "udp":
+		if *rate <= 0 || *flows < 1 || *burst < 1 {
+			fmt.Fprintln(os.Stderr, "udp: -rate must be > 0, -flows and -burst ≥ 1")
+			os.Exit(2)
+		}
 		out = udp(*addr, *dur, *size, *flows, *burst, *rate)
 	case "idle":
 		idle(*addr, *n)
