@@ -208,16 +208,16 @@ done
 # ratio of two neighbours a step apart read as a 0.5× or a 2×). A rate fails only when it fails twice in a row, after
 # an uncounted warm-up try: one try in three or four of the first size change lost a few dozen datagrams in the
 # backend's socket at a rate four times lower than the path carried.
+# udp_once RATE [SECONDS] and udp_try RATE run inside udp_search and see its p, size, flows and best.
+udp_once() {
+  out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${2:-$UDP_DUR}s" -size "$size" -flows "$flows" -burst "$UDP_BURST" -rate "$1")
+  loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
+  awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' || return 1
+  best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
+}
+udp_try() { udp_once "$1" || udp_once "$1"; }
 udp_search() {
-  local p=$1 size=$2 flows=$3 r mid pass=0 fail=0
-  best=0
-  udp_once() {
-    out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${2:-$UDP_DUR}s" -size "$size" -flows "$flows" -burst "$UDP_BURST" -rate "$1")
-    loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
-    awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' || return 1
-    best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
-  }
-  udp_try() { udp_once "$1" || udp_once "$1"; }
+  local p=$1 size=$2 flows=$3 r mid pass=0 fail=0 best=0
   [ "$UDP_WARMUP" = 0 ] || udp_once "${UDP_RATES%% *}" "$UDP_WARMUP" || true
   best=0
   for r in $UDP_RATES; do

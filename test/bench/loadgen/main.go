@@ -286,8 +286,9 @@ func pace(pc *ipv4.PacketConn, msgs []ipv4.Message, perFlow float64, burst int, 
 	tick := time.Duration(float64(burst) / perFlow * float64(time.Second))
 	tick = min(max(tick, 20*time.Microsecond), time.Millisecond)
 	if tick < time.Millisecond {
+		// Never unlocked: the thread with its changed slack ends with the
+		// goroutine instead of going back to the pool.
 		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
 		_ = unix.Prctl(unix.PR_SET_TIMERSLACK, 1, 0, 0, 0) // 1 ns: the default 50 µs is a third of a tick
 	}
 	limit := max(2*perFlow*tick.Seconds(), perFlow/1000, 2)
