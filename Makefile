@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test vet fmt-check clean bench-programming cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -71,7 +71,7 @@ bench-tools: setup-bench build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/gofloor ./test/bench/gofloor
 
-# The data path against direct, kernel DNAT, HAProxy and socat; writes docs/benchmarks.md (root, ~15 minutes).
+# The data path against direct, kernel DNAT, HAProxy, nginx and socat; writes docs/benchmarks.md (root, ~36 minutes).
 bench: bench-tools
 	BIN=$(BIN) ./test/bench/bench.sh
 
@@ -79,6 +79,12 @@ bench: bench-tools
 # and this proxy, for the TCP figures: what the Go runtime costs (~4 minutes).
 bench-floor: bench-tools
 	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
+
+# The UDP figures and the machine's CPU per round trip for direct, nginx, the
+# least a user-space process does per datagram (gofloor -udp) and this proxy:
+# how close to direct any user-space UDP proxy comes on this machine (~12 minutes).
+bench-floor-udp: bench-tools
+	PATHS="direct nginx gofloor proxy" TESTS="udp udprt" UDP_SIZES=1400 BIN=$(BIN) ./test/bench/bench.sh
 
 # What our rules cost the node's other traffic: loopback throughput, ping-pong
 # and new connections/s without and with 1, 100, 1000 and 10000 service ports,

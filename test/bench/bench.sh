@@ -16,7 +16,7 @@ UDP_DUR=${UDP_DUR:-1}         # seconds of each counted UDP try
 UDP_BURST=${UDP_BURST:-4}     # datagrams a UDP flow sends at once
 UDP_CPU_RATE=${UDP_CPU_RATE:-20000} # datagrams/s of the UDP cost figures
 UDP_CPU_FLOWS=${UDP_CPU_FLOWS:-"1 64"}
-UDP_CPU_PATHS=${UDP_CPU_PATHS:-"nginx proxy"}
+UDP_CPU_PATHS=${UDP_CPU_PATHS:-"nginx gofloor proxy"} # each only when in PATHS
 RATE=${RATE:-2000}
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
@@ -41,6 +41,8 @@ declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [soca
 # gofloor (test/bench/gofloor, the least a Go program does per connection) is
 # not in the default set: add it to PATHS to see what the Go runtime costs,
 # e.g. PATHS="haproxy gofloor proxy" TESTS="tput4 cps rps" (make bench-floor).
+# With UDP it is the least any user-space process does per datagram (gofloor -udp):
+# PATHS="direct nginx gofloor proxy" TESTS="udp udprt" (make bench-floor-udp).
 # ringfloor is the same program on io_uring (gofloor -engine ring).
 DEFAULT_PATHS="direct dnat haproxy nginx socat proxy"
 # The smoke run keeps it under a minute: the paths whose code is ours or whose set-up can rot (the floors,
@@ -64,6 +66,7 @@ for p in 8080:18080 9000:19000 5201:15201; do
 done
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.7 -p udp --dport 8081 -j REDIRECT --to-ports 58081
+N node iptables -w -t nat -A PREROUTING -d 10.96.9.5 -p udp --dport 8081 -j REDIRECT --to-ports 38081
 cat > "$work/haproxy.cfg" <<EOF
 global
   maxconn 7000
@@ -111,7 +114,7 @@ for p in 8080:28080 9000:29000 5201:25201; do
 done
 N node socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
 if runs gofloor; then
-  N node "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 \
+  N node "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 -udp :38081=10.251.19.12:8081 \
     >"$work/gofloor.log" 2>&1 &
 fi
 if runs ringfloor; then
@@ -235,7 +238,7 @@ if want udp; then
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
       for run in $(seq "$RUNS"); do
-        for p in direct dnat nginx socat proxy; do
+        for p in direct dnat nginx socat gofloor proxy; do
           runs "$p" && udp_search "$p" "$size" "$flows"
         done
       done
@@ -268,7 +271,7 @@ busyticks() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }
 if want udprt; then
   for run in $(seq "$RUNS"); do
     for flows in 1 64; do
-      for p in direct dnat nginx socat proxy; do
+      for p in direct dnat nginx socat gofloor proxy; do
         runs "$p" || continue
         b0=$(busyticks)
         out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 1400 -flows "$flows" -burst "$UDP_BURST" -rate "${UDPRT_RATE:-10000}")

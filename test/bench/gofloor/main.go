@@ -84,28 +84,35 @@ func listen(port int) (int, error) {
 
 func main() {
 	var routes listenFlags
-	flag.Var(&routes, "listen", "`:PORT=IP:PORT` to proxy (repeatable)")
-	loops := flag.Int("loops", runtime.GOMAXPROCS(0), "event loops")
-	engine := flag.String("engine", "epoll", "`epoll` (Go's poller and splice) or ring (io_uring, ring.go)")
+	var udp udpFlags
+	flag.Var(&routes, "listen", "`:PORT=IP:PORT` to proxy TCP (repeatable)")
+	flag.Var(&udp, "udp", "`:PORT=IP:PORT` to proxy UDP (repeatable; udp.go)")
+	loops := flag.Int("loops", runtime.GOMAXPROCS(0), "event loops (of each protocol)")
+	engine := flag.String("engine", "epoll", "`epoll` (Go's poller and splice) or ring (io_uring, ring.go); TCP only")
 	flag.Parse()
-	if len(routes) == 0 || *loops < 1 || (*engine != "epoll" && *engine != "ring") {
-		fmt.Fprintln(os.Stderr, "usage: gofloor -listen :PORT=IP:PORT [-listen ...] [-loops N] [-engine epoll|ring]")
+	if len(routes)+len(udp) == 0 || *loops < 1 || (*engine != "epoll" && *engine != "ring") {
+		fmt.Fprintln(os.Stderr, "usage: gofloor [-listen :PORT=IP:PORT ...] [-udp :PORT=IP:PORT ...] [-loops N] [-engine epoll|ring]")
 		os.Exit(2)
 	}
-	errs := make(chan error, *loops)
-	for range *loops {
-		var l eventLoop
-		var err error
-		if *engine == "ring" {
-			l, err = newRingLoop(routes)
-		} else {
-			l, err = newLoop(routes)
-		}
+	errs := make(chan error, 2**loops)
+	start := func(l eventLoop, err error) {
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "gofloor:", err)
 			os.Exit(1)
 		}
 		go func() { errs <- l.run() }()
+	}
+	for range *loops {
+		switch {
+		case len(routes) == 0:
+		case *engine == "ring":
+			start(newRingLoop(routes))
+		default:
+			start(newLoop(routes))
+		}
+		if len(udp) > 0 {
+			start(newUDPLoop(udp))
+		}
 	}
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
@@ -137,14 +144,9 @@ type loop struct {
 }
 
 func newLoop(routes []route) (*loop, error) {
-	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	ep, err := newEpoll()
 	if err != nil {
-		return nil, fmt.Errorf("epoll_create1: %w", err)
-	}
-	// Non-blocking, so that os.NewFile gives it to Go's poller.
-	if err := unix.SetNonblock(ep, true); err != nil {
-		unix.Close(ep)
-		return nil, fmt.Errorf("epoll descriptor: %w", err)
+		return nil, err
 	}
 	l := &loop{ep: ep, file: os.NewFile(uintptr(ep), "epoll"), routes: map[int]unix.Sockaddr{}, conns: map[int]*conn{}}
 	for _, r := range routes {
@@ -158,27 +160,44 @@ func newLoop(routes []route) (*loop, error) {
 	return l, nil
 }
 
-// run waits for events on Go's poller and handles every batch, until the
-// epoll descriptor is closed (stop).
-func (l *loop) run() error {
-	rc, err := l.file.SyscallConn()
+// newEpoll makes an epoll set that Go's poller can wait on (non-blocking,
+// so that os.NewFile hands it to the poller).
+func newEpoll() (int, error) {
+	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("epoll_create1: %w", err)
+	}
+	if err := unix.SetNonblock(ep, true); err != nil {
+		unix.Close(ep)
+		return -1, fmt.Errorf("epoll descriptor: %w", err)
+	}
+	return ep, nil
+}
+
+// run waits for events and handles them until stop.
+func (l *loop) run() error { return waitEvents(l.file, l.events[:], &l.stopped, l.handle) }
+
+// waitEvents waits for events of the epoll set ep on Go's poller and hands
+// each ready descriptor to handle, until ep is closed (stopped set first).
+func waitEvents(ep *os.File, events []unix.EpollEvent, stopped *atomic.Bool, handle func(fd int)) error {
+	rc, err := ep.SyscallConn()
 	if err != nil {
 		return fmt.Errorf("epoll descriptor: %w", err)
 	}
 	for {
 		err := rc.Read(func(fd uintptr) bool {
 			for {
-				n, _, errno := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, fd, uintptr(unsafe.Pointer(&l.events[0])),
-					uintptr(len(l.events)), 0, 0, 0)
+				n, _, errno := unix.RawSyscall6(unix.SYS_EPOLL_PWAIT, fd, uintptr(unsafe.Pointer(&events[0])),
+					uintptr(len(events)), 0, 0, 0)
 				if errno != 0 || n == 0 {
 					return false // nothing ready: park until the epoll set is readable
 				}
-				for _, ev := range l.events[:n] {
-					l.handle(int(ev.Fd))
+				for _, ev := range events[:n] {
+					handle(int(ev.Fd))
 				}
 			}
 		})
-		if l.stopped.Load() {
+		if stopped.Load() {
 			return nil
 		}
 		if err != nil {

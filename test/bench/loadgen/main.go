@@ -219,6 +219,10 @@ type udpResult struct {
 	Skipped  int64   `json:"skipped"` // owed while the generator itself stalled, not sent
 }
 
+// udpGrace is how long a UDP flow waits for late replies after its last
+// send, unless every reply is in before.
+var udpGrace = 500 * time.Millisecond
+
 // udp sends datagrams from flows sockets at a total rate to an echo server
 // and counts the replies. Each flow is paced by the clock (pace); sending
 // and receiving are batched (sendmmsg, recvmmsg) so that the generator, not
@@ -238,21 +242,29 @@ func udp(addr string, d time.Duration, size, flows, burst int, rate float64) udp
 		_ = c.SetReadBuffer(4 << 20)
 		_ = c.SetWriteBuffer(4 << 20)
 		pc := ipv4.NewPacketConn(c)
+		// The flow's own counts: its reader stops once every datagram
+		// sent has its reply, instead of waiting out the grace for late
+		// ones (half a second a try, most of a short try's time).
+		var flowSent, flowRecv atomic.Int64
+		var sendDone atomic.Bool
 		wg.Add(2)
 		go func() {
 			defer wg.Done()
+			defer c.Close()
 			msgs := make([]ipv4.Message, batch)
 			for i := range msgs {
 				msgs[i].Buffers = [][]byte{make([]byte, 65536)}
 			}
+			_ = c.SetReadDeadline(end.Add(udpGrace))
 			for {
-				_ = c.SetReadDeadline(end.Add(500 * time.Millisecond))
 				n, err := pc.ReadBatch(msgs, 0)
 				if err != nil {
-					c.Close()
-					return
+					return // the grace is over, or the sender saw every reply in
 				}
 				recv.Add(int64(n))
+				if flowRecv.Add(int64(n)) >= flowSent.Load() && sendDone.Load() {
+					return
+				}
 			}
 		}()
 		go func() {
@@ -261,7 +273,13 @@ func udp(addr string, d time.Duration, size, flows, burst int, rate float64) udp
 			for i := range msgs {
 				msgs[i].Buffers = [][]byte{make([]byte, size)}
 			}
-			pace(pc, msgs, perFlow, burst, end, &sent, &skipped)
+			pace(pc, msgs, perFlow, burst, end, &flowSent, &skipped)
+			sent.Add(flowSent.Load())
+			sendDone.Store(true)
+			// The reader may be waiting with every reply in: wake it.
+			if flowRecv.Load() >= flowSent.Load() {
+				_ = c.SetReadDeadline(time.Now())
+			}
 		}()
 	}
 	wg.Wait()
