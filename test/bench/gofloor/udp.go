@@ -135,7 +135,8 @@ func newUDPLoop(routes []udpRoute) (*udpLoop, error) {
 			err = l.watch(fd)
 		}
 		if err != nil {
-			l.close()
+			l.closeSockets()
+			l.file.Close()
 			return nil, err
 		}
 		l.backends[fd] = &r.backend
@@ -161,19 +162,27 @@ func (l *udpLoop) watch(fd int) error {
 	return nil
 }
 
-func (l *udpLoop) run() error { return waitEvents(l.file, l.events[:], &l.stopped, l.handle) }
-
-// stop ends run and closes the loop's sockets.
-func (l *udpLoop) stop() error {
-	l.stopped.Store(true)
-	return l.close()
+// run serves until stop, then closes the loop's sockets: on this
+// goroutine, so that none is closed (and its number reused) under a read.
+func (l *udpLoop) run() error {
+	err := waitEvents(l.file, l.events[:], &l.stopped, l.handle)
+	l.closeSockets()
+	return err
 }
 
-func (l *udpLoop) close() error {
+// stop ends run.
+func (l *udpLoop) stop() error {
+	l.stopped.Store(true)
+	return l.file.Close()
+}
+
+func (l *udpLoop) closeSockets() {
 	for fd := range l.backends {
 		unix.Close(fd)
 	}
-	return l.file.Close()
+	for fd := range l.flows {
+		unix.Close(fd)
+	}
 }
 
 func (l *udpLoop) handle(fd int) {

@@ -33,9 +33,6 @@ func startUDPFloor(t *testing.T, backend netip.AddrPort) *net.UDPAddr {
 		if err := <-done; err != nil {
 			t.Errorf("loop ended with %v", err)
 		}
-		for fd := range l.flows {
-			unix.Close(fd)
-		}
 	})
 	return &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port}
 }
