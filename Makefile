@@ -82,7 +82,7 @@ bench-floor: bench-tools
 
 # The UDP figures and the machine's CPU per round trip for direct, nginx, the
 # least a user-space process does per datagram (gofloor -udp) and this proxy:
-# how close to direct any user-space UDP proxy comes on this machine (~12 minutes).
+# how close to direct any user-space UDP proxy comes on this machine (~10 minutes).
 bench-floor-udp: bench-tools
 	PATHS="direct nginx gofloor proxy" TESTS="udp udprt" UDP_SIZES=1400 BIN=$(BIN) ./test/bench/bench.sh
 
