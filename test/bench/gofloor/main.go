@@ -42,24 +42,33 @@ func (l *listenFlags) String() string { return fmt.Sprint(len(*l), " routes") }
 
 // Set parses ":PORT=IP:PORT" and opens the listener.
 func (l *listenFlags) Set(v string) error {
-	from, to, ok := strings.Cut(v, "=")
-	if !ok {
-		return fmt.Errorf("want :PORT=BACKEND_IP:PORT, got %q", v)
-	}
-	ln, err := netip.ParseAddrPort("0.0.0.0" + from)
-	if err != nil {
-		return fmt.Errorf("listen address %q: %w", from, err)
-	}
-	be, err := netip.ParseAddrPort(to)
-	if err != nil || !be.Addr().Is4() {
-		return fmt.Errorf("backend %q: want an IPv4 address and port", to)
-	}
-	fd, err := listen(int(ln.Port()))
+	port, backend, err := parseRoute(v)
 	if err != nil {
 		return err
 	}
-	*l = append(*l, route{fd: fd, backend: &unix.SockaddrInet4{Addr: be.Addr().As4(), Port: int(be.Port())}})
+	fd, err := listen(port)
+	if err != nil {
+		return err
+	}
+	*l = append(*l, route{fd: fd, backend: &backend})
 	return nil
+}
+
+// parseRoute parses ":PORT=IP:PORT", a -listen or -udp value.
+func parseRoute(v string) (port int, backend unix.SockaddrInet4, err error) {
+	from, to, ok := strings.Cut(v, "=")
+	if !ok {
+		return 0, backend, fmt.Errorf("want :PORT=BACKEND_IP:PORT, got %q", v)
+	}
+	ln, err := netip.ParseAddrPort("0.0.0.0" + from)
+	if err != nil {
+		return 0, backend, fmt.Errorf("listen address %q: %w", from, err)
+	}
+	be, err := netip.ParseAddrPort(to)
+	if err != nil || !be.Addr().Is4() {
+		return 0, backend, fmt.Errorf("backend %q: want an IPv4 address and port", to)
+	}
+	return int(ln.Port()), unix.SockaddrInet4{Addr: be.Addr().As4(), Port: int(be.Port())}, nil
 }
 
 func listen(port int) (int, error) {

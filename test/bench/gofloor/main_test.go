@@ -40,6 +40,14 @@ func startFloor(t *testing.T, engine string, backend netip.AddrPort) string {
 	} else {
 		l, err = newLoop(routes)
 	}
+	runLoop(t, l, err)
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(sa.(*unix.SockaddrInet4).Port))
+}
+
+// runLoop runs l (made with err) until the test ends, and fails the test
+// if it ends with an error.
+func runLoop(t *testing.T, l eventLoop, err error) {
+	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,7 +59,6 @@ func startFloor(t *testing.T, engine string, backend netip.AddrPort) string {
 			t.Errorf("loop ended with %v", err)
 		}
 	})
-	return net.JoinHostPort("127.0.0.1", strconv.Itoa(sa.(*unix.SockaddrInet4).Port))
 }
 
 // TestProxiesBothWaysWithHalfClose: a request, the client's FIN passed on,

@@ -16,9 +16,7 @@ package main
 
 import (
 	"fmt"
-	"net/netip"
 	"os"
-	"strings"
 	"sync/atomic"
 	"unsafe"
 
@@ -44,19 +42,11 @@ func (u *udpFlags) String() string { return fmt.Sprint(len(*u), " UDP routes") }
 
 // Set parses ":PORT=IP:PORT"; each loop opens its own listener on PORT.
 func (u *udpFlags) Set(v string) error {
-	from, to, ok := strings.Cut(v, "=")
-	if !ok {
-		return fmt.Errorf("want :PORT=BACKEND_IP:PORT, got %q", v)
-	}
-	ln, err := netip.ParseAddrPort("0.0.0.0" + from)
+	port, backend, err := parseRoute(v)
 	if err != nil {
-		return fmt.Errorf("listen address %q: %w", from, err)
+		return err
 	}
-	be, err := netip.ParseAddrPort(to)
-	if err != nil || !be.Addr().Is4() {
-		return fmt.Errorf("backend %q: want an IPv4 address and port", to)
-	}
-	*u = append(*u, udpRoute{port: int(ln.Port()), backend: unix.SockaddrInet4{Addr: be.Addr().As4(), Port: int(be.Port())}})
+	*u = append(*u, udpRoute{port: port, backend: backend})
 	return nil
 }
 

@@ -11,30 +11,32 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// startUDPFloor runs one UDP loop proxying a free loopback port to backend
-// and returns the port's address.
-func startUDPFloor(t *testing.T, backend netip.AddrPort) *net.UDPAddr {
+// startUDPFloor runs one UDP loop proxying a free loopback port to each
+// backend and returns the ports' addresses, in order.
+func startUDPFloor(t *testing.T, backends ...netip.AddrPort) []*net.UDPAddr {
 	t.Helper()
-	// A free port: bind one, note it, close it (the loop binds its own with SO_REUSEPORT).
+	var routes []udpRoute
+	var addrs []*net.UDPAddr
+	for _, be := range backends {
+		port := freeUDPPort(t)
+		routes = append(routes, udpRoute{port: port, backend: unix.SockaddrInet4{Addr: be.Addr().As4(), Port: int(be.Port())}})
+		addrs = append(addrs, &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port})
+	}
+	l, err := newUDPLoop(routes)
+	runLoop(t, l, err)
+	return addrs
+}
+
+// freeUDPPort is a loopback UDP port nothing listens on: bound, noted and
+// closed again.
+func freeUDPPort(t *testing.T) int {
+	t.Helper()
 	probe, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := probe.LocalAddr().(*net.UDPAddr).Port
-	probe.Close()
-	l, err := newUDPLoop([]udpRoute{{port: port, backend: unix.SockaddrInet4{Addr: backend.Addr().As4(), Port: int(backend.Port())}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- l.run() }()
-	t.Cleanup(func() {
-		_ = l.stop()
-		if err := <-done; err != nil {
-			t.Errorf("loop ended with %v", err)
-		}
-	})
-	return &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port}
+	defer probe.Close()
+	return probe.LocalAddr().(*net.UDPAddr).Port
 }
 
 // udpEcho answers each datagram with the peer's address and the datagram,
@@ -64,7 +66,7 @@ func udpEcho(t *testing.T) netip.AddrPort {
 // every answer to its own datagrams and none of the other's, and the
 // backend saw each client as one peer of its own.
 func TestUDPFlowsKeepTheirOwnBackendSocket(t *testing.T) {
-	floor := startUDPFloor(t, udpEcho(t))
+	floor := startUDPFloor(t, udpEcho(t))[0]
 	const n = 3 * udpBatch
 	var clients [2]*net.UDPConn
 	for i := range clients {
@@ -107,7 +109,7 @@ func TestUDPFlowsKeepTheirOwnBackendSocket(t *testing.T) {
 
 // TestUDPLargeDatagramWhole: a 60 000-byte datagram passes whole both ways.
 func TestUDPLargeDatagramWhole(t *testing.T) {
-	floor := startUDPFloor(t, udpEcho(t))
+	floor := startUDPFloor(t, udpEcho(t))[0]
 	c, err := net.DialUDP("udp4", nil, floor)
 	if err != nil {
 		t.Fatal(err)
@@ -126,5 +128,42 @@ func TestUDPLargeDatagramWhole(t *testing.T) {
 	_, body, _ := bytes.Cut(buf[:m], []byte(" "))
 	if !bytes.Equal(body, big) {
 		t.Fatalf("got %d bytes back, want the %d sent", len(body), len(big))
+	}
+}
+
+// TestUDPDeadBackendPortLeavesTheLoopServing: a route whose backend port is
+// dead (each datagram comes back as an ICMP port unreachable, an error on
+// the flow's socket) neither stops nor stalls the loop: a client of the
+// loop's other route gets every answer, within a bound.
+func TestUDPDeadBackendPortLeavesTheLoopServing(t *testing.T) {
+	dead := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(freeUDPPort(t)))
+	floors := startUDPFloor(t, dead, udpEcho(t))
+	toDead, err := net.DialUDP("udp4", nil, floors[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer toDead.Close()
+	live, err := net.DialUDP("udp4", nil, floors[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	buf := make([]byte, 65536)
+	for k := range 20 {
+		if _, err := toDead.Write([]byte("lost")); err != nil {
+			t.Fatal(err)
+		}
+		msg := fmt.Sprintf("answer %d", k)
+		if _, err := live.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		_ = live.SetReadDeadline(time.Now().Add(5 * time.Second))
+		n, err := live.Read(buf)
+		if err != nil {
+			t.Fatalf("datagram %d beside a dead backend port: no answer within 5 s: %v", k, err)
+		}
+		if _, body, _ := bytes.Cut(buf[:n], []byte(" ")); string(body) != msg {
+			t.Fatalf("got %q, want %q", body, msg)
+		}
 	}
 }
