@@ -10,6 +10,7 @@
 package config
 
 import (
+	"cmp"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -45,16 +46,25 @@ func (n ServicePortName) String() string {
 	return n.Namespace + "/" + n.Name + ":" + n.Port
 }
 
-// Less orders names for stable output (rules, debug views).
-func (n ServicePortName) Less(o ServicePortName) bool {
-	if n.Namespace != o.Namespace {
-		return n.Namespace < o.Namespace
-	}
-	if n.Name != o.Name {
-		return n.Name < o.Name
-	}
-	return n.Port < o.Port
+// Compare orders names for stable output (rules, debug views): namespace,
+// name, port.
+func (n ServicePortName) Compare(o ServicePortName) int {
+	return cmp.Or(cmp.Compare(n.Namespace, o.Namespace), cmp.Compare(n.Name, o.Name), cmp.Compare(n.Port, o.Port))
 }
+
+// Less reports whether n sorts before o (Compare).
+func (n ServicePortName) Less(o ServicePortName) bool { return n.Compare(o) < 0 }
+
+// Service names the Service the port belongs to.
+func (n ServicePortName) Service() ServiceName { return ServiceName{n.Namespace, n.Name} }
+
+// ServiceName identifies one Service: namespace/name.
+type ServiceName struct {
+	Namespace string
+	Name      string
+}
+
+func (n ServiceName) String() string { return n.Namespace + "/" + n.Name }
 
 // ServicePort is everything the proxier needs to serve one Service port: the
 // addresses it answers on, how clients stick to endpoints, and the endpoints.

@@ -27,7 +27,7 @@ type descriptorBudget struct {
 	listeners atomic.Int64 // listening sockets and NodePort holds
 
 	mu  sync.Mutex
-	udp map[*frontend]bool // the UDP frontends, for eviction across Services
+	udp map[*udpServer]bool // the UDP servers, for eviction across Services
 
 	// fileLimitAt is when the daemon last ran out of descriptors (unix
 	// nanoseconds): /healthz is 503 for a while after.
@@ -42,7 +42,7 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 	if limit <= 0 {
 		limit = int(sock.FileLimit())
 	}
-	b := &descriptorBudget{limit: limit, udp: map[*frontend]bool{}}
+	b := &descriptorBudget{limit: limit, udp: map[*udpServer]bool{}}
 	b.reserve = min(max(64, limit/16), limit/4) // a tiny limit keeps room for connections
 	b.udpCap = max(1, (limit-b.reserve)/2)
 	descriptorBudgetGauge.WithLabelValues("limit").Set(float64(b.limit))
@@ -51,15 +51,15 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 	return b
 }
 
-func (b *descriptorBudget) addUDP(fe *frontend) {
+func (b *descriptorBudget) addUDP(u *udpServer) {
 	b.mu.Lock()
-	b.udp[fe] = true
+	b.udp[u] = true
 	b.mu.Unlock()
 }
 
-func (b *descriptorBudget) removeUDP(fe *frontend) {
+func (b *descriptorBudget) removeUDP(u *udpServer) {
 	b.mu.Lock()
-	delete(b.udp, fe)
+	delete(b.udp, u)
 	b.mu.Unlock()
 }
 
@@ -87,16 +87,11 @@ func (b *descriptorBudget) evictOldest() {
 func (b *descriptorBudget) evictOne() bool {
 	b.mu.Lock()
 	var victim *udpFlow
-	var owner *frontend
-	for fe := range b.udp {
-		fe.udp.mu.Lock()
-		if e := fe.udp.lru.Back(); e != nil {
-			fl := e.Value.(*udpFlow)
-			if victim == nil || fl.lastSeen.Load() < victim.lastSeen.Load() {
-				victim, owner = fl, fe
-			}
+	var owner *udpServer
+	for u := range b.udp {
+		if fl := u.oldest(); fl != nil && (victim == nil || fl.lastSeen.Load() < victim.lastSeen.Load()) {
+			victim, owner = fl, u
 		}
-		fe.udp.mu.Unlock()
 	}
 	b.mu.Unlock()
 	return victim == nil || owner.evict(victim)

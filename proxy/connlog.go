@@ -29,7 +29,7 @@ type endLine struct {
 
 // logEnd writes l's line, if --connection-log wants it.
 func (f *frontend) logEnd(l endLine) {
-	if !f.p.cfg.logConn(l.protocol, l.cause) {
+	if !f.dp.cfg.logConn(l.protocol, l.cause) {
 		return
 	}
 	fields := logrus.Fields{
@@ -58,7 +58,7 @@ func (f *frontend) logEnd(l endLine) {
 			fields["dialErrors"] = strings.Join(l.dialErrors, ", ")
 		}
 	}
-	log := f.p.cfg.connLog()
+	log := f.dp.cfg.connLog()
 	if l.err != nil {
 		log = log.WithError(l.err)
 	}

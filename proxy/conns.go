@@ -190,7 +190,7 @@ func (t *connTable) add(f *frontend, client netip.AddrPort) *connRecord {
 
 func (t *connTable) remove(c *connRecord) {
 	c.fe.m.get().active.Dec()
-	c.fe.p.budget.releaseTCP()
+	c.fe.dp.budget.releaseTCP()
 	t.mu.Lock()
 	delete(t.conns, c.ID)
 	t.mu.Unlock()
@@ -218,7 +218,7 @@ func (t *connTable) all() []*connRecord {
 func (p *Proxier) Connections() []ConnInfo {
 	now := time.Now()
 	var out []ConnInfo
-	for _, c := range p.conns.list() {
+	for _, c := range p.dp.conns.list() {
 		ci := c.info(now)
 		c.mu.Lock()
 		paired, pair := c.paired, &c.pair

@@ -113,14 +113,14 @@ type Explanation struct {
 // start.
 func (p *Proxier) Explain(fe Frontend, as string, client netip.Addr) Explanation {
 	var bal Balancer
-	live := false
-	if l := p.liveFrontend(fe); l != nil {
-		bal, live = l.bal, true
+	p.rec.mu.Lock()
+	l := p.rec.liveLocked(fe)
+	node, zone := p.rec.viewNode, p.rec.viewZone
+	p.rec.mu.Unlock()
+	if l != nil {
+		bal = l.bal
 	}
-	p.viewMu.Lock()
-	node, zone := p.viewNode, p.viewZone
-	p.viewMu.Unlock()
-	return explain(fe, as, client, node, zone, bal, live)
+	return explain(fe, as, client, node, zone, bal, l != nil)
 }
 
 // ExplainPlanned explains a frontend of Plan: no listener, a balancer as a

@@ -232,7 +232,7 @@ func TestUDPIdleEndsAreNotErrors(t *testing.T) {
 	}
 	fe := h.udpFrontend("quiet")
 	waitFor(t, "every flow to expire", func() bool { n, _ := h.p.UDPFlows(fe); return n == 0 })
-	if n := h.p.budget.udpFlows.Load(); n != 0 {
+	if n := h.p.dp.budget.udpFlows.Load(); n != 0 {
 		t.Fatalf("the descriptor budget still counts %d flows", n)
 	}
 	if lines := h.logs.Find("UDP flow closed"); len(lines) != 0 {

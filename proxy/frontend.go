@@ -1,11 +1,8 @@
 package proxy
 
 import (
-	"context"
 	"fmt"
-	"net"
 	"net/netip"
-	"sync"
 	"sync/atomic"
 
 	"github.com/sirupsen/logrus"
@@ -63,10 +60,11 @@ func (f Frontend) key() frontendKey { return frontendKey{f.Service.Name, f.Kind,
 // String names a listener: service port, kind and family.
 func (k frontendKey) String() string { return fmt.Sprintf("%s/%s/%d", k.Name, k.Kind, k.Family) }
 
-// frontend is a live listener with its balancer. It is created and closed by
-// the sync goroutine; its serve goroutine and connections belong to it.
+// frontend is a live listener with its balancer, serving one key: a TCP
+// server or a UDP server, never both. It is created by the dataplane and
+// closed by the reconciler; its connections and flows belong to its server.
 type frontend struct {
-	p           *Proxier
+	dp          *dataplane
 	key         frontendKey
 	spec        *config.ServicePort
 	bal         Balancer
@@ -79,12 +77,15 @@ type frontend struct {
 	// read by connection goroutines while the sync goroutine may change it.
 	proxyProto atomic.Value
 
-	m      *feMetrics
-	ctx    context.Context // cancelled when the proxier shuts down
-	tcp    *sock.Listener
-	udpSk  *udpSocket
-	udp    udpFlows
-	served sync.WaitGroup
+	m   *feMetrics
+	tcp *tcpServer // one of tcp and udp is set
+	udp *udpServer
+}
+
+// tcpServer is a frontend's TCP listener; the accept loop is the
+// dataplane's, the connections are in its connection table (conns.go).
+type tcpServer struct {
+	ln *sock.Listener
 }
 
 // localOnly says whether the frontend's traffic policy is Local.
@@ -127,79 +128,10 @@ func bindFor(b netip.Addr, family int) netip.Addr {
 	return netip.IPv4Unspecified()
 }
 
-// open starts a listener for key. The port goes back to the allocator on
-// every failure path.
-func (p *Proxier) open(key frontendKey, sp *config.ServicePort) (*frontend, error) {
-	proto := "tcp"
-	if sp.Protocol == config.UDP {
-		proto = "udp"
-	}
-	bind := bindFor(p.cfg.BindAddress, key.Family)
-	var ln any // *sock.Listener or *net.UDPConn
-	var port int
-	var nodePortErr error
-	release := func() {}
-	var hold *sock.Hold
-	if sp.NodePort != 0 && key.Kind != KindInternal {
-		var err error
-		if p.cfg.NodePortsRestricted {
-			hold, err = sock.HoldPort(sp.Protocol == config.UDP, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
-		} else {
-			// The listener itself sits on the NodePort: it holds the port
-			// against other processes, costs no extra descriptor, and
-			// serves even a connection that reaches it without a redirect.
-			ln, port, err = listenOn(proto, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
-		}
-		if err != nil {
-			// Logged by the caller: a retry that fails again stays quiet.
-			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only, retrying", sp.NodePort, sp.Protocol, err)
-		}
-	}
-	if ln == nil {
-		var err error
-		if ln, port, release, err = p.alloc.listen(proto, bind, key.String()); err != nil {
-			if sock.IsFileLimit(err) {
-				p.budget.ranOut()
-			}
-			hold.Close()
-			return nil, err
-		}
-	}
-	p.budget.listeners.Add(1)
-	if hold != nil {
-		p.budget.listeners.Add(1)
-	}
-	fe := &frontend{
-		p: p, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
-		listen:      netip.AddrPortFrom(bind, uint16(port)),
-		nodePortErr: nodePortErr,
-		hold:        hold,
-		release:     release,
-		ctx:         p.ctx,
-	}
-	switch s := ln.(type) {
-	case *sock.Listener:
-		fe.tcp = s
-		if err := fe.serveTCP(s); err != nil {
-			fe.discard()
-			return nil, fmt.Errorf("serving %s: %w", fe.listen, err)
-		}
-	case *net.UDPConn:
-		us := &udpSocket{conn: s, family: key.Family}
-		fe.udpSk = us
-		fe.udp.budget = p.budget
-		p.budget.addUDP(fe)
-		fe.served.Add(1)
-		go func() { defer fe.served.Done(); fe.serveUDP(us) }()
-	}
-	fe.proxyProto.Store(sp.ProxyProtocol)
-	return fe, nil
-}
-
 // log is the frontend's logger, made when something is said: a fields
 // map kept per frontend cost 6 MB at 10 000 Services.
 func (fe *frontend) log() logrus.FieldLogger {
-	return fe.p.cfg.log().WithFields(logrus.Fields{
+	return fe.dp.cfg.log().WithFields(logrus.Fields{
 		"service": fe.key.Name.String(), "protocol": fe.spec.Protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
 	})
 }
@@ -207,7 +139,7 @@ func (fe *frontend) log() logrus.FieldLogger {
 // debug writes one of the frontend's debug lines, without making its logger
 // when debug lines are off: some come per connection or per datagram.
 func (fe *frontend) debug(fields logrus.Fields, err error, msg string) {
-	if !debugEnabled(fe.p.cfg.log()) {
+	if !debugEnabled(fe.dp.cfg.log()) {
 		return
 	}
 	l := fe.log().WithFields(fields)
@@ -223,45 +155,28 @@ func (fe *frontend) holdsNodePort() bool {
 	return fe.hold != nil || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
 }
 
-// close stops the frontend and gives its port back: for a frontend no
-// rule points at.
-func (fe *frontend) close() {
-	fe.stop()
-	fe.release()
-}
-
 // stop stops accepting; established TCP connections go on (they belong to
 // the connection table), UDP flows end with the socket. The port stays
 // taken in the allocator until release.
 func (fe *frontend) stop() {
-	fe.shut()
-	fe.p.lines.closed = append(fe.p.lines.closed, fe)
+	fe.dp.budget.listeners.Add(-1)
+	if fe.hold != nil {
+		fe.dp.budget.listeners.Add(-1)
+	}
+	if fe.tcp != nil {
+		fe.tcp.ln.Close()
+	}
+	if fe.udp != nil {
+		fe.udp.close()
+	}
+	fe.hold.Close()
 }
 
 // discard closes a frontend that never served (a NodePort retake that
 // failed), quietly, and gives its port back.
 func (fe *frontend) discard() {
-	fe.shut()
+	fe.stop()
 	fe.release()
-}
-
-func (fe *frontend) shut() {
-	fe.p.budget.listeners.Add(-1)
-	if fe.hold != nil {
-		fe.p.budget.listeners.Add(-1)
-	}
-	if fe.tcp != nil {
-		fe.tcp.Close()
-	}
-	if fe.udpSk != nil {
-		fe.udpSk.conn.Close()
-	}
-	fe.served.Wait()
-	if fe.udpSk != nil {
-		fe.p.budget.removeUDP(fe)
-		fe.closeFlows()
-	}
-	fe.hold.Close()
 }
 
 // warnAnnotations warns once about each of sp's annotations that has a value

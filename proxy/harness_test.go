@@ -90,13 +90,6 @@ func (h *harness) apply(ports ...*config.ServicePort) {
 	})
 }
 
-// writtenFor returns the State the last rule write was made for.
-func (p *Proxier) writtenFor() *config.State {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.lastWritten
-}
-
 func (h *harness) port(name string) int {
 	return h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: name}, 4, KindAll)
 }

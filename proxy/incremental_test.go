@@ -19,8 +19,8 @@ import (
 // re-adds of the same pointer.
 func TestIncrementalSyncEqualsFull(t *testing.T) {
 	inc, full := benchProxier(t), benchProxier(t)
-	defer inc.shutdown(0)
-	defer full.shutdown(0)
+	defer inc.shutdownSynced(0)
+	defer full.shutdownSynced(0)
 	r := rand.New(rand.NewPCG(3, 4))
 	port := func(i int) *config.ServicePort {
 		sp := svc(fmt.Sprintf("s%d", i), config.TCP)
@@ -57,7 +57,7 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 		seq++
 		since := seq - 1
 		st := &config.State{Ports: next, Node: "node-a", Seq: seq, Since: since, Changed: changed}
-		if got := inc.changedSince(st, false); got != nil {
+		if got := inc.rec.changedSince(st, false); got != nil {
 			visitedOnly++
 		}
 		if err := inc.sync(st, false); err != nil {
@@ -67,20 +67,20 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, p := range []*Proxier{inc, full} {
-			for key, fe := range p.frontends {
+			for key, fe := range p.rec.frontends {
 				if fe.spec != next[key.Name] {
 					t.Fatalf("step %d: %v serves a stale port (%p, want %p)", step, key, fe.spec, next[key.Name])
 				}
 			}
 		}
-		if a, b := viewSet(t, inc.view), viewSet(t, full.view); !maps.Equal(a, b) {
+		if a, b := viewSet(t, inc.rec.view), viewSet(t, full.rec.view); !maps.Equal(a, b) {
 			t.Fatalf("step %d: incremental view\n%v\nfull view\n%v", step, a, b)
 		}
-		if len(inc.frontends) != len(full.frontends) || len(inc.view) != len(inc.frontends) {
-			t.Fatalf("step %d: %d frontends (view %d), full %d", step, len(inc.frontends), len(inc.view), len(full.frontends))
+		if len(inc.rec.frontends) != len(full.rec.frontends) || len(inc.rec.view) != len(inc.rec.frontends) {
+			t.Fatalf("step %d: %d frontends (view %d), full %d", step, len(inc.rec.frontends), len(inc.rec.view), len(full.rec.frontends))
 		}
-		for key := range full.frontends {
-			if inc.frontends[key] == nil {
+		for key := range full.rec.frontends {
+			if inc.rec.frontends[key] == nil {
 				t.Fatalf("step %d: %v missing from the incremental sync", step, key)
 			}
 		}
@@ -115,7 +115,7 @@ func TestUpdateMergesChanges(t *testing.T) {
 	a := config.ServicePortName{Namespace: "ns", Name: "a"}
 	b := config.ServicePortName{Namespace: "ns", Name: "b"}
 	s1 := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Seq: 1}
-	p.synced = s1
+	p.rec.synced = s1
 	p.Update(&config.State{Ports: s1.Ports, Seq: 2, Since: 1, Changed: []config.ServicePortName{a}})
 	s3 := &config.State{Ports: s1.Ports, Seq: 3, Since: 2, Changed: []config.ServicePortName{b}}
 	p.Update(s3)
@@ -126,13 +126,13 @@ func TestUpdateMergesChanges(t *testing.T) {
 	if len(s3.Changed) != 1 {
 		t.Error("the source's State was changed")
 	}
-	if names := p.changedSince(got, false); len(names) != 2 {
+	if names := p.rec.changedSince(got, false); len(names) != 2 {
 		t.Errorf("changedSince: %v, want both ports", names)
 	}
 	// A State made from nothing (Since 0) merges into a full visit.
 	p.Update(&config.State{Ports: s1.Ports, Seq: 4})
 	p.Update(&config.State{Ports: s1.Ports, Seq: 5, Since: 4, Changed: []config.ServicePortName{a}})
-	if names := p.changedSince(p.pending, false); names != nil {
+	if names := p.rec.changedSince(p.pending, false); names != nil {
 		t.Errorf("after a State made from nothing: changedSince %v, want a full visit", names)
 	}
 }
@@ -144,7 +144,7 @@ func TestUpdateMergesChanges(t *testing.T) {
 // alone, and takes the NodePort once it is free.
 func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	p := benchProxier(t)
-	defer p.shutdown(0)
+	defer p.shutdownSynced(0)
 	other, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -174,8 +174,8 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	next := maps.Clone(ports)
 	next[changed.Name] = changed
 	st2 := &config.State{Ports: next, Node: "node-a", Seq: 2, Since: 1, Changed: []config.ServicePortName{changed.Name}}
-	got := p.changedSince(st2, false)
-	slices.SortFunc(got, compareNames)
+	got := p.rec.changedSince(st2, false)
+	slices.SortFunc(got, config.ServicePortName.Compare)
 	if want := []config.ServicePortName{changed.Name, taken.Name}; !slices.Equal(got, want) {
 		t.Fatalf("a change beside a failed NodePort visits %v, want %v", got, want)
 	}
@@ -189,7 +189,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	// Freed: the retry (the same State again) visits the failed port alone
 	// and takes the NodePort.
 	other.Close()
-	if got := p.changedSince(st2, false); !slices.Equal(got, []config.ServicePortName{taken.Name}) {
+	if got := p.rec.changedSince(st2, false); !slices.Equal(got, []config.ServicePortName{taken.Name}) {
 		t.Fatalf("a retry visits %v, want the failed port alone", got)
 	}
 	if err := p.sync(st2, false); err != nil {
@@ -199,10 +199,10 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	if fe.NodePortErr != nil {
 		t.Fatalf("after the NodePort was freed: %v", fe.NodePortErr)
 	}
-	if p.failing != 0 || len(p.view) != len(next) {
-		t.Fatalf("failing %d, view of %d frontends, want 0 and %d", p.failing, len(p.view), len(next))
+	if p.rec.failing != 0 || len(p.rec.view) != len(next) {
+		t.Fatalf("failing %d, view of %d frontends, want 0 and %d", p.rec.failing, len(p.rec.view), len(next))
 	}
-	if got := p.changedSince(st2, false); len(got) != 0 || got == nil {
+	if got := p.rec.changedSince(st2, false); len(got) != 0 || got == nil {
 		t.Fatalf("with nothing failed a retry visits %v, want nothing", got)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -97,7 +98,7 @@ type portAllocator struct {
 // usedPort is a port taken by one of our sockets: TCP and UDP, IPv4 and IPv6
 // (v6-only sockets) are separate port spaces.
 type usedPort struct {
-	proto string
+	proto config.Protocol
 	is6   bool
 	port  int
 }
@@ -156,7 +157,7 @@ var ErrPortsExhausted = errors.New("no free port left in --proxy-port-range")
 // the range (the kernel's local port range when empty): the one key names
 // first (see preferredPort), else the next free one. release gives the port
 // back; it must be called once the socket is closed.
-func (a *portAllocator) listen(proto string, ip netip.Addr, key string) (ln any, port int, release func(), err error) {
+func (a *portAllocator) listen(proto config.Protocol, ip netip.Addr, key string) (ln listener, release func(), err error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	r, reserved := a.r, map[int]bool(nil)
@@ -172,8 +173,8 @@ func (a *portAllocator) listen(proto string, ip netip.Addr, key string) (ln any,
 			}
 		}
 		if a.kernel == nil {
-			ln, port, err = listenOn(proto, netip.AddrPortFrom(ip, 0))
-			return ln, port, func() {}, err
+			ln, err = listenOn(proto, netip.AddrPortFrom(ip, 0))
+			return ln, func() {}, err
 		}
 		r, reserved = *a.kernel, a.kernelResv
 	}
@@ -190,20 +191,20 @@ func (a *portAllocator) listen(proto string, ip netip.Addr, key string) (ln any,
 		if a.used[u] || reserved[p] {
 			continue
 		}
-		ln, port, err = listenOn(proto, netip.AddrPortFrom(ip, uint16(p)))
+		ln, err = listenOn(proto, netip.AddrPortFrom(ip, uint16(p)))
 		if errors.Is(err, syscall.EADDRINUSE) {
 			continue // another process holds it; the port was never ours
 		}
 		if err != nil {
-			return nil, 0, nil, err
+			return listener{}, nil, err
 		}
 		a.used[u] = true
-		return ln, p, func() { a.release(u) }, nil
+		return ln, func() { a.release(u) }, nil
 	}
 	if a.r.Size == 0 {
-		return nil, 0, nil, fmt.Errorf("no free port left in the kernel's local port range %s", r)
+		return listener{}, nil, fmt.Errorf("no free port left in the kernel's local port range %s", r)
 	}
-	return nil, 0, nil, ErrPortsExhausted
+	return listener{}, nil, ErrPortsExhausted
 }
 
 // preferredPort is the port of r that a listener named key tries first: the
@@ -281,24 +282,41 @@ func formatReserved(resv map[int]bool) string {
 	return strings.Join(parts, ",")
 }
 
-// listenOn opens a TCP listener (*sock.Listener) or a UDP frontend socket
-// (*net.UDPConn from sock.ListenUDP) on ap and returns its port.
-func listenOn(proto string, ap netip.AddrPort) (any, int, error) {
+// listener is a socket a frontend serves on: a TCP listener or a UDP
+// frontend socket, and its port.
+type listener struct {
+	tcp  *sock.Listener
+	udp  *net.UDPConn // from sock.ListenUDP
+	port int          // 0: none was opened
+}
+
+// close closes the socket.
+func (l listener) close() {
+	if l.tcp != nil {
+		l.tcp.Close()
+	}
+	if l.udp != nil {
+		l.udp.Close()
+	}
+}
+
+// listenOn opens a listener of proto on ap.
+func listenOn(proto config.Protocol, ap netip.AddrPort) (listener, error) {
 	switch proto {
-	case "tcp":
+	case config.TCP:
 		ln, err := sock.ListenTCP(ap)
 		if err != nil {
-			return nil, 0, fmt.Errorf("listen tcp %s: %w", ap, err)
+			return listener{}, fmt.Errorf("listen tcp %s: %w", ap, err)
 		}
-		return ln, int(ln.Addr().Port()), nil
-	case "udp":
+		return listener{tcp: ln, port: int(ln.Addr().Port())}, nil
+	case config.UDP:
 		c, err := sock.ListenUDP(ap)
 		if err != nil {
-			return nil, 0, fmt.Errorf("listen udp %s: %w", ap, err)
+			return listener{}, fmt.Errorf("listen udp %s: %w", ap, err)
 		}
-		return c, c.LocalAddr().(*net.UDPAddr).Port, nil
+		return listener{udp: c, port: c.LocalAddr().(*net.UDPAddr).Port}, nil
 	}
-	return nil, 0, fmt.Errorf("unknown protocol %q", proto)
+	return listener{}, fmt.Errorf("unknown protocol %q", proto)
 }
 
 // RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit and returns

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"testing"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -30,22 +31,22 @@ func TestKernelRangeAllocation(t *testing.T) {
 	var a portAllocator
 	seen := map[int]bool{}
 	for i := 0; i < 4; i++ {
-		ln, port, release, err := a.listen("tcp", loopback, "")
+		ln, release, err := a.listen(config.TCP, loopback, "")
 		if err != nil {
 			// Another process may hold one of the four ports.
 			t.Logf("listener %d: %v", i, err)
 			continue
 		}
-		defer func() { ln.(*sock.Listener).Close(); release() }()
-		if port < base+5 || port > base+8 || seen[port] {
-			t.Fatalf("port %d: want one of %d-%d, each once (got %v before)", port, base+5, base+8, seen)
+		defer func() { ln.close(); release() }()
+		if ln.port < base+5 || ln.port > base+8 || seen[ln.port] {
+			t.Fatalf("port %d: want one of %d-%d, each once (got %v before)", ln.port, base+5, base+8, seen)
 		}
-		seen[port] = true
+		seen[ln.port] = true
 	}
 	if len(seen) == 0 {
 		t.Fatal("no listener opened")
 	}
-	if _, _, _, err := a.listen("tcp", loopback, ""); err == nil {
+	if _, _, err := a.listen(config.TCP, loopback, ""); err == nil {
 		t.Fatal("a fifth listener opened: reserved ports were used")
 	}
 }
@@ -57,13 +58,13 @@ func TestKernelRangeUnreadable(t *testing.T) {
 	var warned []error
 	a := portAllocator{warn: func(err error) { warned = append(warned, err) }}
 	for i := 0; i < 2; i++ {
-		ln, port, release, err := a.listen("tcp", loopback, "")
+		ln, release, err := a.listen(config.TCP, loopback, "")
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer release()
-		defer ln.(*sock.Listener).Close()
-		if port == 0 {
+		defer ln.close()
+		if ln.port == 0 {
 			t.Fatal("no port")
 		}
 	}
@@ -118,20 +119,20 @@ func TestReservePorts(t *testing.T) {
 func TestPortRangePerProtocol(t *testing.T) {
 	p := int(closedPort(t).Port())
 	a := portAllocator{r: PortRange{Base: p, Size: 1}}
-	tl, tp, trel, err := a.listen("tcp", loopback, "")
+	tl, trel, err := a.listen(config.TCP, loopback, "")
 	if err != nil {
 		t.Skipf("port %d taken meanwhile: %v", p, err)
 	}
-	defer func() { tl.(*sock.Listener).Close(); trel() }()
-	ul, up, urel, err := a.listen("udp", loopback, "")
+	defer func() { tl.close(); trel() }()
+	ul, urel, err := a.listen(config.UDP, loopback, "")
 	if err != nil {
 		t.Fatalf("UDP listener on the range's only port: %v", err)
 	}
-	defer func() { ul.(interface{ Close() error }).Close(); urel() }()
-	if tp != p || up != p {
-		t.Fatalf("ports %d/%d, want %d for both", tp, up, p)
+	defer func() { ul.close(); urel() }()
+	if tl.port != p || ul.port != p {
+		t.Fatalf("ports %d/%d, want %d for both", tl.port, ul.port, p)
 	}
-	if _, _, _, err := a.listen("tcp", loopback, ""); !errors.Is(err, ErrPortsExhausted) {
+	if _, _, err := a.listen(config.TCP, loopback, ""); !errors.Is(err, ErrPortsExhausted) {
 		t.Fatalf("second TCP listener: %v, want ErrPortsExhausted", err)
 	}
 }
@@ -147,11 +148,11 @@ func TestPreferredPortIsStable(t *testing.T) {
 	a := portAllocator{r: PortRange{Base: base, Size: 1024}}
 	open := func(key string) (int, func()) {
 		t.Helper()
-		ln, port, release, err := a.listen("udp", loopback, key)
+		ln, release, err := a.listen(config.UDP, loopback, key)
 		if err != nil {
 			t.Fatal(err)
 		}
-		return port, func() { ln.(interface{ Close() error }).Close(); release() }
+		return ln.port, func() { ln.close(); release() }
 	}
 	first, closeFirst := open("ns/dns/all/4")
 	if want := preferredPort(a.r, "ns/dns/all/4"); first != want {
@@ -189,12 +190,12 @@ func TestPortsRepeatAcrossRestarts(t *testing.T) {
 		var ports []int
 		var closers []func()
 		for _, k := range keys {
-			ln, port, release, err := a.listen("tcp", loopback, k)
+			ln, release, err := a.listen(config.TCP, loopback, k)
 			if err != nil {
 				t.Fatal(err)
 			}
-			closers = append(closers, func() { ln.(*sock.Listener).Close(); release() })
-			ports = append(ports, port)
+			closers = append(closers, func() { ln.close(); release() })
+			ports = append(ports, ln.port)
 		}
 		for _, c := range closers {
 			c()

@@ -67,7 +67,7 @@ var (
 		Help: "UDP flows open now, all service ports together (each holds a descriptor; see kube_userspace_proxy_descriptor_budget).",
 	}, func() float64 {
 		var n int64
-		running.each(func(p *Proxier) { n += p.budget.udpFlows.Load() })
+		running.each(func(p *Proxier) { n += p.dp.budget.udpFlows.Load() })
 		return float64(n)
 	})
 	parkedSockets = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -75,7 +75,7 @@ var (
 		Help: "Sockets of TCP connections idle for longer than --park-idle-after, waiting in the parker's epoll set without a goroutine (two per fully idle connection).",
 	}, func() float64 {
 		var n int64
-		running.each(func(p *Proxier) { n += p.parker.Load().Parked() })
+		running.each(func(p *Proxier) { n += p.dp.parker.Load().Parked() })
 		return float64(n)
 	})
 	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
@@ -224,7 +224,7 @@ func (ejectedCollector) Collect(ch chan<- prometheus.Metric) {
 	type series struct{ service, endpoint string }
 	seen := map[series]bool{} // two listeners of a port (traffic policies differ) may eject the same endpoint
 	running.each(func(p *Proxier) {
-		p.eachLive(func(fe *frontend) {
+		p.rec.eachLive(func(fe *frontend) {
 			for _, h := range fe.bal.Health() {
 				s := series{fe.m.service, h.Endpoint.String()}
 				if h.EjectedUntil != nil && !seen[s] {

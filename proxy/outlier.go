@@ -33,11 +33,11 @@ type OutlierConfig struct {
 var DefaultOutlier = OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: 30 * time.Second, MaxEjectionTime: 300 * time.Second}
 
 // outlierFor is the outlier detection of sp's frontends.
-func (p *Proxier) outlierFor(sp *config.ServicePort) OutlierConfig {
+func (c *Config) outlierFor(sp *config.ServicePort) OutlierConfig {
 	if sp.OutlierDetection == "off" {
 		return OutlierConfig{}
 	}
-	return p.cfg.Outlier
+	return c.Outlier
 }
 
 // enabled reports whether detection is on.

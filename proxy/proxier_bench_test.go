@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"maps"
@@ -39,7 +38,7 @@ func BenchmarkSyncOneAddedAt10k(b *testing.B) {
 	if err := p.sync(base, false); err != nil {
 		b.Fatal(err)
 	}
-	defer p.shutdown(0)
+	defer p.shutdownSynced(0)
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		for _, st := range []*config.State{added, base} {
@@ -65,7 +64,7 @@ func BenchmarkSyncOneChangedAt10k(b *testing.B) {
 	if err := p.sync(st, false); err != nil {
 		b.Fatal(err)
 	}
-	defer p.shutdown(0)
+	defer p.shutdownSynced(0)
 	name := config.ServicePortName{Namespace: "ns", Name: "s42"}
 	other := *st.Ports[name]
 	other.Endpoints = []config.Endpoint{{Addr: netip.MustParseAddrPort("10.1.0.2:8080"), Ready: true, Serving: true}}
@@ -95,6 +94,5 @@ func benchProxier(tb testing.TB) *Proxier {
 	log := logrus.New()
 	log.SetOutput(io.Discard)
 	p := New(Config{BindAddress: loopback, Log: log})
-	p.ctx = context.Background()
 	return p
 }

@@ -37,13 +37,13 @@ var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Mil
 // listener has no goroutine of its own. Accept errors such as EMFILE back
 // off (5 ms doubling to 1 s) instead of spinning.
 func (f *frontend) serveTCP(ln *sock.Listener) error {
-	acc, err := f.p.acceptor()
+	acc, err := f.dp.acceptor()
 	if err != nil {
 		return err
 	}
 	return ln.Serve(acc, f.accepted, func(err error, retryIn time.Duration) {
 		if sock.IsFileLimit(err) {
-			f.p.budget.ranOut()
+			f.dp.budget.ranOut()
 		}
 		f.log().WithError(err).WithField("retryIn", retryIn).Warn("Accept failed")
 	})
@@ -53,7 +53,7 @@ func (f *frontend) serveTCP(ln *sock.Listener) error {
 // work to a worker and never blocks.
 func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 	f.m.get().accepted.Inc()
-	if !f.p.budget.admitTCP() {
+	if !f.dp.budget.admitTCP() {
 		// Over the descriptor budget: a reset now keeps the reserve for
 		// accepts, rule syncs and the API watch.
 		budgetRefusals.Inc()
@@ -61,8 +61,8 @@ func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 		client.Close()
 		return
 	}
-	c := f.p.conns.add(f, from)
-	f.p.workers.Go(func() { f.handleTCP(c, client) })
+	c := f.dp.conns.add(f, from)
+	f.dp.workers.Go(func() { f.handleTCP(c, client) })
 }
 
 // handleTCP dials a backend for the connection and starts the copies; the
@@ -78,7 +78,7 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 		_ = client.SetResetOnClose()
 		client.Close()
 		c.finish(f, 0, 0, failed)
-		f.p.conns.remove(c)
+		f.dp.conns.remove(c)
 		return
 	}
 	f.splice(c, c.setPair(client, backend))
@@ -89,7 +89,7 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 // a backend it says why.
 func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 	client := c.Client.Addr()
-	timeouts := f.p.cfg.dialTimeouts()
+	timeouts := f.dp.cfg.dialTimeouts()
 	for attempt, timeout := range timeouts {
 		ep, why, ok := f.bal.Pick(client, attempt)
 		if !ok {
@@ -102,7 +102,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		c.setBackend(ep, why, attempt)
 		start := time.Now()
 		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
-		conn, err := sock.DialTCP(f.ctx, ep, timeout)
+		conn, err := sock.DialTCP(f.dp.ctx, ep, timeout)
 		if err == nil {
 			err = f.sendProxyHeader(conn, c)
 		}
@@ -116,13 +116,13 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		c.addDialFailure(ep, failure)
 		dialFailures.WithLabelValues(f.m.service, ep.String(), failure).Inc()
 		f.debug(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}, err, "Dial failed")
-		if f.ctx.Err() != nil {
+		if f.dp.ctx.Err() != nil {
 			return nil, CauseShutdown
 		}
 		if sock.IsFileLimit(err) {
 			// Out of descriptors: not the endpoint's fault, and trying
 			// more endpoints only makes it worse.
-			f.p.budget.ranOut()
+			f.dp.budget.ranOut()
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
@@ -205,7 +205,7 @@ func (f *frontend) splice(c *connRecord, pr *tcpPair) {
 		eofCause: CauseClientClosed, resetCause: CauseClientReset, count: c.addUp}
 	pr.down = halfCopy{f: f, c: c, pr: pr, dst: pr.client, src: pr.backend,
 		eofCause: CauseBackendClosed, resetCause: CauseBackendReset, count: c.addDown}
-	f.p.copiers.Go(pr.down.run)
+	f.dp.copiers.Go(pr.down.run)
 	pr.up.run()
 }
 
@@ -228,7 +228,7 @@ type halfCopy struct {
 // directions, a reset passed on. The direction that ends first names the
 // cause.
 func (h *halfCopy) run() {
-	idle := h.f.p.cfg.parkIdleAfter()
+	idle := h.f.dp.cfg.parkIdleAfter()
 	for {
 		n, err := sock.Copy(h.dst, h.src, h.count, idle)
 		h.n += n
@@ -236,7 +236,7 @@ func (h *halfCopy) run() {
 			h.ended(err)
 			return
 		}
-		if perr := h.f.p.parker.Load().Park(h.src, h.resume); perr == nil {
+		if perr := h.f.dp.parker.Load().Park(h.src, h.resume); perr == nil {
 			return
 		} else if !errors.Is(perr, sock.ErrNotParked) {
 			h.f.log().WithError(perr).Debug("Parking an idle connection failed; its copy waits on it")
@@ -246,7 +246,7 @@ func (h *halfCopy) run() {
 }
 
 // resume is the Parker's wake of a parked direction: it must not block.
-func (h *halfCopy) resume() { h.f.p.copiers.Go(h.run) }
+func (h *halfCopy) resume() { h.f.dp.copiers.Go(h.run) }
 
 // ended is the end of the direction's copy: err nil is the source's EOF.
 func (h *halfCopy) ended(err error) {
@@ -290,5 +290,5 @@ func (pr *tcpPair) finish(f *frontend, c *connRecord) {
 	pr.backend.Close()
 	f.bal.Done(c.endpoint())
 	c.finish(f, pr.up.n, pr.down.n, pr.endCause())
-	f.p.conns.remove(c)
+	f.dp.conns.remove(c)
 }

@@ -430,7 +430,7 @@ func TestShutdownGraceIsHardBound(t *testing.T) {
 func TestTCPWithinDescriptorBudget(t *testing.T) {
 	h := startProxier(t, Config{FileLimit: 200}) // reserve 64: 136 for listeners and connections
 	h.apply(svc("full", config.TCP, tcpBackend(t, "a")))
-	room := (h.p.budget.limit - h.p.budget.reserve - 1) / 2 // one listener, two descriptors a connection
+	room := (h.p.dp.budget.limit - h.p.dp.budget.reserve - 1) / 2 // one listener, two descriptors a connection
 	var open []net.Conn
 	defer func() {
 		for _, c := range open {
@@ -459,7 +459,7 @@ func TestTCPWithinDescriptorBudget(t *testing.T) {
 	}
 	// One ends: its place goes to the next.
 	open[0].Close()
-	waitFor(t, "a place freed", func() bool { return h.p.budget.tcpConns.Load() < int64(room) })
+	waitFor(t, "a place freed", func() bool { return h.p.dp.budget.tcpConns.Load() < int64(room) })
 	if got := fetchName(t, h.addr("full")); got != "a" {
 		t.Fatalf("after a connection ended: %q", got)
 	}
@@ -504,7 +504,7 @@ func TestIdleConnectionsParkWithoutGoroutines(t *testing.T) {
 			quiet := func() {
 				t.Helper()
 				if tc.park > 0 {
-					waitFor(t, "every socket parked", func() bool { return h.p.parker.Load().Parked() == 2*conns })
+					waitFor(t, "every socket parked", func() bool { return h.p.dp.parker.Load().Parked() == 2*conns })
 				} else {
 					time.Sleep(100 * time.Millisecond) // a parker, had there been one, would have parked them
 				}
@@ -530,7 +530,7 @@ func TestIdleConnectionsParkWithoutGoroutines(t *testing.T) {
 					t.Fatalf("connection closed: cause %v, %d bytes up, %d down; want client closed, 7-8 up and 2 more down", f["cause"], up, down)
 				}
 			}
-			if n := h.p.parker.Load().Parked(); n != 0 {
+			if n := h.p.dp.parker.Load().Parked(); n != 0 {
 				t.Fatalf("%d sockets still parked after every connection ended", n)
 			}
 		})
@@ -552,7 +552,7 @@ func TestShutdownEndsParkedConnections(t *testing.T) {
 	if _, err := r.ReadString('\n'); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "both sockets parked", func() bool { return h.p.parker.Load().Parked() == 2 })
+	waitFor(t, "both sockets parked", func() bool { return h.p.dp.parker.Load().Parked() == 2 })
 	stopped := make(chan struct{})
 	go func() { h.stop(); close(stopped) }()
 	select {

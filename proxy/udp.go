@@ -91,7 +91,17 @@ func (fl *udpFlow) lastDatagram() []byte {
 
 func (fl *udpFlow) touch() { fl.lastSeen.Store(time.Now().UnixNano()) }
 
-// udpFlows is a frontend's flow table.
+// udpServer is a UDP frontend's socket, its read loop and its flow table;
+// the table's eviction is its own (the descriptor budget asks it for its
+// oldest flow).
+type udpServer struct {
+	sk     *udpSocket
+	flows  udpFlows
+	m      *feMetrics
+	served sync.WaitGroup // the read loop
+}
+
+// udpFlows is a UDP server's flow table.
 type udpFlows struct {
 	mu      sync.Mutex // guards flows, lru and closed
 	closed  bool       // closeFlows ran: no new flow (a failover may still try)
@@ -126,7 +136,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 		f.log().WithError(err).Warn("UDP read failed")
 		select {
 		case <-time.After(backoff):
-		case <-f.ctx.Done():
+		case <-f.dp.ctx.Done():
 			return
 		}
 	}
@@ -172,7 +182,7 @@ func (f *frontend) forward(s *udpSocket, client netip.AddrPort, to netip.Addr, d
 // flowFor returns the client's flow, creating it if needed. nil: no
 // endpoint (or no socket) for it.
 func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr) *udpFlow {
-	t := &f.udp
+	t := &f.udp.flows
 	t.mu.Lock()
 	if fl, ok := t.flows[client]; ok {
 		t.lru.MoveToFront(fl.elem)
@@ -214,7 +224,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 			f.bal.Done(ep)
 			f.log().WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
 			if sock.IsFileLimit(err) {
-				f.p.budget.ranOut()
+				f.dp.budget.ranOut()
 				return nil
 			}
 			continue
@@ -233,7 +243,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		}
 	}
 
-	t := &f.udp
+	t := &f.udp.flows
 	t.mu.Lock()
 	if t.flows == nil {
 		t.flows = make(map[netip.AddrPort]*udpFlow)
@@ -253,7 +263,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		return cur
 	}
 	var victim *udpFlow
-	if max := f.p.cfg.udpMaxFlows(); len(t.flows) >= max {
+	if max := f.dp.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
 	}
 	fl.elem = t.lru.PushFront(fl)
@@ -265,7 +275,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 
 	switch {
 	case victim != nil:
-		f.evict(victim) // this service port's table is full
+		f.udp.evict(victim) // this service port's table is full
 	case overBudget:
 		t.budget.evictOldest() // the daemon's UDP share is: the oldest flow of any Service
 	}
@@ -285,30 +295,47 @@ func (t *udpFlows) removeLocked(fl *udpFlow) bool {
 
 // evict ends fl to make room (the flow table or the daemon's UDP share is
 // full); its reply goroutine logs and exits. false: fl had ended meanwhile.
-func (f *frontend) evict(fl *udpFlow) bool {
-	f.udp.mu.Lock()
-	removed := f.udp.removeLocked(fl)
+func (u *udpServer) evict(fl *udpFlow) bool {
+	u.flows.mu.Lock()
+	removed := u.flows.removeLocked(fl)
 	if removed {
-		f.m.get().udpActive.Dec()
-		f.udp.evicted.Add(1)
+		u.m.get().udpActive.Dec()
+		u.flows.evicted.Add(1)
 	}
-	f.udp.mu.Unlock()
+	u.flows.mu.Unlock()
 	if !removed {
 		return false
 	}
-	f.m.get().evicted.Inc()
+	u.m.get().evicted.Inc()
 	fl.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEvicted))
 	fl.backend.Close()
 	return true
 }
 
-// endFlow removes fl and closes its socket; its reply goroutine then exits.
-func (f *frontend) endFlow(fl *udpFlow, cause Cause) {
-	f.udp.mu.Lock()
-	if f.udp.removeLocked(fl) {
-		f.m.get().udpActive.Dec()
+// counts returns the live and the evicted flow counts.
+func (u *udpServer) counts() (active int, evicted uint64) {
+	u.flows.mu.Lock()
+	defer u.flows.mu.Unlock()
+	return len(u.flows.flows), u.flows.evicted.Load()
+}
+
+// oldest returns the least recently used flow, or nil.
+func (u *udpServer) oldest() *udpFlow {
+	u.flows.mu.Lock()
+	defer u.flows.mu.Unlock()
+	if e := u.flows.lru.Back(); e != nil {
+		return e.Value.(*udpFlow)
 	}
-	f.udp.mu.Unlock()
+	return nil
+}
+
+// endFlow removes fl and closes its socket; its reply goroutine then exits.
+func (u *udpServer) endFlow(fl *udpFlow, cause Cause) {
+	u.flows.mu.Lock()
+	if u.flows.removeLocked(fl) {
+		u.m.get().udpActive.Dec()
+	}
+	u.flows.mu.Unlock()
 	fl.cause.CompareAndSwap(uint32(causeNone), uint32(cause))
 	fl.backend.Close()
 }
@@ -319,7 +346,7 @@ func (f *frontend) failFlow(fl *udpFlow, err error) bool {
 	if first {
 		fl.err.Store(errBox{err})
 	}
-	f.endFlow(fl, CauseEndpointError)
+	f.udp.endFlow(fl, CauseEndpointError)
 	return first
 }
 
@@ -350,9 +377,9 @@ type errBox struct{ error }
 // replies copies the endpoint's datagrams to the client until the flow has
 // been idle for the UDP timeout or its socket is closed.
 func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
-	defer f.udp.wg.Done()
+	defer f.udp.flows.wg.Done()
 	defer f.bal.Done(fl.endpoint)
-	timeout := f.p.cfg.udpTimeout()
+	timeout := f.dp.cfg.udpTimeout()
 	// This goroutine's own, as they hold the datagram in flight.
 	toClient, serr := sock.NewSender(s.conn, s.family)
 	var fromBackend *sock.Receiver
@@ -377,7 +404,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		if !armed {
 			last := time.Unix(0, fl.lastSeen.Load())
 			if time.Since(last) >= timeout {
-				f.endFlow(fl, CauseIdleTimeout)
+				f.udp.endFlow(fl, CauseIdleTimeout)
 				break
 			}
 			// Set per datagram it cost a timer update each (lock and
@@ -393,7 +420,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 				continue // re-check: the client may have sent meanwhile
 			}
 			if errors.Is(err, net.ErrClosed) {
-				f.endFlow(fl, CauseShutdown)
+				f.udp.endFlow(fl, CauseShutdown)
 			} else {
 				f.endpointFailed(s, fl, err)
 			}
@@ -435,17 +462,21 @@ func payloadBytes(datagrams [][]byte) (n int64) {
 	return n
 }
 
-// closeFlows ends every flow (the frontend is going away) and waits for them.
-func (f *frontend) closeFlows() {
-	f.udp.mu.Lock()
-	f.udp.closed = true
+// close stops the read loop and ends every flow (the frontend is going
+// away), waiting for them.
+func (u *udpServer) close() {
+	u.sk.conn.Close()
+	u.served.Wait()
+	u.flows.budget.removeUDP(u)
+	u.flows.mu.Lock()
+	u.flows.closed = true
 	var all []*udpFlow
-	for _, fl := range f.udp.flows {
+	for _, fl := range u.flows.flows {
 		all = append(all, fl)
 	}
-	f.udp.mu.Unlock()
+	u.flows.mu.Unlock()
 	for _, fl := range all {
-		f.endFlow(fl, CauseShutdown)
+		u.endFlow(fl, CauseShutdown)
 	}
-	f.udp.wg.Wait()
+	u.flows.wg.Wait()
 }

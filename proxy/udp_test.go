@@ -188,7 +188,7 @@ func TestUDPEmptyDatagram(t *testing.T) {
 func TestUDPFlowsShareOneBudget(t *testing.T) {
 	h := startProxier(t, Config{FileLimit: 200}) // reserve 64, UDP share 68
 	h.apply(svc("old", config.UDP, udpBackend(t, "a")), svc("new", config.UDP, udpBackend(t, "b")))
-	share := h.p.budget.udpCap
+	share := h.p.dp.budget.udpCap
 	for _, name := range []string{"old", "new"} {
 		for i := 0; i < 50; i++ {
 			c := dialUDP(t, h.addr(name))
@@ -203,7 +203,7 @@ func TestUDPFlowsShareOneBudget(t *testing.T) {
 	if newFlows != 50 || oldFlows != share-50 || oldEvicted != uint64(100-share) {
 		t.Fatalf("old %d (evicted %d), new %d: want the older Service's flows evicted first", oldFlows, oldEvicted, newFlows)
 	}
-	if got := h.p.budget.udpFlows.Load(); got != int64(share) {
+	if got := h.p.dp.budget.udpFlows.Load(); got != int64(share) {
 		t.Fatalf("budget counts %d flows, want %d", got, share)
 	}
 }

@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"net/netip"
+	"slices"
 	"sort"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
@@ -21,29 +22,84 @@ func lessFrontend(a, b Frontend) bool {
 
 // Frontends returns the frontends as of the last sync, sorted by service.
 func (p *Proxier) Frontends() []Frontend {
-	p.viewMu.Lock()
-	defer p.viewMu.Unlock()
-	if p.sorted == nil && p.view != nil {
-		p.sorted = append([]Frontend(nil), p.view...)
-		sort.Slice(p.sorted, func(i, j int) bool { return lessFrontend(p.sorted[i], p.sorted[j]) })
-	}
-	return append([]Frontend(nil), p.sorted...)
+	p.rec.mu.Lock()
+	defer p.rec.mu.Unlock()
+	return append([]Frontend(nil), p.rec.sortedLocked()...)
 }
 
-// Lookup returns the frontend serving name for family and kind as of the last sync.
-func (p *Proxier) Lookup(name config.ServicePortName, family int, kind Kind) (Frontend, bool) {
-	for _, fe := range p.Frontends() {
-		if fe.Service.Name == name && fe.Family == family && fe.Kind == kind && fe.Err == nil {
-			return fe, true
-		}
+// sortedLocked returns the view sorted, sorting it on first read after a
+// sync. r.mu is held.
+func (r *reconciler) sortedLocked() []Frontend {
+	if r.sorted == nil && r.view != nil {
+		r.sorted = slices.Clone(r.view)
+		sort.Slice(r.sorted, func(i, j int) bool { return lessFrontend(r.sorted[i], r.sorted[j]) })
 	}
-	return Frontend{}, false
+	return r.sorted
 }
 
-// ListenPort returns the proxy port serving name for family and kind, or 0.
-func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind) int {
-	fe, _ := p.Lookup(name, family, kind)
-	return int(fe.Listen.Port())
+// FrontendStatus is one frontend and the live state of its listener.
+type FrontendStatus struct {
+	Frontend
+	Scheduler      string           // the scheduler's name; empty without a listener
+	Affinities     []Affinity       // the session-affinity pins
+	EndpointHealth []EndpointHealth // the outlier state of every endpoint
+	// Topology is the hints in use (config's TopologyMode; none with
+	// traffic policy Local) for the node's Zone.
+	Topology, Zone string
+	// UDPFlows and UDPEvicted count the live and the evicted flows of a
+	// UDP frontend.
+	UDPFlows   int
+	UDPEvicted uint64
+}
+
+// Status returns every frontend as of the last sync, sorted by service, with
+// its listener's live state: one snapshot, taken under one lock.
+func (p *Proxier) Status() []FrontendStatus {
+	r := p.rec
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	view := r.sortedLocked()
+	out := make([]FrontendStatus, 0, len(view))
+	for _, fe := range view {
+		out = append(out, r.statusLocked(fe))
+	}
+	return out
+}
+
+// statusLocked is fe's status; r.mu is held.
+func (r *reconciler) statusLocked(fe Frontend) FrontendStatus {
+	st := FrontendStatus{Frontend: fe, Zone: r.viewZone, Topology: config.TopologyNone}
+	if !fe.key().localOnly(fe.Service) {
+		st.Topology = config.TopologyMode(fe.Service.Endpoints, fe.Family, r.viewNode, r.viewZone)
+	}
+	live := r.liveLocked(fe)
+	if live == nil {
+		return st
+	}
+	st.Scheduler, st.Affinities, st.EndpointHealth = live.bal.Scheduler(), live.bal.Affinities(), live.bal.Health()
+	if live.udp != nil {
+		st.UDPFlows, st.UDPEvicted = live.udp.counts()
+	}
+	return st
+}
+
+// liveLocked returns the listener behind fe, or nil when it is gone; r.mu
+// is held.
+func (r *reconciler) liveLocked(fe Frontend) *frontend {
+	if fe.Err != nil {
+		return nil
+	}
+	return r.frontends[fe.key()]
+}
+
+// eachLive calls fn for every live frontend, holding r.mu: fn must not
+// block.
+func (r *reconciler) eachLive(fn func(*frontend)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, fe := range r.frontends {
+		fn(fe)
+	}
 }
 
 // Plan returns the frontends st needs, without opening anything: ports are 0
@@ -66,56 +122,6 @@ func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []Fronten
 	return out
 }
 
-// Affinities returns the session-affinity pins of the frontend fe names, as
-// of now.
-func (p *Proxier) Affinities(fe Frontend) []Affinity {
-	if live := p.liveFrontend(fe); live != nil {
-		return live.bal.Affinities()
-	}
-	return nil
-}
-
-// EndpointHealth returns the outlier state of every endpoint of the frontend fe
-// names (outlier.go), as of now.
-func (p *Proxier) EndpointHealth(fe Frontend) []EndpointHealth {
-	if live := p.liveFrontend(fe); live != nil {
-		return live.bal.Health()
-	}
-	return nil
-}
-
-// UDPFlows returns the live and the evicted flow counts of the UDP frontend
-// fe names.
-func (p *Proxier) UDPFlows(fe Frontend) (active int, evicted uint64) {
-	live := p.liveFrontend(fe)
-	if live == nil {
-		return 0, 0
-	}
-	live.udp.mu.Lock()
-	defer live.udp.mu.Unlock()
-	return len(live.udp.flows), live.udp.evicted.Load()
-}
-
-// liveFrontend returns the listener behind fe, or nil when it is gone.
-func (p *Proxier) liveFrontend(fe Frontend) *frontend {
-	if fe.Err != nil {
-		return nil
-	}
-	p.liveMu.RLock()
-	defer p.liveMu.RUnlock()
-	return p.frontends[fe.key()]
-}
-
-// eachLive calls fn for every live frontend, holding the read side of
-// liveMu: fn must not block.
-func (p *Proxier) eachLive(fn func(*frontend)) {
-	p.liveMu.RLock()
-	defer p.liveMu.RUnlock()
-	for _, fe := range p.frontends {
-		fn(fe)
-	}
-}
-
 // ErrUnknownEndpoint is Drain's answer for a service port or endpoint that
 // no listener serves.
 var ErrUnknownEndpoint = errors.New("no listener of this service port has this endpoint")
@@ -127,7 +133,7 @@ var ErrUnknownEndpoint = errors.New("no listener of this service port has this e
 // without it.
 func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained bool) (active int, err error) {
 	found := false
-	p.eachLive(func(fe *frontend) {
+	p.rec.eachLive(func(fe *frontend) {
 		if fe.key.Name != name || !fe.bal.SetDrained(ep, drained) {
 			return
 		}
@@ -143,25 +149,4 @@ func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained 
 	}
 	p.cfg.log().WithFields(logrus.Fields{"service": name.String(), "endpoint": ep, "drained": drained, "active": active}).Info("Endpoint drain set by hand")
 	return active, nil
-}
-
-// Scheduler names the scheduler of the frontend fe names.
-func (p *Proxier) Scheduler(fe Frontend) string {
-	if live := p.liveFrontend(fe); live != nil {
-		return live.bal.Scheduler()
-	}
-	return ""
-}
-
-// Topology returns the hints in use for the frontend fe names (config's
-// TopologyMode; none with traffic policy Local) and the node's zone, as of
-// the last sync.
-func (p *Proxier) Topology(fe Frontend) (mode, zone string) {
-	p.viewMu.Lock()
-	node, zone := p.viewNode, p.viewZone
-	p.viewMu.Unlock()
-	if fe.key().localOnly(fe.Service) {
-		return config.TopologyNone, zone
-	}
-	return config.TopologyMode(fe.Service.Endpoints, fe.Family, node, zone), zone
 }

@@ -172,11 +172,11 @@ type serviceView struct {
 // (with their conditions) and affinity table.
 func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	var out []serviceView
-	for _, fe := range d.p.Frontends() {
+	for _, fe := range d.p.Status() {
 		sp := fe.Service
 		v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
-			Port: sp.Port, NodePort: sp.NodePort, Pins: d.p.Affinities(fe), Health: d.p.EndpointHealth(fe),
-			Scheduler: d.p.Scheduler(fe)}
+			Port: sp.Port, NodePort: sp.NodePort, Pins: fe.Affinities, Health: fe.EndpointHealth,
+			Scheduler: fe.Scheduler}
 		if fe.Err != nil {
 			v.Error = fe.Err.Error()
 		} else {
@@ -210,13 +210,12 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 			v.Affinity = sp.AffinityTimeout.String()
 		}
 		v.TrafficDistribution, v.HealthCheckNodePort = sp.TrafficDistribution, sp.HealthCheckNodePort
-		v.Topology, v.Zone = d.p.Topology(fe)
+		v.Topology, v.Zone = fe.Topology, fe.Zone
 		for _, r := range sp.SourceRanges {
 			v.SourceRanges = append(v.SourceRanges, r.String())
 		}
-		if fe.Protocol == "UDP" {
-			n, _ := d.p.UDPFlows(fe)
-			v.UDPFlows = &n
+		if fe.Protocol == config.UDP {
+			v.UDPFlows = &fe.UDPFlows
 		}
 		out = append(out, v)
 	}

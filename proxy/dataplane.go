@@ -1,0 +1,207 @@
+package proxy
+
+// The dataplane owns what every frontend's connections share:
+//
+//	alloc    the proxy ports of the listeners (listen.go)
+//	acc      the one accept loop of every TCP listener (sock.Acceptor)
+//	workers  the goroutines that dial and copy upstream (workers.go)
+//	copiers  the goroutines that copy downstream
+//	parker   the epoll set where idle connections wait without a goroutine
+//	conns    every live TCP connection (conns.go)
+//	budget   the descriptor budget of connections, flows and listeners (budget.go)
+//
+// A frontend borrows these and never reaches past them: everything live on
+// the data path (listeners, TCP pairs, UDP flows, the balancers' affinity
+// and ejection state) is reachable from the dataplane and its frontends.
+// Its goroutines start with start and end with stop, in the order that
+// leaves no connection without a goroutine to finish it.
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+)
+
+type dataplane struct {
+	cfg     *Config
+	alloc   portAllocator
+	conns   connTable
+	budget  *descriptorBudget
+	workers workers
+	copiers workers
+	// parker holds the sockets of idle connections without a goroutine
+	// (tcp.go); set by start, nil without it (copies then wait on their
+	// sockets).
+	parker atomic.Pointer[sock.Parker]
+	// ctx ends when the daemon shuts down: dials and UDP read loops
+	// stop with it. Set by start, before any frontend opens.
+	ctx context.Context
+
+	mu  sync.Mutex     // guards acc
+	acc *sock.Acceptor // made for the first TCP listener, closed by closeListeners
+
+	tasks []*task // stopped by stop, last started first
+}
+
+func newDataplane(cfg *Config) *dataplane {
+	return &dataplane{
+		cfg: cfg,
+		alloc: portAllocator{r: cfg.PortRange, warn: func(err error) {
+			cfg.log().WithError(err).Warn("Cannot read the kernel's local port range; listeners take a port from bind(0), slow beyond ~7000 listeners")
+		}},
+		budget:  newDescriptorBudget(cfg.FileLimit),
+		workers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
+		copiers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
+		ctx:     context.Background(),
+	}
+}
+
+const (
+	workerMaxIdle   = 10 * time.Second
+	workerMaxParked = 1024
+)
+
+// start runs the dataplane's goroutines until stop; ctx is the daemon's
+// lifetime, which dials and read loops follow.
+func (d *dataplane) start(ctx context.Context) {
+	d.ctx = ctx
+	// Stopped last: whatever the parker still holds at stop goes back to
+	// the copiers, and the handlers of the last connections to the workers.
+	d.tasks = append(d.tasks,
+		startTask(ctx, func(ctx context.Context) { d.workers.Run(ctx.Done()) }),
+		startTask(ctx, func(ctx context.Context) { d.copiers.Run(ctx.Done()) }))
+	if d.cfg.parkIdleAfter() > 0 {
+		if parker, err := sock.NewParker(); err != nil {
+			d.cfg.log().WithError(err).Warn("Idle connections keep their goroutines: no epoll set for parking them")
+		} else {
+			d.parker.Store(parker)
+			d.tasks = append(d.tasks, startTask(ctx, func(ctx context.Context) {
+				parker.Run(ctx.Done())
+				_ = parker.Close()
+			}))
+		}
+	}
+	if idle := d.cfg.TCPIdleTimeout; idle > 0 {
+		d.tasks = append(d.tasks, startTask(ctx, func(ctx context.Context) { d.conns.sweepIdle(ctx, idle) }))
+	}
+}
+
+// closeListeners stops the accept loop; the frontends have closed their
+// listeners already.
+func (d *dataplane) closeListeners() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.acc != nil {
+		d.acc.Close()
+		d.acc = nil
+	}
+}
+
+// stop ends the dataplane's goroutines, last started first: for after the
+// connections have drained (connTable.drain).
+func (d *dataplane) stop() {
+	for i := len(d.tasks) - 1; i >= 0; i-- {
+		d.tasks[i].stop()
+	}
+	d.tasks = nil
+}
+
+// acceptor returns the accept loop of the TCP listeners, made at first use.
+func (d *dataplane) acceptor() (*sock.Acceptor, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.acc == nil {
+		a, err := sock.NewAcceptor()
+		if err != nil {
+			return nil, err
+		}
+		d.acc = a
+	}
+	return d.acc, nil
+}
+
+// open starts a listener for key, serving sp. The port goes back to the
+// allocator on every failure path.
+func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, error) {
+	bind := bindFor(d.cfg.BindAddress, key.Family)
+	var ln listener
+	var nodePortErr error
+	release := func() {}
+	var hold *sock.Hold
+	if sp.NodePort != 0 && key.Kind != KindInternal {
+		var err error
+		if d.cfg.NodePortsRestricted {
+			hold, err = sock.HoldPort(sp.Protocol == config.UDP, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		} else {
+			// The listener itself sits on the NodePort: it holds the port
+			// against other processes, costs no extra descriptor, and
+			// serves even a connection that reaches it without a redirect.
+			ln, err = listenOn(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		}
+		if err != nil {
+			// Logged by the caller: a retry that fails again stays quiet.
+			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only, retrying", sp.NodePort, sp.Protocol, err)
+		}
+	}
+	if ln.port == 0 {
+		var err error
+		if ln, release, err = d.alloc.listen(sp.Protocol, bind, key.String()); err != nil {
+			if sock.IsFileLimit(err) {
+				d.budget.ranOut()
+			}
+			hold.Close()
+			return nil, err
+		}
+	}
+	d.budget.listeners.Add(1)
+	if hold != nil {
+		d.budget.listeners.Add(1)
+	}
+	fe := &frontend{
+		dp: d, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
+		listen:      netip.AddrPortFrom(bind, uint16(ln.port)),
+		nodePortErr: nodePortErr,
+		hold:        hold,
+		release:     release,
+	}
+	if ln.tcp != nil {
+		fe.tcp = &tcpServer{ln: ln.tcp}
+		if err := fe.serveTCP(ln.tcp); err != nil {
+			fe.discard()
+			return nil, fmt.Errorf("serving %s: %w", fe.listen, err)
+		}
+	} else {
+		fe.udp = &udpServer{sk: &udpSocket{conn: ln.udp, family: key.Family}, flows: udpFlows{budget: d.budget}, m: fe.m}
+		d.budget.addUDP(fe.udp)
+		fe.udp.served.Add(1)
+		go func() { defer fe.udp.served.Done(); fe.serveUDP(fe.udp.sk) }()
+	}
+	fe.proxyProto.Store(sp.ProxyProtocol)
+	return fe, nil
+}
+
+// task is a goroutine with an owner, who stops it.
+type task struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// startTask runs fn on a goroutine of its own until stop (or parent's end).
+func startTask(parent context.Context, fn func(ctx context.Context)) *task {
+	ctx, cancel := context.WithCancel(context.WithoutCancel(parent))
+	t := &task{cancel: cancel, done: make(chan struct{})}
+	go func() { defer close(t.done); fn(ctx) }()
+	return t
+}
+
+// stop ends the task's context and waits for its goroutine.
+func (t *task) stop() {
+	t.cancel()
+	<-t.done
+}

@@ -1,0 +1,138 @@
+package proxy
+
+import (
+	"net/netip"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+)
+
+// Config holds the Proxier's settings; the zero value of every field is a
+// working default.
+type Config struct {
+	// BindAddress is where listeners bind. Unspecified (the default) binds
+	// 0.0.0.0 for IPv4 frontends and :: for IPv6 ones; a specific address is
+	// used for frontends of its family.
+	BindAddress netip.Addr
+	PortRange   PortRange
+
+	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
+	TCPIdleTimeout time.Duration   // 0: no idle timeout
+	// ParkIdleAfter is how long a direction of a TCP connection has
+	// nothing to read before its goroutine is given up and the socket
+	// waits in the proxier's Parker (tcp.go); DefaultParkIdleAfter when 0,
+	// never when negative.
+	ParkIdleAfter time.Duration
+	// Events, when set, records a Service's own trouble as an Event on it
+	// (the cluster source): reason "NodePortConflict".
+	Events func(sp *config.ServicePort, reason, message string)
+	// FileLimit is the descriptor limit the budget is derived from (budget.go);
+	// 0: the process's RLIMIT_NOFILE when New is called.
+	FileLimit int
+	// Outlier is passive outlier detection (outlier.go); the zero value
+	// turns it off. A Service turns it off for itself with the annotation
+	// kube-userspace-proxy.io/outlier-detection: "off".
+	Outlier     OutlierConfig
+	UDPTimeout  time.Duration // DefaultUDPTimeout when 0
+	UDPMaxFlows int           // per frontend; DefaultUDPMaxFlows when 0
+
+	// NodePortsRestricted is set when NodePorts are served on some node
+	// addresses only (--nodeport-addresses). A listener then cannot sit on
+	// 0.0.0.0:NodePort (it would answer on every address); a bound,
+	// non-listening socket holds the port instead.
+	NodePortsRestricted bool
+
+	MinSyncPeriod time.Duration // at most one sync per period (bursts are merged); 0: no limit
+	SyncPeriod    time.Duration // rules are re-checked this often; 30 s when 0
+
+	// Rules programs the kernel redirects; nil means none (listeners only).
+	Rules Rules
+	// ServiceHealth serves the Services' health check node ports
+	// (healthcheck.Server); nil serves none.
+	ServiceHealth interface{ Sync([]healthcheck.Service) }
+
+	Log     logrus.FieldLogger // logrus.StandardLogger() when nil
+	ConnLog logrus.FieldLogger // per-connection lines; Log when nil
+	// ConnLogMode says which connections get their line (at info level):
+	// ConnLogErrors (the zero value), ConnLogAll or ConnLogNone.
+	ConnLogMode ConnLogMode
+}
+
+// ConnLogMode selects the per-connection log lines.
+type ConnLogMode string
+
+const (
+	// ConnLogErrors logs connections that did not end by a normal close:
+	// resets, no endpoints, failed dials, idle timeouts, shutdown. It does
+	// not flood under normal traffic.
+	ConnLogErrors ConnLogMode = "errors"
+	ConnLogAll    ConnLogMode = "all"
+	ConnLogNone   ConnLogMode = "none"
+)
+
+func (c *Config) logConn(protocol config.Protocol, cause Cause) bool {
+	switch c.ConnLogMode {
+	case ConnLogAll:
+		return true
+	case ConnLogNone:
+		return false
+	}
+	return !cause.Normal(protocol)
+}
+
+// DefaultParkIdleAfter: an idle connection costs no goroutine after this.
+// A pause of one costs an epoll_ctl and a goroutine hand-off (~2 µs more
+// than a wake-up in Go's poller, BenchmarkParkedWake), small beside a
+// pause this long. Shorter is less memory in a burst of new connections:
+// every copy holds its goroutine's stack until it parks, and the Go heap
+// keeps the high-water mark (100 ms: 6-7 KiB a connection at 1 000 opened
+// at once, 25 ms: 3 KiB).
+const DefaultParkIdleAfter = 25 * time.Millisecond
+
+func (c *Config) parkIdleAfter() time.Duration {
+	switch {
+	case c.ParkIdleAfter < 0:
+		return 0
+	case c.ParkIdleAfter == 0:
+		return DefaultParkIdleAfter
+	}
+	return c.ParkIdleAfter
+}
+
+func (c *Config) dialTimeouts() []time.Duration {
+	if len(c.DialTimeouts) == 0 {
+		return DefaultDialTimeouts
+	}
+	return c.DialTimeouts
+}
+
+func (c *Config) udpTimeout() time.Duration {
+	if c.UDPTimeout <= 0 {
+		return DefaultUDPTimeout
+	}
+	return c.UDPTimeout
+}
+
+func (c *Config) udpMaxFlows() int {
+	if c.UDPMaxFlows <= 0 {
+		return DefaultUDPMaxFlows
+	}
+	return c.UDPMaxFlows
+}
+
+func (c *Config) log() logrus.FieldLogger {
+	if c.Log == nil {
+		return logrus.StandardLogger()
+	}
+	return c.Log
+}
+
+func (c *Config) connLog() logrus.FieldLogger {
+	if c.ConnLog == nil {
+		return c.log()
+	}
+	return c.ConnLog
+}
