@@ -13,7 +13,6 @@ import (
 	"cmp"
 	"fmt"
 	"net/netip"
-	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -169,30 +168,6 @@ func Family(ip netip.Addr) int {
 	return 6
 }
 
-// SameFrontend reports whether a and b differ only in their endpoints and
-// affinity, i.e. whether a listener opened for a can keep serving b.
-func (sp *ServicePort) SameFrontend(o *ServicePort) bool {
-	return sp.Name == o.Name && sp.Protocol == o.Protocol && sp.Port == o.Port &&
-		sp.NodePort == o.NodePort && sp.InternalLocal == o.InternalLocal &&
-		sp.ExternalLocal == o.ExternalLocal &&
-		equalAddrs(sp.ClusterIPs, o.ClusterIPs) && equalAddrs(sp.ExternalIPs, o.ExternalIPs) &&
-		equalAddrs(sp.LoadBalancerIPs, o.LoadBalancerIPs)
-}
-
-// SameRules reports whether a and b need the same kernel rules: the same
-// frontend and the same source ranges.
-func (sp *ServicePort) SameRules(o *ServicePort) bool {
-	return sp == o || (sp.SameFrontend(o) && slices.Equal(sp.SourceRanges, o.SourceRanges))
-}
-
-// Equal reports whether a and b are the same in every field.
-func (sp *ServicePort) Equal(o *ServicePort) bool {
-	return sp == o || (sp.SameFrontend(o) && sp.AffinityTimeout == o.AffinityTimeout &&
-		sp.OutlierDetection == o.OutlierDetection && sp.Scheduler == o.Scheduler && sp.ProxyProtocol == o.ProxyProtocol && sp.Created.Equal(o.Created) &&
-		sp.HealthCheckNodePort == o.HealthCheckNodePort && slices.Equal(sp.SourceRanges, o.SourceRanges) &&
-		sp.TrafficDistribution == o.TrafficDistribution && slices.Equal(sp.Endpoints, o.Endpoints))
-}
-
 // ReuseUnchanged replaces each port of next that equals its port in prev by
 // prev's pointer. Sources call it before handing next on, so that consumers
 // skip an unchanged port by comparing pointers: at 10k service ports,
@@ -207,18 +182,6 @@ func ReuseUnchanged(next, prev *State) {
 			next.Ports[name] = old
 		}
 	}
-}
-
-func equalAddrs(a, b []netip.Addr) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // Endpoint is one backend address of a service port with its EndpointSlice conditions.

@@ -25,22 +25,22 @@ func TestCountChanges(t *testing.T) {
 	}
 	old := &config.State{Ports: ports(a, b), Seq: 7}
 	full := &config.State{Ports: ports(&a2, &b2, c)}
-	if s, e := countChanges(old, full); s != 2 || e != 1 {
+	if s, e := config.Diff(old, full).Counts(); s != 2 || e != 1 {
 		t.Fatalf("full comparison: %d service, %d endpoint changes; want 2 (b changed, c added) and 1 (a)", s, e)
 	}
 	// The hint names a and c: b's change is not looked at (the source
 	// vouches that it did not change).
 	hinted := &config.State{Ports: ports(&a2, &b2, c), Seq: 8, Since: 7, Changed: []config.ServicePortName{a.Name, c.Name, c.Name}}
-	if s, e := countChanges(old, hinted); s != 1 || e != 1 {
+	if s, e := config.Diff(old, hinted).Counts(); s != 1 || e != 1 {
 		t.Fatalf("hinted: %d, %d; want 1 (c added) and 1 (a)", s, e)
 	}
 	removed := &config.State{Ports: ports(a), Seq: 8, Since: 7, Changed: []config.ServicePortName{b.Name}}
-	if s, e := countChanges(old, removed); s != 1 || e != 0 {
+	if s, e := config.Diff(old, removed).Counts(); s != 1 || e != 0 {
 		t.Fatalf("hinted removal: %d, %d", s, e)
 	}
 	// A hint relative to another State is ignored.
 	stale := &config.State{Ports: ports(&a2, &b2, c), Seq: 9, Since: 3, Changed: []config.ServicePortName{a.Name}}
-	if s, e := countChanges(old, stale); s != 2 || e != 1 {
+	if s, e := config.Diff(old, stale).Counts(); s != 2 || e != 1 {
 		t.Fatalf("stale hint: %d, %d", s, e)
 	}
 }

@@ -164,7 +164,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		d.budget.listeners.Add(1)
 	}
 	fe := &frontend{
-		dp: d, key: key, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
+		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(ln.port)),
 		nodePortErr: nodePortErr,
 		hold:        hold,
@@ -177,10 +177,10 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 			return nil, fmt.Errorf("serving %s: %w", fe.listen, err)
 		}
 	} else {
-		fe.udp = &udpServer{sk: &udpSocket{conn: ln.udp, family: key.Family}, flows: udpFlows{budget: d.budget}, m: fe.m}
-		d.budget.addUDP(fe.udp)
-		fe.udp.served.Add(1)
-		go func() { defer fe.udp.served.Done(); fe.serveUDP(fe.udp.sk) }()
+		u := &udpServer{frontend: fe, sk: &udpSocket{conn: ln.udp, family: key.Family}, flows: udpFlows{budget: d.budget}}
+		fe.udp = u
+		d.budget.addUDP(u)
+		u.served.Go(u.serve)
 	}
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	return fe, nil

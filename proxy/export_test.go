@@ -14,7 +14,7 @@ import (
 // caller's goroutine: what one turn of Run does, without the rule writer's
 // goroutine.
 func (p *Proxier) sync(st *config.State, verify bool) error {
-	w := p.rec.apply(st, verify)
+	w := p.rec.apply(config.Diff(p.rec.synced, st), verify)
 	w.err = p.writer.write(context.Background(), w)
 	p.writer.record(w)
 	p.rec.written(w)

@@ -66,7 +66,8 @@ func (k frontendKey) String() string { return fmt.Sprintf("%s/%s/%d", k.Name, k.
 type frontend struct {
 	dp          *dataplane
 	key         frontendKey
-	spec        *config.ServicePort
+	protocol    config.Protocol     // fixed: another protocol is another frontend
+	spec        *config.ServicePort // the sync goroutine's: connections never read it
 	bal         Balancer
 	listen      netip.AddrPort
 	nodePortErr error      // the NodePort could not be taken
@@ -132,7 +133,7 @@ func bindFor(b netip.Addr, family int) netip.Addr {
 // map kept per frontend cost 6 MB at 10 000 Services.
 func (fe *frontend) log() logrus.FieldLogger {
 	return fe.dp.cfg.log().WithFields(logrus.Fields{
-		"service": fe.key.Name.String(), "protocol": fe.spec.Protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
+		"service": fe.key.Name.String(), "protocol": fe.protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
 	})
 }
 
@@ -198,4 +199,47 @@ func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
 		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
 			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
 	}
+}
+
+// listenerLinesMax is how many listeners one sync opens (or closes) with a
+// log line each; beyond, one summary line says how many, and the lines of
+// each go to debug level: a start at 10k service ports wrote 10k lines.
+const listenerLinesMax = 10
+
+// listenerLines collects the listeners a sync opened and closed, for its log.
+type listenerLines struct{ opened, closed []*frontend }
+
+func (l *listenerLines) flush(log logrus.FieldLogger) {
+	for _, x := range []struct {
+		fes []*frontend
+		msg string
+	}{{l.opened, "Listening"}, {l.closed, "Listener closed"}} {
+		if len(x.fes) <= listenerLinesMax {
+			for _, fe := range x.fes {
+				fe.log().Info(x.msg)
+			}
+			continue
+		}
+		if debugEnabled(log) {
+			for _, fe := range x.fes {
+				fe.log().Debug(x.msg)
+			}
+		}
+		log.WithField("listeners", len(x.fes)).Info(x.msg + " (one line per listener at debug level)")
+	}
+	clear(l.opened)
+	clear(l.closed)
+	l.opened, l.closed = l.opened[:0], l.closed[:0]
+}
+
+// debugEnabled says whether log writes debug lines: a line per listener
+// is not even made otherwise.
+func debugEnabled(log logrus.FieldLogger) bool {
+	switch l := log.(type) {
+	case *logrus.Entry:
+		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
+	case *logrus.Logger:
+		return l.IsLevelEnabled(logrus.DebugLevel)
+	}
+	return true
 }

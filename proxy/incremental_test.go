@@ -57,7 +57,7 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 		seq++
 		since := seq - 1
 		st := &config.State{Ports: next, Node: "node-a", Seq: seq, Since: since, Changed: changed}
-		if got := inc.rec.changedSince(st, false); got != nil {
+		if got := inc.rec.changedSince(config.Diff(inc.rec.synced, st), false); got != nil {
 			visitedOnly++
 		}
 		if err := inc.sync(st, false); err != nil {
@@ -115,13 +115,13 @@ func TestUpdateMergesChanges(t *testing.T) {
 	a := config.ServicePortName{Namespace: "ns", Name: "a"}
 	b := config.ServicePortName{Namespace: "ns", Name: "b"}
 	s1 := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Seq: 1}
-	p.rec.synced = s1
+	p.rec.synced, p.latest = s1, s1
 	p.Update(&config.State{Ports: s1.Ports, Seq: 2, Since: 1, Changed: []config.ServicePortName{a}})
 	s3 := &config.State{Ports: s1.Ports, Seq: 3, Since: 2, Changed: []config.ServicePortName{b}}
 	p.Update(s3)
-	got := p.pending
-	if got.Seq != 3 || got.Since != 1 || len(got.Changed) != 2 || got.Changed[0] != a || got.Changed[1] != b {
-		t.Fatalf("merged State: seq %d since %d changed %v, want 3, 1, [a b]", got.Seq, got.Since, got.Changed)
+	got := *p.pending
+	if got.To != s3 || got.From != s1 || len(got.Changed) != 2 || got.Changed[0] != a || got.Changed[1] != b {
+		t.Fatalf("merged change: from seq %d to seq %d changing %v, want 1, 3, [a b]", got.From.Seq, got.To.Seq, got.Changed)
 	}
 	if len(s3.Changed) != 1 {
 		t.Error("the source's State was changed")
@@ -132,7 +132,7 @@ func TestUpdateMergesChanges(t *testing.T) {
 	// A State made from nothing (Since 0) merges into a full visit.
 	p.Update(&config.State{Ports: s1.Ports, Seq: 4})
 	p.Update(&config.State{Ports: s1.Ports, Seq: 5, Since: 4, Changed: []config.ServicePortName{a}})
-	if names := p.rec.changedSince(p.pending, false); names != nil {
+	if names := p.rec.changedSince(*p.pending, false); names != nil {
 		t.Errorf("after a State made from nothing: changedSince %v, want a full visit", names)
 	}
 }
@@ -174,7 +174,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	next := maps.Clone(ports)
 	next[changed.Name] = changed
 	st2 := &config.State{Ports: next, Node: "node-a", Seq: 2, Since: 1, Changed: []config.ServicePortName{changed.Name}}
-	got := p.rec.changedSince(st2, false)
+	got := p.rec.changedSince(config.Diff(p.rec.synced, st2), false)
 	slices.SortFunc(got, config.ServicePortName.Compare)
 	if want := []config.ServicePortName{changed.Name, taken.Name}; !slices.Equal(got, want) {
 		t.Fatalf("a change beside a failed NodePort visits %v, want %v", got, want)
@@ -189,7 +189,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	// Freed: the retry (the same State again) visits the failed port alone
 	// and takes the NodePort.
 	other.Close()
-	if got := p.rec.changedSince(st2, false); !slices.Equal(got, []config.ServicePortName{taken.Name}) {
+	if got := p.rec.changedSince(config.Diff(p.rec.synced, st2), false); !slices.Equal(got, []config.ServicePortName{taken.Name}) {
 		t.Fatalf("a retry visits %v, want the failed port alone", got)
 	}
 	if err := p.sync(st2, false); err != nil {
@@ -202,7 +202,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	if p.rec.failing != 0 || len(p.rec.view) != len(next) {
 		t.Fatalf("failing %d, view of %d frontends, want 0 and %d", p.rec.failing, len(p.rec.view), len(next))
 	}
-	if got := p.rec.changedSince(st2, false); len(got) != 0 || got == nil {
+	if got := p.rec.changedSince(config.Diff(p.rec.synced, st2), false); len(got) != 0 || got == nil {
 		t.Fatalf("with nothing failed a retry visits %v, want nothing", got)
 	}
 }

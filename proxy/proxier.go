@@ -20,7 +20,6 @@ package proxy
 
 import (
 	"context"
-	"slices"
 	"sync"
 	"time"
 
@@ -39,10 +38,10 @@ type Proxier struct {
 	kick     chan struct{} // capacity 1: merges bursts of Updates
 
 	mu         sync.Mutex    // guards the fields below
-	pending    *config.State // given to Update, not synced yet
+	pending    *config.Delta // the changes given to Update and not synced yet, merged
 	queuedAt   time.Time     // the oldest change in pending
 	applyingAt time.Time     // the oldest change of the sync under way, until its write is submitted
-	latest     *config.State // the newest State given to Update, for counting changes
+	latest     *config.State // the newest State given to Update
 }
 
 // New returns a Proxier; nothing happens until Run.
@@ -60,21 +59,16 @@ var _ config.Sink = (*Proxier)(nil)
 // wakes the sync goroutine. It never blocks on kernel work.
 func (p *Proxier) Update(st *config.State) {
 	p.mu.Lock()
-	svcChanges, epChanges := countChanges(p.latest, st)
+	d := config.Diff(p.latest, st)
+	svcChanges, epChanges := d.Counts()
 	p.latest = st
 	if p.pending == nil {
 		p.queuedAt = time.Now()
 		syncLastQueued.SetToCurrentTime()
+	} else {
+		d = p.pending.Merge(d) // still says what changed since the State synced last
 	}
-	if prev := p.pending; prev != nil && prev.Seq != 0 && st.Since == prev.Seq {
-		// Merged with the State not synced yet, st still says what changed
-		// since the one synced last.
-		merged := *st
-		merged.Since = prev.Since
-		merged.Changed = append(slices.Clip(prev.Changed), st.Changed...)
-		st = &merged
-	}
-	p.pending = st
+	p.pending = &d
 	p.mu.Unlock()
 	serviceChangesTotal.Add(float64(svcChanges))
 	serviceChangesPending.Add(float64(svcChanges))
@@ -133,25 +127,28 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	}
 }
 
-// syncPending applies the State given last (or again the one synced last)
+// syncPending applies the changes given since the last sync (or the State
+// synced last again)
 // and submits its rule write; false when there is none yet: nothing is
 // programmed before the sources have a State.
 func (p *Proxier) syncPending(verify bool) bool {
 	p.mu.Lock()
-	st, queuedAt := p.pending, p.queuedAt
-	if st != nil {
+	d, queuedAt := p.pending, p.queuedAt
+	if d != nil {
 		p.pending, p.queuedAt, p.applyingAt = nil, time.Time{}, queuedAt
 	}
 	p.mu.Unlock()
-	if st == nil {
-		if st = p.rec.synced; st == nil {
+	if d == nil {
+		if p.rec.synced == nil {
 			return false
 		}
+		again := config.Diff(p.rec.synced, p.rec.synced) // a retry or a periodic sync
+		d = &again
 	}
 	serviceChangesPending.Set(0)
 	endpointChangesPending.Set(0)
 	p.activity.enter()
-	w := p.rec.apply(st, verify)
+	w := p.rec.apply(*d, verify)
 	p.activity.leave()
 	w.queuedAt = queuedAt
 	p.writer.submit(w)
@@ -234,79 +231,3 @@ func (t *syncTimers) stop() {
 // least d: a moment in which work of the daemon's own choosing (a garbage
 // collection) delays no change.
 func (p *Proxier) Quiet(d time.Duration) bool { return p.activity.quiet(d) }
-
-// Health is what /healthz reports.
-type Health struct {
-	LastUpdated time.Time // end of the last successful sync; zero before the first
-	QueuedAt    time.Time // when the oldest change not yet in force (its sync or rule write to come) arrived; zero if none
-	LastErr     error     // the last sync's error
-	// ListenFailures counts the listeners the last sync could not open:
-	// not one Service's conflict (NodePort conflicts do not count) but the
-	// daemon's own trouble — the port range exhausted, out of
-	// descriptors, a bind address that is not local.
-	ListenFailures int
-	// OutOfFiles: a system call failed for want of descriptors less than
-	// 10 s ago (accept, dial, a flow's socket, a listener).
-	OutOfFiles bool
-	// NodeDeleting: the node is being deleted or tainted for removal by
-	// the cluster autoscaler (config.NodeState): /healthz fails, /livez not.
-	NodeDeleting bool
-}
-
-// earliest is the earlier of two change times, the zero time meaning none.
-func earliest(a, b time.Time) time.Time {
-	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
-		return b
-	}
-	return a
-}
-
-// Health returns the sync state for health checks.
-func (p *Proxier) Health() Health {
-	p.mu.Lock()
-	queuedAt := earliest(p.queuedAt, p.applyingAt)
-	p.mu.Unlock()
-	lastUpdated, lastErr, unwrittenAt := p.writer.status()
-	p.rec.mu.Lock()
-	listenFailures, nodeDeleting := p.rec.lastListenFailures, p.rec.nodeDeleting
-	p.rec.mu.Unlock()
-	return Health{LastUpdated: lastUpdated, QueuedAt: earliest(queuedAt, unwrittenAt), LastErr: lastErr, ListenFailures: listenFailures,
-		OutOfFiles: p.dp.budget.exhaustedWithin(10 * time.Second), NodeDeleting: nodeDeleting}
-}
-
-func countChanges(old, new *config.State) (services, endpoints int) {
-	var oldPorts map[config.ServicePortName]*config.ServicePort
-	if old != nil {
-		oldPorts = old.Ports
-	}
-	count := func(name config.ServicePortName) {
-		o, sp := oldPorts[name], new.Ports[name]
-		switch {
-		case o == sp:
-		case o == nil || sp == nil || !o.SameFrontend(sp) || o.AffinityTimeout != sp.AffinityTimeout:
-			services++
-		case !slices.Equal(o.Endpoints, sp.Endpoints):
-			endpoints++
-		}
-	}
-	if old != nil && new.Since != 0 && new.Since == old.Seq {
-		// The source says which ports may differ: only those.
-		seen := make(map[config.ServicePortName]bool, len(new.Changed))
-		for _, name := range new.Changed {
-			if !seen[name] {
-				seen[name] = true
-				count(name)
-			}
-		}
-		return services, endpoints
-	}
-	for name := range new.Ports {
-		count(name)
-	}
-	for name := range oldPorts {
-		if new.Ports[name] == nil {
-			services++
-		}
-	}
-	return services, endpoints
-}

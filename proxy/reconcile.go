@@ -16,10 +16,8 @@ package proxy
 //	ones give their ports back.
 
 import (
-	"cmp"
 	"fmt"
 	"maps"
-	"net/netip"
 	"runtime"
 	"slices"
 	"sort"
@@ -54,7 +52,7 @@ type reconciler struct {
 	// zone is the node's zone the balancers' endpoints were chosen for: a
 	// new zone chooses again for every port.
 	zone string
-	// healthChecks is what ServiceHealth was last given.
+	// healthChecks is what ServiceHealth was last given (health.go).
 	healthChecks []healthcheck.Service
 	// lines are the listeners opened and closed since the last log of them.
 	lines listenerLines
@@ -86,12 +84,14 @@ func newReconciler(cfg *Config, dp *dataplane) *reconciler {
 // service ports). The port of a closed frontend goes back to the allocator
 // only after a rule write made after its closing succeeded, so no new
 // listener can inherit its traffic.
-func (r *reconciler) apply(st *config.State, verify bool) *ruleWrite {
+func (r *reconciler) apply(d config.Delta, verify bool) *ruleWrite {
 	start := time.Now()
-	// When the State says which ports changed since the one synced last,
-	// only those are visited: at 10k service ports a sync that visits
-	// every port costs 20-35 ms, the better part of one change's latency.
-	changed := r.changedSince(st, verify)
+	st := d.To
+	// When the change says which ports changed since the State synced
+	// last, only those are visited: at 10k service ports a sync that
+	// visits every port costs 20-35 ms, the better part of one change's
+	// latency.
+	changed := r.changedSince(d, verify)
 	c := closing{r: r, st: st}
 	if changed == nil {
 		for key, fe := range r.frontends {
@@ -152,7 +152,8 @@ type closing struct {
 // or replaced by one that got its NodePort back.
 func (c *closing) visit(key frontendKey, fe *frontend) {
 	r, sp := c.r, c.st.Ports[key.Name]
-	if fe.nodePortErr != nil && sp != nil && fe.spec.SameFrontend(sp) {
+	change := config.ComparePorts(fe.spec, sp)
+	if fe.nodePortErr != nil && change < config.PortFrontend {
 		// Every full sync tries again to take the NodePort another
 		// process (or Service) held: a new frontend, kept only if it got
 		// it.
@@ -168,16 +169,13 @@ func (c *closing) visit(key frontendKey, fe *frontend) {
 		c.stale = append(c.stale, fe)
 		return
 	}
-	if sp == fe.spec {
-		return // sources hand on an unchanged port as the same pointer
+	if change < config.PortFrontend {
+		return // the listener serves sp as it is
 	}
 	removed := sp == nil
 	if !removed {
 		c.keys = frontendKeys(c.keys[:0], key.Name, sp)
 		removed = !slices.Contains(c.keys, key)
-	}
-	if !removed && fe.spec.SameFrontend(sp) {
-		return
 	}
 	r.forget(key)
 	c.closed = append(c.closed, key.Name)
@@ -281,18 +279,16 @@ func (r *reconciler) serve(view []Frontend, st *config.State, sp *config.Service
 			r.frontends[key] = fe
 			r.mu.Unlock()
 		}
-		if opened || fe.spec != sp || rezone {
-			// Sources reuse an unchanged port's pointer: only changed
-			// ports cost anything here.
+		if opened || rezone || config.ComparePorts(fe.spec, sp) != config.PortSame {
 			prev := fe.spec
 			if opened {
 				prev = nil
 			}
 			warnAnnotations(fe.log(), prev, sp)
-			fe.spec = sp
 			fe.proxyProto.Store(sp.ProxyProtocol)
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone), sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
 		}
+		fe.spec = sp
 		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr})
 	}
@@ -412,28 +408,20 @@ func (r *reconciler) closeAll() {
 	r.lines.flush(r.cfg.log())
 }
 
-// changedSince returns the names of the ports that may differ between st
-// and the State synced last, when st says so, and those of the frontends
-// that failed, to be tried again (nil: visit every port). A full visit is
-// kept for what only it does: verify the rules and choose endpoints again
-// for a new zone. One NodePort held by another process used to make every
-// sync a full one: at 10k service ports 30-60 ms instead of 1.
-func (r *reconciler) changedSince(st *config.State, verify bool) []config.ServicePortName {
-	last := r.synced
-	if verify || last == nil || st.Zone != r.zone || st.Node != last.Node {
+// changedSince returns the names of the ports d may change, when d starts
+// at the State synced last and says, and those of the frontends that
+// failed, to be tried again (nil: visit every port). A full visit is kept
+// for what only it does: verify the rules and choose endpoints again for a
+// new zone. One NodePort held by another process used to make every sync a
+// full one: at 10k service ports 30-60 ms instead of 1.
+func (r *reconciler) changedSince(d config.Delta, verify bool) []config.ServicePortName {
+	last, st := r.synced, d.To
+	if verify || last == nil || d.From != last || d.All() || st.Zone != r.zone || st.Node != last.Node {
 		return nil
 	}
-	var changed []config.ServicePortName
-	switch {
-	case st == last: // a retry of what failed
-	case st.Since == 0 || st.Since != last.Seq:
-		return nil
-	default:
-		changed = st.Changed
-	}
-	names := make([]config.ServicePortName, 0, len(changed)+len(r.failingNames))
+	names := make([]config.ServicePortName, 0, len(d.Changed)+len(r.failingNames))
 	seen := make(map[config.ServicePortName]bool, cap(names))
-	for _, name := range slices.Concat(changed, r.failingNames) {
+	for _, name := range slices.Concat(d.Changed, r.failingNames) {
 		if !seen[name] {
 			seen[name] = true
 			names = append(names, name)
@@ -450,43 +438,6 @@ func (r *reconciler) needsListener(keys []frontendKey) bool {
 		}
 	}
 	return false
-}
-
-// syncHealthChecks gives ServiceHealth every Service with a health check
-// node port and its ready endpoints on this node (counted once across the
-// Service's ports and families), when that changed.
-func (r *reconciler) syncHealthChecks(st *config.State) {
-	if r.cfg.ServiceHealth == nil {
-		return
-	}
-	byService := map[config.ServiceName]*healthcheck.Service{}
-	local := map[config.ServiceName]map[netip.Addr]bool{}
-	for _, sp := range st.Ports {
-		if sp.HealthCheckNodePort == 0 {
-			continue
-		}
-		k := sp.Name.Service()
-		if byService[k] == nil {
-			byService[k] = &healthcheck.Service{Namespace: k.Namespace, Name: k.Name, Port: sp.HealthCheckNodePort}
-			local[k] = map[netip.Addr]bool{}
-		}
-		for _, ep := range sp.Endpoints {
-			if ep.Ready && ep.NodeName == st.Node {
-				local[k][ep.Addr.Addr()] = true
-			}
-		}
-	}
-	out := make([]healthcheck.Service, 0, len(byService))
-	for k, svc := range byService {
-		svc.LocalEndpoints = len(local[k])
-		out = append(out, *svc)
-	}
-	slices.SortFunc(out, func(a, b healthcheck.Service) int { return cmp.Compare(a.Port, b.Port) })
-	if r.healthChecks != nil && slices.Equal(out, r.healthChecks) {
-		return
-	}
-	r.healthChecks = out
-	r.cfg.ServiceHealth.Sync(out)
 }
 
 // allFrontendKeys lists every key a frontend of the port name may have.
@@ -511,46 +462,3 @@ func claimsFirst(a, b *config.ServicePort) bool {
 
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
 const bulkSync = 1000
-
-// listenerLinesMax is how many listeners one sync opens (or closes) with a
-// log line each; beyond, one summary line says how many, and the lines of
-// each go to debug level: a start at 10k service ports wrote 10k lines.
-const listenerLinesMax = 10
-
-// listenerLines collects the listeners a sync opened and closed, for its log.
-type listenerLines struct{ opened, closed []*frontend }
-
-func (l *listenerLines) flush(log logrus.FieldLogger) {
-	for _, x := range []struct {
-		fes []*frontend
-		msg string
-	}{{l.opened, "Listening"}, {l.closed, "Listener closed"}} {
-		if len(x.fes) <= listenerLinesMax {
-			for _, fe := range x.fes {
-				fe.log().Info(x.msg)
-			}
-			continue
-		}
-		if debugEnabled(log) {
-			for _, fe := range x.fes {
-				fe.log().Debug(x.msg)
-			}
-		}
-		log.WithField("listeners", len(x.fes)).Info(x.msg + " (one line per listener at debug level)")
-	}
-	clear(l.opened)
-	clear(l.closed)
-	l.opened, l.closed = l.opened[:0], l.closed[:0]
-}
-
-// debugEnabled says whether log writes debug lines: a line per listener
-// is not even made otherwise.
-func debugEnabled(log logrus.FieldLogger) bool {
-	switch l := log.(type) {
-	case *logrus.Entry:
-		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
-	case *logrus.Logger:
-		return l.IsLevelEnabled(logrus.DebugLevel)
-	}
-	return true
-}

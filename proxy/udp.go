@@ -1,13 +1,13 @@
 package proxy
 
-// One UDP flow's path:
+// One UDP flow's path, all of it the frontend's udpServer's:
 //
-//	serveUDP reads a datagram (with IP_PKTINFO: the address it arrived on)
+//	serve reads a datagram (with IP_PKTINFO: the address it arrived on)
 //	  → flowFor finds or creates the client's flow (balancer pick, connected
 //	    socket to the endpoint; the least recently used flow is evicted when
 //	    the table is full)
 //	  → the datagram is written to the endpoint
-//	flow.replies copies the endpoint's datagrams back to the client, sent from
+//	replies copies the endpoint's datagrams back to the client, sent from
 //	the address the client's datagram arrived on so that conntrack can undo
 //	the REDIRECT, until the flow has been idle for the UDP timeout.
 
@@ -95,10 +95,10 @@ func (fl *udpFlow) touch() { fl.lastSeen.Store(time.Now().UnixNano()) }
 // the table's eviction is its own (the descriptor budget asks it for its
 // oldest flow).
 type udpServer struct {
-	sk     *udpSocket
-	flows  udpFlows
-	m      *feMetrics
-	served sync.WaitGroup // the read loop
+	*frontend // the listener's own: balancer, metrics, log
+	sk        *udpSocket
+	flows     udpFlows
+	served    sync.WaitGroup // the read loop
 }
 
 // udpFlows is a UDP server's flow table.
@@ -112,17 +112,17 @@ type udpFlows struct {
 	budget  *descriptorBudget
 }
 
-// serveUDP reads datagrams until the socket is closed: whatever is queued
+// serve reads datagrams until the socket is closed: whatever is queued
 // when it wakes, a batch at a time (sock.Batch).
-func (f *frontend) serveUDP(s *udpSocket) {
-	in, err := sock.NewReceiver(s.conn, true)
+func (u *udpServer) serve() {
+	in, err := sock.NewReceiver(u.sk.conn, true)
 	if err != nil {
-		f.log().WithError(err).Error("UDP socket unusable; service port not served")
+		u.log().WithError(err).Error("UDP socket unusable; service port not served")
 		return
 	}
 	var backoff time.Duration
 	var run [][]byte // one client's datagrams, forwarded together
-	forward := func(b *sock.Batch) { run = f.forwardBatch(s, b, run) }
+	forward := func(b *sock.Batch) { run = u.forwardBatch(b, run) }
 	for {
 		err := in.Next(forward)
 		if err == nil {
@@ -133,10 +133,10 @@ func (f *frontend) serveUDP(s *udpSocket) {
 			return
 		}
 		backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-		f.log().WithError(err).Warn("UDP read failed")
+		u.log().WithError(err).Warn("UDP read failed")
 		select {
 		case <-time.After(backoff):
-		case <-f.dp.ctx.Done():
+		case <-u.dp.ctx.Done():
 			return
 		}
 	}
@@ -145,7 +145,7 @@ func (f *frontend) serveUDP(s *udpSocket) {
 // forwardBatch forwards a batch drained from the frontend socket:
 // consecutive datagrams of one client to one address go together (one GSO
 // send where they can). run is scratch space, returned for reuse.
-func (f *frontend) forwardBatch(s *udpSocket, b *sock.Batch, run [][]byte) [][]byte {
+func (u *udpServer) forwardBatch(b *sock.Batch, run [][]byte) [][]byte {
 	for i := 0; i < b.Len(); {
 		from, to := b.From(i), b.To(i)
 		run = append(run[:0], b.Datagram(i))
@@ -153,7 +153,7 @@ func (f *frontend) forwardBatch(s *udpSocket, b *sock.Batch, run [][]byte) [][]b
 		for ; j < b.Len() && b.From(j) == from && b.To(j) == to; j++ {
 			run = append(run, b.Datagram(j))
 		}
-		f.forward(s, from, to, run)
+		u.forward(from, to, run)
 		i = j
 	}
 	clear(run) // hold no datagram of the batch given back
@@ -162,8 +162,8 @@ func (f *frontend) forwardBatch(s *udpSocket, b *sock.Batch, run [][]byte) [][]b
 
 // forward sends datagrams, all from client to the local address to, to the
 // client's flow, making the flow if needed.
-func (f *frontend) forward(s *udpSocket, client netip.AddrPort, to netip.Addr, datagrams [][]byte) {
-	fl := f.flowFor(s, client, to)
+func (u *udpServer) forward(client netip.AddrPort, to netip.Addr, datagrams [][]byte) {
+	fl := u.flowFor(client, to)
 	if fl == nil {
 		return // no endpoint: dropped (counted and logged in flowFor)
 	}
@@ -172,17 +172,17 @@ func (f *frontend) forward(s *udpSocket, client netip.AddrPort, to netip.Addr, d
 	sent, err := fl.out.SendSegments(datagrams, netip.Addr{}, netip.AddrPort{})
 	n := payloadBytes(datagrams[:sent])
 	fl.up.Add(n)
-	f.m.get().bytesIn.Add(float64(n))
+	u.m.get().bytesIn.Add(float64(n))
 	if err != nil {
-		f.debug(logrus.Fields{"client": client, "endpoint": fl.endpoint}, err, "UDP send to endpoint failed")
-		f.endpointFailed(s, fl, fmt.Errorf("send: %w", err))
+		u.debug(logrus.Fields{"client": client, "endpoint": fl.endpoint}, err, "UDP send to endpoint failed")
+		u.endpointFailed(fl, fmt.Errorf("send: %w", err))
 	}
 }
 
 // flowFor returns the client's flow, creating it if needed. nil: no
 // endpoint (or no socket) for it.
-func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr) *udpFlow {
-	t := &f.udp.flows
+func (u *udpServer) flowFor(client netip.AddrPort, local netip.Addr) *udpFlow {
+	t := &u.flows
 	t.mu.Lock()
 	if fl, ok := t.flows[client]; ok {
 		t.lru.MoveToFront(fl.elem)
@@ -190,27 +190,27 @@ func (f *frontend) flowFor(s *udpSocket, client netip.AddrPort, local netip.Addr
 		return fl
 	}
 	t.mu.Unlock()
-	return f.newFlow(s, &udpFlow{client: client, local: local}, netip.AddrPort{}, nil)
+	return u.newFlow(&udpFlow{client: client, local: local}, netip.AddrPort{}, nil)
 }
 
 // newFlow opens the flow fl (client and local set) to an endpoint the
 // balancer picks, other than avoid, sends resend on it first if given, and
 // puts it in the table (evicting the least recently used flow when the table
 // is full). nil: no endpoint (or no socket) for it.
-func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, resend []byte) *udpFlow {
+func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *udpFlow {
 	client := fl.client
 	for attempt := fl.failovers; ; attempt++ {
 		if attempt >= len(DefaultDialTimeouts) {
 			return nil
 		}
-		ep, why, ok := f.bal.Pick(client.Addr(), attempt)
+		ep, why, ok := u.bal.Pick(client.Addr(), attempt)
 		if !ok {
-			f.m.get().noEndpoints.Inc()
-			f.debug(logrus.Fields{"client": client}, nil, "UDP datagram dropped: no endpoints")
+			u.m.get().noEndpoints.Inc()
+			u.debug(logrus.Fields{"client": client}, nil, "UDP datagram dropped: no endpoints")
 			return nil
 		}
 		if ep == avoid {
-			f.bal.Done(ep)
+			u.bal.Done(ep)
 			continue // the endpoint that just failed: the next pick moves on
 		}
 		c, err := sock.DialUDP(ep)
@@ -221,10 +221,10 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 			}
 		}
 		if err != nil {
-			f.bal.Done(ep)
-			f.log().WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
+			u.bal.Done(ep)
+			u.log().WithFields(logrus.Fields{"client": client, "endpoint": ep}).WithError(err).Warn("UDP socket to endpoint failed")
 			if sock.IsFileLimit(err) {
-				f.dp.budget.ranOut()
+				u.dp.budget.ranOut()
 				return nil
 			}
 			continue
@@ -239,11 +239,11 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		fl.keep(resend)
 		if err := fl.out.Send(resend, netip.Addr{}, netip.AddrPort{}); err == nil {
 			fl.up.Add(int64(len(resend)))
-			f.m.get().bytesIn.Add(float64(len(resend)))
+			u.m.get().bytesIn.Add(float64(len(resend)))
 		}
 	}
 
-	t := &f.udp.flows
+	t := &u.flows
 	t.mu.Lock()
 	if t.flows == nil {
 		t.flows = make(map[netip.AddrPort]*udpFlow)
@@ -251,7 +251,7 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 	if t.closed {
 		t.mu.Unlock()
 		fl.backend.Close()
-		f.bal.Done(fl.endpoint)
+		u.bal.Done(fl.endpoint)
 		return nil
 	}
 	if cur, ok := t.flows[client]; ok {
@@ -259,27 +259,27 @@ func (f *frontend) newFlow(s *udpSocket, fl *udpFlow, avoid netip.AddrPort, rese
 		// datagram): keep that one.
 		t.mu.Unlock()
 		fl.backend.Close()
-		f.bal.Done(fl.endpoint)
+		u.bal.Done(fl.endpoint)
 		return cur
 	}
 	var victim *udpFlow
-	if max := f.dp.cfg.udpMaxFlows(); len(t.flows) >= max {
+	if max := u.dp.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
 	}
 	fl.elem = t.lru.PushFront(fl)
 	t.flows[client] = fl
-	f.m.get().udpActive.Inc()
+	u.m.get().udpActive.Inc()
 	overBudget := t.budget.flowOpened()
 	t.wg.Add(1)
 	t.mu.Unlock()
 
 	switch {
 	case victim != nil:
-		f.udp.evict(victim) // this service port's table is full
+		u.evict(victim) // this service port's table is full
 	case overBudget:
 		t.budget.evictOldest() // the daemon's UDP share is: the oldest flow of any Service
 	}
-	go f.replies(s, fl, fl.backend)
+	go u.replies(fl, fl.backend)
 	return fl
 }
 
@@ -341,12 +341,12 @@ func (u *udpServer) endFlow(fl *udpFlow, cause Cause) {
 }
 
 // failFlow ends fl because its endpoint socket failed with err.
-func (f *frontend) failFlow(fl *udpFlow, err error) bool {
+func (u *udpServer) failFlow(fl *udpFlow, err error) bool {
 	first := fl.cause.CompareAndSwap(uint32(causeNone), uint32(CauseEndpointError))
 	if first {
 		fl.err.Store(errBox{err})
 	}
-	f.udp.endFlow(fl, CauseEndpointError)
+	u.endFlow(fl, CauseEndpointError)
 	return first
 }
 
@@ -356,19 +356,19 @@ func (f *frontend) failFlow(fl *udpFlow, err error) bool {
 // exchange moves to another endpoint with its last datagram re-sent: the
 // client gets an answer instead of waiting out its timeout. Only the first
 // of the two loops to see the failure acts on it.
-func (f *frontend) endpointFailed(s *udpSocket, fl *udpFlow, err error) {
-	if !f.failFlow(fl, err) {
+func (u *udpServer) endpointFailed(fl *udpFlow, err error) {
+	if !u.failFlow(fl, err) {
 		return
 	}
 	reason := sock.DatagramFailure(err)
-	udpEndpointErrors.WithLabelValues(f.m.service, fl.endpoint.String(), reason).Inc()
+	udpEndpointErrors.WithLabelValues(u.m.service, fl.endpoint.String(), reason).Inc()
 	if reason == "error" {
 		return // not the endpoint's fault: no ejection, no failover
 	}
-	f.report(fl.endpoint, reason)
+	u.report(fl.endpoint, reason)
 	next := &udpFlow{client: fl.client, local: fl.local, failovers: fl.failovers + 1}
 	if last := fl.lastDatagram(); len(last) > 0 {
-		f.newFlow(s, next, fl.endpoint, last)
+		u.newFlow(next, fl.endpoint, last)
 	}
 }
 
@@ -376,18 +376,18 @@ type errBox struct{ error }
 
 // replies copies the endpoint's datagrams to the client until the flow has
 // been idle for the UDP timeout or its socket is closed.
-func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
-	defer f.udp.flows.wg.Done()
-	defer f.bal.Done(fl.endpoint)
-	timeout := f.dp.cfg.udpTimeout()
+func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
+	defer u.flows.wg.Done()
+	defer u.bal.Done(fl.endpoint)
+	timeout := u.dp.cfg.udpTimeout()
 	// This goroutine's own, as they hold the datagram in flight.
-	toClient, serr := sock.NewSender(s.conn, s.family)
+	toClient, serr := sock.NewSender(u.sk.conn, u.sk.family)
 	var fromBackend *sock.Receiver
 	if serr == nil {
 		fromBackend, serr = sock.NewReceiver(backend, false)
 	}
 	if serr != nil {
-		f.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
+		u.failFlow(fl, fmt.Errorf("reply socket: %w", serr))
 	}
 	answered := false
 	var run [][]byte
@@ -396,7 +396,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		for i := 0; i < b.Len(); i++ {
 			run = append(run, b.Datagram(i))
 		}
-		f.reply(fl, toClient, run, &answered)
+		u.reply(fl, toClient, run, &answered)
 		clear(run) // hold no datagram of the batch given back
 	}
 	armed := false // the read deadline is set; it moves only when it fires
@@ -404,7 +404,7 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 		if !armed {
 			last := time.Unix(0, fl.lastSeen.Load())
 			if time.Since(last) >= timeout {
-				f.udp.endFlow(fl, CauseIdleTimeout)
+				u.endFlow(fl, CauseIdleTimeout)
 				break
 			}
 			// Set per datagram it cost a timer update each (lock and
@@ -420,9 +420,9 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 				continue // re-check: the client may have sent meanwhile
 			}
 			if errors.Is(err, net.ErrClosed) {
-				f.udp.endFlow(fl, CauseShutdown)
+				u.endFlow(fl, CauseShutdown)
 			} else {
-				f.endpointFailed(s, fl, err)
+				u.endpointFailed(fl, err)
 			}
 			break
 		}
@@ -434,23 +434,23 @@ func (f *frontend) replies(s *udpSocket, fl *udpFlow, backend *net.UDPConn) {
 	if e, ok := fl.err.Load().(errBox); ok {
 		l.err = e.error
 	}
-	f.logEnd(l)
+	u.logEnd(l)
 }
 
 // reply sends the endpoint's datagrams to the flow's client, from the
 // address the client's came to (one GSO send where they can).
-func (f *frontend) reply(fl *udpFlow, toClient *sock.Sender, datagrams [][]byte, answered *bool) {
+func (u *udpServer) reply(fl *udpFlow, toClient *sock.Sender, datagrams [][]byte, answered *bool) {
 	if !*answered {
 		*answered = true
-		f.report(fl.endpoint, "") // the endpoint is alive
+		u.report(fl.endpoint, "") // the endpoint is alive
 	}
 	fl.touch()
 	sent, err := toClient.SendSegments(datagrams, fl.local, fl.client)
 	n := payloadBytes(datagrams[:sent])
 	fl.down.Add(n)
-	f.m.get().bytesOut.Add(float64(n))
+	u.m.get().bytesOut.Add(float64(n))
 	if err != nil {
-		f.debug(logrus.Fields{"client": fl.client}, err, "UDP reply to client failed")
+		u.debug(logrus.Fields{"client": fl.client}, err, "UDP reply to client failed")
 	}
 }
 

@@ -1,0 +1,88 @@
+package proxy
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+)
+
+// Health is what /healthz reports.
+type Health struct {
+	LastUpdated time.Time // end of the last successful sync; zero before the first
+	QueuedAt    time.Time // when the oldest change not yet in force (its sync or rule write to come) arrived; zero if none
+	LastErr     error     // the last sync's error
+	// ListenFailures counts the listeners the last sync could not open:
+	// not one Service's conflict (NodePort conflicts do not count) but the
+	// daemon's own trouble — the port range exhausted, out of
+	// descriptors, a bind address that is not local.
+	ListenFailures int
+	// OutOfFiles: a system call failed for want of descriptors less than
+	// 10 s ago (accept, dial, a flow's socket, a listener).
+	OutOfFiles bool
+	// NodeDeleting: the node is being deleted or tainted for removal by
+	// the cluster autoscaler (config.NodeState): /healthz fails, /livez not.
+	NodeDeleting bool
+}
+
+// earliest is the earlier of two change times, the zero time meaning none.
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
+// Health returns the sync state for health checks.
+func (p *Proxier) Health() Health {
+	p.mu.Lock()
+	queuedAt := earliest(p.queuedAt, p.applyingAt)
+	p.mu.Unlock()
+	lastUpdated, lastErr, unwrittenAt := p.writer.status()
+	p.rec.mu.Lock()
+	listenFailures, nodeDeleting := p.rec.lastListenFailures, p.rec.nodeDeleting
+	p.rec.mu.Unlock()
+	return Health{LastUpdated: lastUpdated, QueuedAt: earliest(queuedAt, unwrittenAt), LastErr: lastErr, ListenFailures: listenFailures,
+		OutOfFiles: p.dp.budget.exhaustedWithin(10 * time.Second), NodeDeleting: nodeDeleting}
+}
+
+// syncHealthChecks gives ServiceHealth every Service with a health check
+// node port and its ready endpoints on this node (counted once across the
+// Service's ports and families), when that changed.
+func (r *reconciler) syncHealthChecks(st *config.State) {
+	if r.cfg.ServiceHealth == nil {
+		return
+	}
+	byService := map[config.ServiceName]*healthcheck.Service{}
+	local := map[config.ServiceName]map[netip.Addr]bool{}
+	for _, sp := range st.Ports {
+		if sp.HealthCheckNodePort == 0 {
+			continue
+		}
+		k := sp.Name.Service()
+		if byService[k] == nil {
+			byService[k] = &healthcheck.Service{Namespace: k.Namespace, Name: k.Name, Port: sp.HealthCheckNodePort}
+			local[k] = map[netip.Addr]bool{}
+		}
+		for _, ep := range sp.Endpoints {
+			if ep.Ready && ep.NodeName == st.Node {
+				local[k][ep.Addr.Addr()] = true
+			}
+		}
+	}
+	out := make([]healthcheck.Service, 0, len(byService))
+	for k, svc := range byService {
+		svc.LocalEndpoints = len(local[k])
+		out = append(out, *svc)
+	}
+	slices.SortFunc(out, func(a, b healthcheck.Service) int { return cmp.Compare(a.Port, b.Port) })
+	if r.healthChecks != nil && slices.Equal(out, r.healthChecks) {
+		return
+	}
+	r.healthChecks = out
+	r.cfg.ServiceHealth.Sync(out)
+}
+
