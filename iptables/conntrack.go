@@ -25,7 +25,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // udpTarget is a UDP address clients send to: a service address and port, or
@@ -54,7 +53,7 @@ func newConntrackCleaner(fam int) *conntrackCleaner {
 
 // udpTargets maps the UDP service addresses of frontends to their listener
 // ports.
-func udpTargets(frontends []proxy.Frontend) map[udpTarget]uint16 {
+func udpTargets(frontends []config.Frontend) map[udpTarget]uint16 {
 	out := map[udpTarget]uint16{}
 	for _, fe := range frontends {
 		sp := fe.Service
@@ -72,10 +71,10 @@ func udpTargets(frontends []proxy.Frontend) map[udpTarget]uint16 {
 				}
 			}
 		}
-		if fe.Kind != proxy.KindExternal {
+		if fe.Kind != config.KindExternal {
 			add(sp.ClusterIPs)
 		}
-		if fe.Kind != proxy.KindInternal {
+		if fe.Kind != config.KindInternal {
 			add(sp.ExternalIPs)
 			add(sp.LoadBalancerIPs)
 			if sp.NodePort != 0 {
@@ -93,7 +92,7 @@ func udpTargets(frontends []proxy.Frontend) map[udpTarget]uint16 {
 // sync deletes the entries of every UDP service address whose target is not
 // what it was at the last sync. Call it after the rules are in place, so that
 // the next datagram meets the new rules.
-func (c *conntrackCleaner) sync(frontends []proxy.Frontend, log logrus.FieldLogger) {
+func (c *conntrackCleaner) sync(frontends []config.Frontend, log logrus.FieldLogger) {
 	now := udpTargets(frontends)
 	filter := &udpFilter{addrs: map[netip.AddrPort]bool{}, ports: map[uint16]bool{}}
 	stale := func(t udpTarget) {

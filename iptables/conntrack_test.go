@@ -17,16 +17,15 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
-func udpFrontend(name string, listen uint16, nodePort int, ips ...string) proxy.Frontend {
+func udpFrontend(name string, listen uint16, nodePort int, ips ...string) config.Frontend {
 	sp := &config.ServicePort{Name: config.ServicePortName{Namespace: "ns", Name: name}, Protocol: config.UDP, Port: 53, NodePort: nodePort}
 	for _, ip := range ips {
 		sp.ClusterIPs = append(sp.ClusterIPs, netip.MustParseAddr(ip))
 	}
-	return proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: config.UDP,
+	return config.Frontend{Service: sp, Kind: config.KindAll, Family: 4, Protocol: config.UDP,
 		Listen: netip.AddrPortFrom(netip.IPv4Unspecified(), listen)}
 }
 
@@ -48,19 +47,19 @@ func TestConntrackDeletesWhatChanged(t *testing.T) {
 
 	// The first sync after start: every UDP address (entries may survive
 	// a restart), none of TCP.
-	c.sync([]proxy.Frontend{dns, stats, tcp}, log)
+	c.sync([]config.Frontend{dns, stats, tcp}, log)
 	if len(*got) != 1 || len((*got)[0].addrs) != 2 || !(*got)[0].ports[30053] || len((*got)[0].ports) != 1 {
 		t.Fatalf("first sync deleted %+v, want both UDP ClusterIPs and the NodePort", *got)
 	}
 	// Nothing changed: nothing deleted.
 	*got = nil
-	c.sync([]proxy.Frontend{dns, stats, tcp}, log)
+	c.sync([]config.Frontend{dns, stats, tcp}, log)
 	if len(*got) != 0 {
 		t.Fatalf("an unchanged sync deleted %+v", (*got)[0])
 	}
 	// dns's listener moved; stats went: their addresses are stale.
 	dns2 := udpFrontend("dns", 45009, 0, "10.96.0.10")
-	c.sync([]proxy.Frontend{dns2, tcp}, log)
+	c.sync([]config.Frontend{dns2, tcp}, log)
 	want := map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true, netip.MustParseAddrPort("10.96.0.20:53"): true}
 	if len(*got) != 1 || len((*got)[0].addrs) != 2 || !(*got)[0].addrs[netip.MustParseAddrPort("10.96.0.10:53")] ||
 		!(*got)[0].addrs[netip.MustParseAddrPort("10.96.0.20:53")] || !(*got)[0].ports[30053] {
@@ -70,7 +69,7 @@ func TestConntrackDeletesWhatChanged(t *testing.T) {
 	*got = nil
 	dns3 := udpFrontend("dns", 45009, 0, "10.96.0.10")
 	dns3.Service.ExternalIPs = []netip.Addr{netip.MustParseAddr("203.0.113.5")}
-	c.sync([]proxy.Frontend{dns3, tcp}, log)
+	c.sync([]config.Frontend{dns3, tcp}, log)
 	if len(*got) != 1 || len((*got)[0].addrs) != 1 || !(*got)[0].addrs[netip.MustParseAddrPort("203.0.113.5:53")] {
 		t.Fatalf("deleted %+v, want only the added externalIP", *got)
 	}
@@ -83,8 +82,8 @@ func TestConntrackFailureWarnsOnce(t *testing.T) {
 	log.AddHook(hook)
 	c := newConntrackCleaner(4)
 	c.delete = func(int, *udpFilter) (uint, error) { return 0, errors.New("protocol not supported") }
-	c.sync([]proxy.Frontend{udpFrontend("a", 45001, 0, "10.96.0.10")}, log)
-	c.sync([]proxy.Frontend{udpFrontend("a", 45002, 0, "10.96.0.10")}, log)
+	c.sync([]config.Frontend{udpFrontend("a", 45001, 0, "10.96.0.10")}, log)
+	c.sync([]config.Frontend{udpFrontend("a", 45002, 0, "10.96.0.10")}, log)
 	if hook.warnings != 1 {
 		t.Fatalf("%d warnings, want 1", hook.warnings)
 	}

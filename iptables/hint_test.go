@@ -12,7 +12,6 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // A sync told which service ports changed renders what a sync of every
@@ -29,7 +28,7 @@ func TestSyncChangedEqualsFull(t *testing.T) {
 	}
 	hinted, full := mk(), mk()
 	r := rand.New(rand.NewPCG(5, 6))
-	frontendsOf := func(i int) []proxy.Frontend {
+	frontendsOf := func(i int) []config.Frontend {
 		sp := &config.ServicePort{
 			Name:       config.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("s%d", i)},
 			Protocol:   config.TCP,
@@ -44,16 +43,16 @@ func TestSyncChangedEqualsFull(t *testing.T) {
 		}
 		if r.IntN(4) == 0 && sp.NodePort != 0 {
 			sp.ExternalLocal = true
-			return []proxy.Frontend{
-				{Service: sp, Kind: proxy.KindInternal, Family: 4, Protocol: config.TCP, Listen: listen()},
-				{Service: sp, Kind: proxy.KindExternal, Family: 4, Protocol: config.TCP, Listen: listen()},
+			return []config.Frontend{
+				{Service: sp, Kind: config.KindInternal, Family: 4, Protocol: config.TCP, Listen: listen()},
+				{Service: sp, Kind: config.KindExternal, Family: 4, Protocol: config.TCP, Listen: listen()},
 			}
 		}
-		return []proxy.Frontend{{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: config.TCP, Listen: listen()}}
+		return []config.Frontend{{Service: sp, Kind: config.KindAll, Family: 4, Protocol: config.TCP, Listen: listen()}}
 	}
-	byName := map[int][]proxy.Frontend{}
-	view := func() []proxy.Frontend {
-		var out []proxy.Frontend
+	byName := map[int][]config.Frontend{}
+	view := func() []config.Frontend {
+		var out []config.Frontend
 		for i := 0; i < 300; i++ {
 			out = append(out, byName[i]...)
 		}
@@ -70,7 +69,7 @@ func TestSyncChangedEqualsFull(t *testing.T) {
 	}
 	for step := 0; step < 200; step++ {
 		var changed []config.ServicePortName
-		var fresh []proxy.Frontend
+		var fresh []config.Frontend
 		for k := 0; k < 1+r.IntN(4); k++ {
 			i := r.IntN(300)
 			changed = append(changed, config.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("s%d", i)})
@@ -106,7 +105,7 @@ func TestSyncChangedEqualsFull(t *testing.T) {
 	}
 }
 
-func contains(fes []proxy.Frontend, fe proxy.Frontend) bool {
+func contains(fes []config.Frontend, fe config.Frontend) bool {
 	for _, x := range fes {
 		if x.Service == fe.Service && x.Kind == fe.Kind {
 			return true

@@ -19,7 +19,6 @@ import (
 	"strings"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // The chains. Portals (ClusterIPs, externalIPs, LoadBalancer IPs) are jumped
@@ -201,11 +200,11 @@ type RenderOptions struct {
 	// ProxyPorts is the range every listener port off a NodePort is drawn
 	// from (--proxy-port-range): the guard drops new connections to it from
 	// other hosts that were not redirected, with one rule per protocol.
-	ProxyPorts proxy.PortRange
+	ProxyPorts config.PortRange
 }
 
 // Render returns our chains' rules for the frontends of one family.
-func Render(frontends []proxy.Frontend, o RenderOptions) *Ruleset {
+func Render(frontends []config.Frontend, o RenderOptions) *Ruleset {
 	var leaves []leafRule
 	for _, fe := range frontends {
 		leaves = append(leaves, renderFrontend(fe, o)...)
@@ -297,7 +296,7 @@ func dedupItems(items []treeItem) []treeItem {
 
 // renderFrontend returns the rules that lead one frontend's addresses to its
 // listener (none for a frontend of another family or without listener).
-func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
+func renderFrontend(fe config.Frontend, o RenderOptions) []leafRule {
 	if fe.Family != o.Family || fe.Err != nil {
 		return nil
 	}
@@ -335,14 +334,14 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 		}
 		out = append(out, leafRule{treeSourceRanges, addrKey(ip), ruleTo(netip.Prefix{}, ip, sp.Port, "-j DROP")})
 	}
-	if fe.Kind != proxy.KindExternal {
+	if fe.Kind != config.KindExternal {
 		for _, ip := range sp.ClusterIPs {
 			if config.Family(ip) == o.Family {
 				portal(ip)
 			}
 		}
 	}
-	if fe.Kind != proxy.KindInternal {
+	if fe.Kind != config.KindInternal {
 		for _, ip := range sp.ExternalIPs {
 			if config.Family(ip) == o.Family {
 				portal(ip)
@@ -377,7 +376,7 @@ func renderFrontend(fe proxy.Frontend, o RenderOptions) []leafRule {
 	return out
 }
 
-func placeholder(fe proxy.Frontend) string {
+func placeholder(fe config.Frontend) string {
 	if fe.OnNodePort() {
 		return fmt.Sprint(fe.Listen.Port())
 	}
@@ -386,7 +385,7 @@ func placeholder(fe proxy.Frontend) string {
 
 // TargetPort is the port the rules of fe redirect to, as Render writes it
 // (a placeholder with placeholders): explain finds a listener by it.
-func TargetPort(fe proxy.Frontend, placeholders bool) string {
+func TargetPort(fe config.Frontend, placeholders bool) string {
 	if placeholders {
 		return placeholder(fe)
 	}
@@ -399,7 +398,7 @@ func TargetPort(fe proxy.Frontend, placeholders bool) string {
 // 127.0.0.1 (::1), which always exists — and the UDP listener answers from
 // the address each datagram arrived on (IP_PKTINFO), so conntrack maps the
 // reply back to the Service address. A specific --bind-address needs DNAT.
-func redirectTarget(fe proxy.Frontend, placeholders bool) string {
+func redirectTarget(fe config.Frontend, placeholders bool) string {
 	port := TargetPort(fe, placeholders)
 	if fe.Listen.Addr().IsUnspecified() || !fe.Listen.Addr().IsValid() {
 		return "-j REDIRECT --to-ports " + port

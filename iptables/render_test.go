@@ -20,7 +20,7 @@ func devpaasy(t *testing.T) *config.State {
 	return st
 }
 
-func withPorts(fes []proxy.Frontend, port uint16) []proxy.Frontend {
+func withPorts(fes []config.Frontend, port uint16) []config.Frontend {
 	for i := range fes {
 		fes[i].Listen = netip.AddrPortFrom(fes[i].Listen.Addr(), port)
 	}
@@ -30,7 +30,7 @@ func withPorts(fes []proxy.Frontend, port uint16) []proxy.Frontend {
 var allFeatures = Features{Comment: true, Addrtype: true, Conntrack: true}
 
 // all4 are the options of an IPv4 node with every optional match.
-var all4 = RenderOptions{Family: 4, Features: allFeatures, AllLocal: true, ProxyPorts: proxy.DefaultPortRange}
+var all4 = RenderOptions{Family: 4, Features: allFeatures, AllLocal: true, ProxyPorts: config.DefaultPortRange}
 
 func TestRenderDevpaasy(t *testing.T) {
 	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), true), 40000)
@@ -98,7 +98,7 @@ func TestRenderTrafficPolicySplit(t *testing.T) {
 	rs := Render(fes, all4)
 	var internalPort string
 	for _, fe := range fes {
-		if fe.Family == 4 && fe.Kind == proxy.KindInternal {
+		if fe.Family == 4 && fe.Kind == config.KindInternal {
 			internalPort = fmt.Sprint(fe.Listen.Port())
 		}
 	}
@@ -162,8 +162,8 @@ func TestRenderListenerOnNodePort(t *testing.T) {
 }
 
 // manyFrontends returns n ClusterIP frontends of distinct services.
-func manyFrontends(n int) []proxy.Frontend {
-	var out []proxy.Frontend
+func manyFrontends(n int) []config.Frontend {
+	var out []config.Frontend
 	for i := 0; i < n; i++ {
 		sp := &config.ServicePort{
 			Name:       config.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("s%d", i)},
@@ -171,7 +171,7 @@ func manyFrontends(n int) []proxy.Frontend {
 			Port:       80,
 			ClusterIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i / 250), byte(i%250 + 1)})},
 		}
-		out = append(out, proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: config.TCP,
+		out = append(out, config.Frontend{Service: sp, Kind: config.KindAll, Family: 4, Protocol: config.TCP,
 			Listen: netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(20000+i))})
 	}
 	return out
@@ -197,8 +197,8 @@ func TestRenderSourceRanges(t *testing.T) {
 		LoadBalancerIPs: []netip.Addr{netip.MustParseAddr("203.0.113.10"), netip.MustParseAddr("2001:db8::10")},
 		SourceRanges:    []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24"), netip.MustParsePrefix("192.0.2.0/28"), netip.MustParsePrefix("2001:db8:1::/48")},
 	}
-	fe := proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: config.TCP, Listen: netip.MustParseAddrPort("0.0.0.0:45001")}
-	rs := Render([]proxy.Frontend{fe}, all4)
+	fe := config.Frontend{Service: sp, Kind: config.KindAll, Family: 4, Protocol: config.TCP, Listen: netip.MustParseAddrPort("0.0.0.0:45001")}
+	rs := Render([]config.Frontend{fe}, all4)
 	want := []string{
 		`-d 10.96.0.5/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j REDIRECT --to-ports 45001`,
 		`-d 203.0.113.9/32 -p tcp -m comment --comment "ns/lb" -m tcp --dport 80 -j REDIRECT --to-ports 45001`,
@@ -218,7 +218,7 @@ func TestRenderSourceRanges(t *testing.T) {
 	fe6.Service = &sp6
 	o6 := all4
 	o6.Family = 6
-	rs6 := Render([]proxy.Frontend{fe6}, o6)
+	rs6 := Render([]config.Frontend{fe6}, o6)
 	if got := rs6.Nat[ChainPortalsContainer]; len(got) != 0 {
 		t.Fatalf("IPv6 portals without an IPv6 range: %v", got)
 	}

@@ -22,7 +22,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // Config holds the rule syncer's settings.
@@ -39,7 +38,7 @@ type Config struct {
 	// ProxyPorts is --proxy-port-range: every listener port off a NodePort
 	// is in it, so that one rule per protocol keeps them off-node. Required
 	// where the kernel has the conntrack match.
-	ProxyPorts proxy.PortRange
+	ProxyPorts config.PortRange
 	// BasicOnly ignores the optional matches even where the kernel has them,
 	// to run (and test) the rules a kernel without netfilter extras gets.
 	BasicOnly bool
@@ -60,8 +59,6 @@ type Rules struct {
 	// the kernel with a snapshot older than what it reads there.
 	writes map[int]uint64
 }
-
-var _ proxy.Rules = (*Rules)(nil)
 
 // family writes the rules of one IP family. Owned by the proxier's rule
 // writer (one Sync at a time).
@@ -138,18 +135,18 @@ func (f *family) commandError(ctx context.Context, bin string, args []string, er
 
 type feKey struct {
 	name config.ServicePortName
-	kind proxy.Kind
+	kind config.Kind
 }
 
 type feRules struct {
-	fe    proxy.Frontend
+	fe    config.Frontend
 	rules []leafRule
 	seen  uint64 // the last update that found this frontend
 }
 
 // sameRules reports whether a and b render the same rules.
 // Sources reuse an unchanged port's pointer, which settles most cases cheaply.
-func sameRules(a, b proxy.Frontend) bool {
+func sameRules(a, b config.Frontend) bool {
 	return a.Service.SameRules(b.Service) && a.Listen == b.Listen &&
 		a.Kind == b.Kind && a.Protocol == b.Protocol && (a.NodePortErr == nil) == (b.NodePortErr == nil)
 }
@@ -258,11 +255,11 @@ func (f *family) run(ctx context.Context, bin string, args []string, stdin strin
 }
 
 // Sync implements proxy.Rules.
-func (r *Rules) Sync(ctx context.Context, frontends []proxy.Frontend, verify bool) error {
+func (r *Rules) Sync(ctx context.Context, frontends []config.Frontend, verify bool) error {
 	return r.sync(ctx, frontends, verify, nil)
 }
 
-func (r *Rules) sync(ctx context.Context, frontends []proxy.Frontend, verify bool, h *hint) error {
+func (r *Rules) sync(ctx context.Context, frontends []config.Frontend, verify bool, h *hint) error {
 	var errs *multierror.Error
 	for _, f := range r.families {
 		mine := ofFamily(frontends, f.fam)
@@ -306,20 +303,20 @@ func (r *Rules) sync(ctx context.Context, frontends []proxy.Frontend, verify boo
 // since the last Sync (fresh: those of them that are in frontends): the
 // rules of the other frontends are not looked at. Anything unusual (the
 // first sync, new node addresses, a drift) takes the full Sync.
-func (r *Rules) SyncChanged(ctx context.Context, frontends []proxy.Frontend, changed []config.ServicePortName, fresh []proxy.Frontend) error {
+func (r *Rules) SyncChanged(ctx context.Context, frontends []config.Frontend, changed []config.ServicePortName, fresh []config.Frontend) error {
 	return r.sync(ctx, frontends, false, &hint{changed: changed, fresh: fresh})
 }
 
 // hint says which frontends a sync must look at (nil: all).
 type hint struct {
 	changed []config.ServicePortName
-	fresh   []proxy.Frontend
+	fresh   []config.Frontend
 }
 
 // ofFamily returns the frontends of family fam that have a listener: the
 // given slice itself when that is all of them (never modified: it is the
 // proxier's view, and copying 10k frontends was a megabyte per sync).
-func ofFamily(frontends []proxy.Frontend, fam int) []proxy.Frontend {
+func ofFamily(frontends []config.Frontend, fam int) []config.Frontend {
 	all := true
 	n := 0
 	for _, fe := range frontends {
@@ -332,7 +329,7 @@ func ofFamily(frontends []proxy.Frontend, fam int) []proxy.Frontend {
 	if all {
 		return frontends
 	}
-	mine := make([]proxy.Frontend, 0, n)
+	mine := make([]config.Frontend, 0, n)
 	for _, fe := range frontends {
 		if fe.Family == fam && fe.Err == nil {
 			mine = append(mine, fe)
@@ -354,7 +351,7 @@ func (r *Rules) Counts() map[string]int {
 
 // renderOptions returns the options of the next sync; a change of options
 // (node addresses) renders every frontend again.
-func (f *family) renderOptions(cidrs []netip.Prefix, ports proxy.PortRange) RenderOptions {
+func (f *family) renderOptions(cidrs []netip.Prefix, ports config.PortRange) RenderOptions {
 	o := RenderOptions{Family: f.fam, Features: f.features, ProxyPorts: ports}
 	if len(cidrs) == 0 && f.features.Addrtype {
 		o.AllLocal = true
@@ -400,7 +397,7 @@ func LocalAddrs(fam int, cidrs []netip.Prefix) []netip.Addr {
 // the few tree chains on its path); otherwise, or when verify finds the live
 // rules differ, it rewrites all of our chains and deletes any other chain of
 // ours. It returns the rule counts per table.
-func (f *family) sync(ctx context.Context, frontends []proxy.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
+func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
 	if !reflect.DeepEqual(opts, f.opts) {
 		f.records = nil // node addresses changed: every NodePort rule may
 	}
@@ -517,7 +514,7 @@ func (f *family) sync(ctx context.Context, frontends []proxy.Frontend, opts Rend
 // frontends whose rules differ, and reports whether any rule changed. No map
 // of all frontends is built (at 10k service ports that was most of a sync's
 // garbage).
-func (f *family) update(frontends []proxy.Frontend) bool {
+func (f *family) update(frontends []config.Frontend) bool {
 	if f.records == nil {
 		f.records = make(map[feKey]*feRules, len(frontends))
 		f.trees = nil
@@ -556,7 +553,7 @@ func (f *family) update(frontends []proxy.Frontend) bool {
 
 // updateChanged is update for the frontends of h's service ports alone.
 func (f *family) updateChanged(h *hint) bool {
-	fresh := make(map[feKey]proxy.Frontend, len(h.fresh))
+	fresh := make(map[feKey]config.Frontend, len(h.fresh))
 	for _, fe := range h.fresh {
 		if fe.Family == f.fam && fe.Err == nil {
 			fresh[feKey{fe.Service.Name, fe.Kind}] = fe
@@ -570,7 +567,7 @@ func (f *family) updateChanged(h *hint) bool {
 			continue // listed twice: looked at once
 		}
 		done[name] = true
-		for _, kind := range proxy.Kinds {
+		for _, kind := range config.Kinds {
 			k := feKey{name, kind}
 			old, fe := f.records[k], fresh[k]
 			switch {

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // The devpaasy Service (ClusterIP 10.0.0.41:8080, NodePort 31341), its
@@ -13,7 +15,7 @@ import (
 func TestTraceDevpaasy(t *testing.T) {
 	fes := withPorts(proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), true), 40000)
 	nodeAddrs := []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("127.0.0.1")}
-	restricted := RenderOptions{Family: 4, Features: allFeatures, NodePortAddresses: nodeAddrs, ProxyPorts: proxy.DefaultPortRange}
+	restricted := RenderOptions{Family: 4, Features: allFeatures, NodePortAddresses: nodeAddrs, ProxyPorts: config.DefaultPortRange}
 	in := TraceInput{Rules: Render(fes, restricted), Features: allFeatures}
 	pod, ext, node := netip.MustParseAddr("10.251.19.20"), netip.MustParseAddr("192.168.50.2"), netip.MustParseAddr("192.168.50.1")
 	for _, tc := range []struct {
@@ -74,7 +76,7 @@ func TestTraceUnsupportedMatch(t *testing.T) {
 
 func TestTraceDNATAndCounters(t *testing.T) {
 	fes := withPorts(proxy.Plan(devpaasy(t), netip.MustParseAddr("192.168.50.1"), true), 40000)
-	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true, ProxyPorts: proxy.DefaultPortRange})
+	rs := Render(fes, RenderOptions{Family: 4, Features: allFeatures, AllLocal: true, ProxyPorts: config.DefaultPortRange})
 	counters := map[string]Counter{}
 	save := "*nat\n:KUBE-PORTALS-CONTAINER - [0:0]\n[7:420] -A KUBE-PORTALS-CONTAINER " + rs.Nat[ChainPortalsContainer][0] +
 		"\n[1:60] -A PREROUTING -j OTHER\nCOMMIT\n"

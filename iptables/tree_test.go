@@ -32,8 +32,8 @@ func walk(t *testing.T, rs *Ruleset, chain string, dst netip.Addr, proto string,
 
 // frontendsAt returns ClusterIP frontends, one per address, each with port 80
 // and a listener port of 20000+i.
-func frontendsAt(addrs []netip.Addr) []proxy.Frontend {
-	var out []proxy.Frontend
+func frontendsAt(addrs []netip.Addr) []config.Frontend {
+	var out []config.Frontend
 	for i, a := range addrs {
 		sp := &config.ServicePort{
 			Name:       config.ServicePortName{Namespace: "ns", Name: fmt.Sprintf("s%d", i), Port: "http"},
@@ -45,7 +45,7 @@ func frontendsAt(addrs []netip.Addr) []proxy.Frontend {
 		if a.Is6() {
 			fam = 6
 		}
-		out = append(out, proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: fam, Protocol: config.TCP,
+		out = append(out, config.Frontend{Service: sp, Kind: config.KindAll, Family: fam, Protocol: config.TCP,
 			Listen: netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(20000+i%40000))})
 	}
 	return out
@@ -180,7 +180,7 @@ func TestTreeChangeIsLocal(t *testing.T) {
 // NodePorts (with --nodeport-addresses) are a tree by port, per protocol: a
 // connection to a local port that is no NodePort passes one rule per protocol.
 func TestNodePortTree(t *testing.T) {
-	var fes []proxy.Frontend
+	var fes []config.Frontend
 	for i := 0; i < 2000; i++ {
 		proto := config.TCP
 		if i%4 == 0 {
@@ -193,7 +193,7 @@ func TestNodePortTree(t *testing.T) {
 			NodePort:   30000 + i,
 			ClusterIPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i / 250), byte(i%250 + 1)})},
 		}
-		fes = append(fes, proxy.Frontend{Service: sp, Kind: proxy.KindAll, Family: 4, Protocol: proto,
+		fes = append(fes, config.Frontend{Service: sp, Kind: config.KindAll, Family: 4, Protocol: proto,
 			Listen: netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(45000+i))})
 	}
 	node := netip.MustParseAddr("192.168.50.1")
@@ -244,7 +244,7 @@ func TestTreeChainNames(t *testing.T) {
 func TestGuardLetsNodePortListenersThrough(t *testing.T) {
 	fes := proxy.Plan(devpaasy(t), netip.IPv4Unspecified(), false)
 	o := all4
-	o.ProxyPorts = proxy.PortRange{Base: 30000, Size: 5000}
+	o.ProxyPorts = config.PortRange{Base: 30000, Size: 5000}
 	g := Render(fes, o).Filter[ChainGuard]
 	want := []string{
 		"-p tcp -m tcp --dport 31341 -j RETURN",

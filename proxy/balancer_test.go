@@ -185,19 +185,3 @@ func TestSweepDropsIdlePins(t *testing.T) {
 		t.Fatalf("%d pins after sweep, want 1", n)
 	}
 }
-
-func TestParsePortRange(t *testing.T) {
-	for in, want := range map[string]PortRange{
-		"": {}, "0-0": {}, "30000-30009": {30000, 10}, "30000+9": {30000, 10}, "8080": {8080, 1},
-	} {
-		got, err := ParsePortRange(in)
-		if err != nil || got != want {
-			t.Errorf("ParsePortRange(%q) = %v, %v; want %v", in, got, err, want)
-		}
-	}
-	for _, bad := range []string{"a-b", "10-5", "0-70000", "-5", "1+x"} {
-		if _, err := ParsePortRange(bad); err == nil {
-			t.Errorf("ParsePortRange(%q) accepted", bad)
-		}
-	}
-}

@@ -24,7 +24,7 @@ const (
 // protocol (TCP or UDP), and what dst is to its Service. dstLocal says
 // whether dst is an address of this node, for NodePorts. Service addresses
 // win over NodePorts, as the rules order them.
-func Match(frontends []Frontend, dst netip.AddrPort, protocol config.Protocol, dstLocal bool) (Frontend, string, bool) {
+func Match(frontends []config.Frontend, dst netip.AddrPort, protocol config.Protocol, dstLocal bool) (config.Frontend, string, bool) {
 	addr, port := dst.Addr().Unmap(), int(dst.Port())
 	fam := config.Family(addr)
 	for _, fe := range frontends {
@@ -32,10 +32,10 @@ func Match(frontends []Frontend, dst netip.AddrPort, protocol config.Protocol, d
 		if fe.Family != fam || fe.Protocol != protocol || sp.Port != port {
 			continue
 		}
-		if fe.Kind != KindExternal && slices.Contains(sp.ClusterIPs, addr) {
+		if fe.Kind != config.KindExternal && slices.Contains(sp.ClusterIPs, addr) {
 			return fe, AsClusterIP, true
 		}
-		if fe.Kind != KindInternal {
+		if fe.Kind != config.KindInternal {
 			if slices.Contains(sp.ExternalIPs, addr) {
 				return fe, AsExternalIP, true
 			}
@@ -46,12 +46,12 @@ func Match(frontends []Frontend, dst netip.AddrPort, protocol config.Protocol, d
 	}
 	if dstLocal {
 		for _, fe := range frontends {
-			if fe.Family == fam && fe.Protocol == protocol && fe.Kind != KindInternal && fe.Service.NodePort == port {
+			if fe.Family == fam && fe.Protocol == protocol && fe.Kind != config.KindInternal && fe.Service.NodePort == port {
 				return fe, AsNodePort, true
 			}
 		}
 	}
-	return Frontend{}, "", false
+	return config.Frontend{}, "", false
 }
 
 // ExplainedEndpoint is one endpoint of the Service port, with whether this
@@ -75,7 +75,7 @@ type Explanation struct {
 	Service  string          `json:"service"`
 	Protocol config.Protocol `json:"protocol"`
 	Family   int             `json:"family"`
-	Kind     Kind            `json:"kind"`
+	Kind     config.Kind     `json:"kind"`
 	// As is what the destination is to the Service: clusterIP,
 	// externalIP, loadBalancerIP or nodePort.
 	As string `json:"as"`
@@ -111,7 +111,7 @@ type Explanation struct {
 // from client. as is Match's answer. Without a live listener (offline, or
 // one that failed) it explains with a new balancer, as the listener would
 // start.
-func (p *Proxier) Explain(fe Frontend, as string, client netip.Addr) Explanation {
+func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Explanation {
 	var bal Balancer
 	p.rec.mu.Lock()
 	l := p.rec.liveLocked(fe)
@@ -125,13 +125,13 @@ func (p *Proxier) Explain(fe Frontend, as string, client netip.Addr) Explanation
 
 // ExplainPlanned explains a frontend of Plan: no listener, a balancer as a
 // new listener would start it.
-func ExplainPlanned(fe Frontend, as string, client netip.Addr, node, zone string) Explanation {
+func ExplainPlanned(fe config.Frontend, as string, client netip.Addr, node, zone string) Explanation {
 	return explain(fe, as, client, node, zone, nil, false)
 }
 
-func explain(fe Frontend, as string, client netip.Addr, node, zone string, bal Balancer, live bool) Explanation {
+func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal Balancer, live bool) Explanation {
 	sp := fe.Service
-	local := fe.key().localOnly(sp)
+	local := keyOf(fe).localOnly(sp)
 	if as == AsClusterIP {
 		local = sp.InternalLocal
 	} else if as != "" {

@@ -78,11 +78,11 @@ func TestExplainEndpointSelection(t *testing.T) {
 	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{sp.Name: sp}, Node: "a"}
 	fes := Plan(st, netip.IPv4Unspecified(), false)
 	internal, as, ok := Match(fes, netip.MustParseAddrPort("10.96.0.10:80"), config.TCP, false)
-	if !ok || as != AsClusterIP || internal.Kind != KindInternal {
+	if !ok || as != AsClusterIP || internal.Kind != config.KindInternal {
 		t.Fatalf("ClusterIP matched %v %s %v", ok, as, internal.Kind)
 	}
 	external, as, ok := Match(fes, netip.MustParseAddrPort("192.168.1.1:30080"), config.TCP, true)
-	if !ok || as != AsNodePort || external.Kind != KindExternal {
+	if !ok || as != AsNodePort || external.Kind != config.KindExternal {
 		t.Fatalf("NodePort matched %v %s %v", ok, as, external.Kind)
 	}
 	if _, _, ok := Match(fes, netip.MustParseAddrPort("192.168.1.1:30080"), config.TCP, false); ok {

@@ -37,38 +37,40 @@ func (p *Proxier) writtenFor() *config.State {
 }
 
 // Lookup returns the frontend serving name for family and kind as of the last sync.
-func (p *Proxier) Lookup(name config.ServicePortName, family int, kind Kind) (Frontend, bool) {
+func (p *Proxier) Lookup(name config.ServicePortName, family int, kind config.Kind) (config.Frontend, bool) {
 	for _, fe := range p.Frontends() {
 		if fe.Service.Name == name && fe.Family == family && fe.Kind == kind && fe.Err == nil {
 			return fe, true
 		}
 	}
-	return Frontend{}, false
+	return config.Frontend{}, false
 }
 
 // ListenPort returns the proxy port serving name for family and kind, or 0.
-func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind Kind) int {
+func (p *Proxier) ListenPort(name config.ServicePortName, family int, kind config.Kind) int {
 	fe, _ := p.Lookup(name, family, kind)
 	return int(fe.Listen.Port())
 }
 
 // status is fe's status as of now.
-func (p *Proxier) status(fe Frontend) FrontendStatus {
+func (p *Proxier) status(fe config.Frontend) FrontendStatus {
 	p.rec.mu.Lock()
 	defer p.rec.mu.Unlock()
 	return p.rec.statusLocked(fe)
 }
 
-func (p *Proxier) Affinities(fe Frontend) []Affinity           { return p.status(fe).Affinities }
-func (p *Proxier) EndpointHealth(fe Frontend) []EndpointHealth { return p.status(fe).EndpointHealth }
-func (p *Proxier) Scheduler(fe Frontend) string                { return p.status(fe).Scheduler }
+func (p *Proxier) Affinities(fe config.Frontend) []Affinity { return p.status(fe).Affinities }
+func (p *Proxier) EndpointHealth(fe config.Frontend) []EndpointHealth {
+	return p.status(fe).EndpointHealth
+}
+func (p *Proxier) Scheduler(fe config.Frontend) string { return p.status(fe).Scheduler }
 
-func (p *Proxier) UDPFlows(fe Frontend) (active int, evicted uint64) {
+func (p *Proxier) UDPFlows(fe config.Frontend) (active int, evicted uint64) {
 	st := p.status(fe)
 	return st.UDPFlows, st.UDPEvicted
 }
 
-func (p *Proxier) Topology(fe Frontend) (mode, zone string) {
+func (p *Proxier) Topology(fe config.Frontend) (mode, zone string) {
 	st := p.status(fe)
 	return st.Topology, st.Zone
 }

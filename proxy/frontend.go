@@ -11,51 +11,14 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
-// Kind says which addresses a frontend answers on.
-type Kind string
-
-const (
-	// KindAll: ClusterIPs and the external addresses share one listener
-	// (internal and external traffic policies select the same endpoints).
-	KindAll Kind = "all"
-	// KindInternal: ClusterIPs only.
-	KindInternal Kind = "internal"
-	// KindExternal: NodePort, externalIPs and LoadBalancer IPs only.
-	KindExternal Kind = "external"
-)
-
-// Kinds lists every Kind.
-var Kinds = [...]Kind{KindAll, KindInternal, KindExternal}
-
 type frontendKey struct {
 	Name   config.ServicePortName
-	Kind   Kind
+	Kind   config.Kind
 	Family int
 }
 
-// Frontend is one listener and what it answers on, as plain data: Rules
-// receive these. The live listener behind it is the Proxier's.
-type Frontend struct {
-	Service  *config.ServicePort
-	Kind     Kind
-	Family   int
-	Protocol config.Protocol
-	Listen   netip.AddrPort // where the listener is bound (port is the proxy port)
-	// Err is set when the listener could not be opened; Rules skip it.
-	Err error
-	// NodePortErr is set when the NodePort could not be held (another
-	// process has it); Rules skip the NodePort but serve the rest.
-	NodePortErr error
-}
-
-// OnNodePort reports whether the listener sits on the Service's NodePort:
-// traffic to the NodePort then reaches it without any rule, and it is meant
-// to be reachable from anywhere.
-func (f Frontend) OnNodePort() bool {
-	return f.Service.NodePort != 0 && int(f.Listen.Port()) == f.Service.NodePort
-}
-
-func (f Frontend) key() frontendKey { return frontendKey{f.Service.Name, f.Kind, f.Family} }
+// keyOf is the key of the listener behind f.
+func keyOf(f config.Frontend) frontendKey { return frontendKey{f.Service.Name, f.Kind, f.Family} }
 
 // String names a listener: service port, kind and family.
 func (k frontendKey) String() string { return fmt.Sprintf("%s/%s/%d", k.Name, k.Kind, k.Family) }
@@ -92,9 +55,9 @@ type tcpServer struct {
 // localOnly says whether the frontend's traffic policy is Local.
 func (k frontendKey) localOnly(sp *config.ServicePort) bool {
 	switch k.Kind {
-	case KindInternal:
+	case config.KindInternal:
 		return sp.InternalLocal
-	case KindExternal:
+	case config.KindExternal:
 		return sp.ExternalLocal
 	}
 	return sp.InternalLocal // KindAll: both policies agree
@@ -109,9 +72,9 @@ func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.Se
 	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
 	for _, fam := range sp.Families() {
 		if split {
-			keys = append(keys, frontendKey{Name: name, Kind: KindInternal, Family: fam}, frontendKey{Name: name, Kind: KindExternal, Family: fam})
+			keys = append(keys, frontendKey{Name: name, Kind: config.KindInternal, Family: fam}, frontendKey{Name: name, Kind: config.KindExternal, Family: fam})
 		} else {
-			keys = append(keys, frontendKey{Name: name, Kind: KindAll, Family: fam})
+			keys = append(keys, frontendKey{Name: name, Kind: config.KindAll, Family: fam})
 		}
 	}
 	return keys

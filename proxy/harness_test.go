@@ -91,7 +91,7 @@ func (h *harness) apply(ports ...*config.ServicePort) {
 }
 
 func (h *harness) port(name string) int {
-	return h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: name}, 4, KindAll)
+	return h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: name}, 4, config.KindAll)
 }
 
 func (h *harness) addr(name string) string {

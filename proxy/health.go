@@ -85,4 +85,3 @@ func (r *reconciler) syncHealthChecks(st *config.State) {
 	r.healthChecks = out
 	r.cfg.ServiceHealth.Sync(out)
 }
-

@@ -93,17 +93,17 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 
 // viewSet is a view as a set, without listener ports (two proxiers choose
 // their own); a key twice fails the test.
-func viewSet(t *testing.T, view []Frontend) map[frontendKey]*config.ServicePort {
+func viewSet(t *testing.T, view []config.Frontend) map[frontendKey]*config.ServicePort {
 	t.Helper()
 	out := map[frontendKey]*config.ServicePort{}
 	for _, f := range view {
 		if f.Err != nil {
-			t.Fatalf("%v: %v", f.key(), f.Err)
+			t.Fatalf("%v: %v", keyOf(f), f.Err)
 		}
-		if _, dup := out[f.key()]; dup {
-			t.Fatalf("%v twice in the view", f.key())
+		if _, dup := out[keyOf(f)]; dup {
+			t.Fatalf("%v twice in the view", keyOf(f))
 		}
-		out[f.key()] = f.Service
+		out[keyOf(f)] = f.Service
 	}
 	return out
 }
@@ -165,7 +165,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	if err := p.sync(st, false); err != nil {
 		t.Fatal(err)
 	}
-	if fe, ok := p.Lookup(taken.Name, 4, KindAll); !ok || fe.NodePortErr == nil {
+	if fe, ok := p.Lookup(taken.Name, 4, config.KindAll); !ok || fe.NodePortErr == nil {
 		t.Fatalf("frontend %+v: want a NodePort error", fe)
 	}
 
@@ -182,7 +182,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	if err := p.sync(st2, false); err != nil {
 		t.Fatal(err)
 	}
-	if fe, _ := p.Lookup(changed.Name, 4, KindAll); fe.Service != changed {
+	if fe, _ := p.Lookup(changed.Name, 4, config.KindAll); fe.Service != changed {
 		t.Fatal("the changed port is not served")
 	}
 
@@ -195,7 +195,7 @@ func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
 	if err := p.sync(st2, false); err != nil {
 		t.Fatal(err)
 	}
-	fe, _ := p.Lookup(taken.Name, 4, KindAll)
+	fe, _ := p.Lookup(taken.Name, 4, config.KindAll)
 	if fe.NodePortErr != nil {
 		t.Fatalf("after the NodePort was freed: %v", fe.NodePortErr)
 	}

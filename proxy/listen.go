@@ -16,65 +16,6 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
-// PortRange is --proxy-port-range: the local ports listeners may use. The zero
-// value means "let the kernel choose".
-type PortRange struct {
-	Base, Size int
-}
-
-// DefaultPortRange is --proxy-port-range when none is given: inside the
-// kernel's default ephemeral range (32768-60999), away from the NodePort
-// range (30000-32767) and from servers with well-known ports. ReservePorts
-// takes it out of the ephemeral range, which keeps 32768-44999 and
-// 60000-60999 for the node's outgoing connections. TCP and UDP, IPv4 and
-// IPv6 each have the whole range: 15 000 listeners apiece.
-var DefaultPortRange = PortRange{Base: 45000, Size: 15000}
-
-// ParsePortRange parses "begin-end", "begin+offset" or a single port; "" and
-// "0-0" mean the kernel's own range (see portAllocator).
-func ParsePortRange(s string) (PortRange, error) {
-	s = strings.TrimSpace(s)
-	if s == "" || s == "0-0" || s == "0" {
-		return PortRange{}, nil
-	}
-	var lo, hi int
-	var err error
-	switch {
-	case strings.Contains(s, "-"):
-		a, b, _ := strings.Cut(s, "-")
-		if lo, err = strconv.Atoi(a); err == nil {
-			hi, err = strconv.Atoi(b)
-		}
-	case strings.Contains(s, "+"):
-		a, b, _ := strings.Cut(s, "+")
-		var off int
-		if lo, err = strconv.Atoi(a); err == nil {
-			off, err = strconv.Atoi(b)
-			hi = lo + off
-		}
-	default:
-		lo, err = strconv.Atoi(s)
-		hi = lo
-	}
-	if err != nil {
-		return PortRange{}, fmt.Errorf("port range %q: want begin-end, begin+offset or a port", s)
-	}
-	if lo < 1 || hi > 65535 || lo > hi {
-		return PortRange{}, fmt.Errorf("port range %q: ports must satisfy 1 <= begin <= end <= 65535", s)
-	}
-	return PortRange{Base: lo, Size: hi - lo + 1}, nil
-}
-
-// Contains reports whether port p is in the range.
-func (r PortRange) Contains(p int) bool { return p >= r.Base && p < r.Base+r.Size }
-
-func (r PortRange) String() string {
-	if r.Size == 0 {
-		return ""
-	}
-	return fmt.Sprintf("%d-%d", r.Base, r.Base+r.Size-1)
-}
-
 // portAllocator hands out ports from a PortRange: the key's preferred port
 // (a hash of its name), else the next free one after it, wrapping.
 //
@@ -84,12 +25,12 @@ func (r PortRange) String() string {
 // 1–1.6 ms per listener once ~7000 ports are taken (15 µs for a named port),
 // which made 10k ClusterIP services take seconds to open.
 type portAllocator struct {
-	r    PortRange
+	r    config.PortRange
 	mu   sync.Mutex
 	used map[usedPort]bool
 	// The kernel's range and reserved ports, read at first use when r is
 	// empty; kernel stays nil when they could not be read (port 0 then).
-	kernel       *PortRange
+	kernel       *config.PortRange
 	kernelResv   map[int]bool
 	kernelLoaded bool
 	warn         func(error) // told once when the kernel's range cannot be read
@@ -110,23 +51,23 @@ var (
 )
 
 // loadKernelRange reads the kernel's local port range and reserved ports.
-func loadKernelRange() (PortRange, map[int]bool, error) {
+func loadKernelRange() (config.PortRange, map[int]bool, error) {
 	b, err := os.ReadFile(localPortRangeFile)
 	if err != nil {
-		return PortRange{}, nil, err
+		return config.PortRange{}, nil, err
 	}
 	f := strings.Fields(string(b))
 	if len(f) != 2 {
-		return PortRange{}, nil, fmt.Errorf("%s: unexpected %q", localPortRangeFile, b)
+		return config.PortRange{}, nil, fmt.Errorf("%s: unexpected %q", localPortRangeFile, b)
 	}
-	r, err := ParsePortRange(f[0] + "-" + f[1])
+	r, err := config.ParsePortRange(f[0] + "-" + f[1])
 	if err != nil || r.Size == 0 {
-		return PortRange{}, nil, fmt.Errorf("%s: %q: %v", localPortRangeFile, b, err)
+		return config.PortRange{}, nil, fmt.Errorf("%s: %q: %v", localPortRangeFile, b, err)
 	}
 	resv := map[int]bool{}
 	if b, err := os.ReadFile(localReservedPortFile); err == nil {
 		if resv, err = parseReserved(b); err != nil {
-			return PortRange{}, nil, err
+			return config.PortRange{}, nil, err
 		}
 	}
 	return r, resv, nil
@@ -139,7 +80,7 @@ func parseReserved(b []byte) (map[int]bool, error) {
 		if part == "" {
 			continue
 		}
-		pr, err := ParsePortRange(part)
+		pr, err := config.ParsePortRange(part)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", localReservedPortFile, err)
 		}
@@ -211,7 +152,7 @@ func (a *portAllocator) listen(proto config.Protocol, ip netip.Addr, key string)
 // same after a restart and after a quick remove and re-add, so that the
 // conntrack entries of UDP clients that keep their source port still point at
 // it, and a rule sync after a restart changes nothing.
-func preferredPort(r PortRange, key string) int {
+func preferredPort(r config.PortRange, key string) int {
 	h := fnv.New32a()
 	h.Write([]byte(key))
 	return r.Base + int(h.Sum32()%uint32(r.Size))
@@ -228,14 +169,14 @@ func (a *portAllocator) release(u usedPort) {
 // takes a port of the range: the proxy ports are guarded by one rule for the
 // whole range, which must not catch anybody else's sockets. Ports already
 // bound are not affected. It reports whether the list changed.
-func ReservePorts(r PortRange) (bool, error) { return editReserved(r, true) }
+func ReservePorts(r config.PortRange) (bool, error) { return editReserved(r, true) }
 
 // UnreservePorts takes r out of ip_local_reserved_ports (--cleanup).
-func UnreservePorts(r PortRange) (bool, error) { return editReserved(r, false) }
+func UnreservePorts(r config.PortRange) (bool, error) { return editReserved(r, false) }
 
 // editReserved sets (or clears) r in ip_local_reserved_ports and reports
 // whether the list changed.
-func editReserved(r PortRange, reserve bool) (bool, error) {
+func editReserved(r config.PortRange, reserve bool) (bool, error) {
 	b, err := os.ReadFile(localReservedPortFile)
 	if err != nil {
 		return false, fmt.Errorf("reading reserved ports: %w", err)

@@ -93,23 +93,23 @@ func TestReservePorts(t *testing.T) {
 	os.WriteFile(file, []byte("1000-1005,2000\n"), 0o644)
 	read := func() string { b, _ := os.ReadFile(file); return string(b) }
 
-	if changed, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err != nil || !changed {
+	if changed, err := ReservePorts(config.PortRange{Base: 1003, Size: 8}); err != nil || !changed {
 		t.Fatalf("reserve: changed %v, %v", changed, err)
 	}
 	if got := read(); got != "1000-1010,2000" {
 		t.Fatalf("after reserving 1003-1010: %q", got)
 	}
-	if changed, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err != nil || changed {
+	if changed, err := ReservePorts(config.PortRange{Base: 1003, Size: 8}); err != nil || changed {
 		t.Fatalf("reserving again: changed %v, %v", changed, err)
 	}
-	if changed, err := UnreservePorts(PortRange{Base: 1003, Size: 8}); err != nil || !changed {
+	if changed, err := UnreservePorts(config.PortRange{Base: 1003, Size: 8}); err != nil || !changed {
 		t.Fatalf("unreserve: changed %v, %v", changed, err)
 	}
 	if got := read(); got != "1000-1002,2000" {
 		t.Fatalf("after unreserving 1003-1010: %q", got)
 	}
 	os.WriteFile(file, []byte("not-a-range\n"), 0o644)
-	if _, err := ReservePorts(PortRange{Base: 1003, Size: 8}); err == nil {
+	if _, err := ReservePorts(config.PortRange{Base: 1003, Size: 8}); err == nil {
 		t.Fatal("a garbled list was overwritten")
 	}
 }
@@ -118,7 +118,7 @@ func TestReservePorts(t *testing.T) {
 // one UDP listener, and a second TCP listener finds the range exhausted.
 func TestPortRangePerProtocol(t *testing.T) {
 	p := int(closedPort(t).Port())
-	a := portAllocator{r: PortRange{Base: p, Size: 1}}
+	a := portAllocator{r: config.PortRange{Base: p, Size: 1}}
 	tl, trel, err := a.listen(config.TCP, loopback, "")
 	if err != nil {
 		t.Skipf("port %d taken meanwhile: %v", p, err)
@@ -145,7 +145,7 @@ func TestPreferredPortIsStable(t *testing.T) {
 	if base < 1024 || base+1024 > 65535 {
 		base = 40000
 	}
-	a := portAllocator{r: PortRange{Base: base, Size: 1024}}
+	a := portAllocator{r: config.PortRange{Base: base, Size: 1024}}
 	open := func(key string) (int, func()) {
 		t.Helper()
 		ln, release, err := a.listen(config.UDP, loopback, key)
@@ -180,7 +180,7 @@ func TestPortsRepeatAcrossRestarts(t *testing.T) {
 	if base < 1024 || base+64 > 65535 {
 		base = 40000
 	}
-	r := PortRange{Base: base, Size: 64}
+	r := config.PortRange{Base: base, Size: 64}
 	keys := make([]string, 40) // 40 keys in 64 ports: collisions for sure
 	for i := range keys {
 		keys[i] = "ns/svc-" + strconv.Itoa(i) + "/all/4"

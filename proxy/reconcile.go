@@ -60,8 +60,8 @@ type reconciler struct {
 	mu sync.Mutex // guards the fields below: written by the sync goroutine, read by anyone
 	// frontends are the live listeners.
 	frontends map[frontendKey]*frontend
-	view      []Frontend // as last synced; also handed to Rules.Sync: never reordered
-	sorted    []Frontend // a sorted copy of view, made on first read
+	view      []config.Frontend // as last synced; also handed to Rules.Sync: never reordered
+	sorted    []config.Frontend // a sorted copy of view, made on first read
 	// viewNode and viewZone are the node's name and zone the view's
 	// endpoints were chosen for (explain).
 	viewNode, viewZone string
@@ -208,9 +208,9 @@ func (r *reconciler) stop(fe *frontend) {
 // startView returns the start of the sync's view and the ports to serve
 // into it: every port of st, or, when only the changed ports are visited,
 // the last view without them (view[:unchanged]) and the changed ports.
-func (r *reconciler) startView(st *config.State, changed []config.ServicePortName) (view []Frontend, unchanged int, ports []*config.ServicePort) {
+func (r *reconciler) startView(st *config.State, changed []config.ServicePortName) (view []config.Frontend, unchanged int, ports []*config.ServicePort) {
 	if changed == nil {
-		return make([]Frontend, 0, max(len(r.frontends), len(st.Ports))+8), 0, slices.Collect(maps.Values(st.Ports))
+		return make([]config.Frontend, 0, max(len(r.frontends), len(st.Ports))+8), 0, slices.Collect(maps.Values(st.Ports))
 	}
 	set := make(map[config.ServicePortName]bool, len(changed))
 	for _, name := range changed {
@@ -222,7 +222,7 @@ func (r *reconciler) startView(st *config.State, changed []config.ServicePortNam
 	r.mu.Lock()
 	last := r.view
 	r.mu.Unlock()
-	view = make([]Frontend, 0, len(last)+2*len(changed)+8)
+	view = make([]config.Frontend, 0, len(last)+2*len(changed)+8)
 	for _, f := range last {
 		if !set[f.Service.Name] {
 			view = append(view, f)
@@ -236,7 +236,7 @@ func (r *reconciler) startView(st *config.State, changed []config.ServicePortNam
 // every start. Then the ports that need a listener, in the order of their
 // names: with ports chosen from each one's preferred port upwards, a restart
 // opens the same Services on the same ports (and finds its rules).
-func (r *reconciler) serveAll(view []Frontend, st *config.State, ports []*config.ServicePort, retaken map[frontendKey]*frontend, rezone bool) []Frontend {
+func (r *reconciler) serveAll(view []config.Frontend, st *config.State, ports []*config.ServicePort, retaken map[frontendKey]*frontend, rezone bool) []config.Frontend {
 	var keys []frontendKey
 	var claims, opening []*config.ServicePort
 	for _, sp := range ports {
@@ -262,7 +262,7 @@ func (r *reconciler) serveAll(view []Frontend, st *config.State, ports []*config
 
 // serve makes sure a frontend serves sp for each of keys (opening the ones
 // missing) and appends them to view.
-func (r *reconciler) serve(view []Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey, retaken map[frontendKey]*frontend, rezone bool) []Frontend {
+func (r *reconciler) serve(view []config.Frontend, st *config.State, sp *config.ServicePort, keys []frontendKey, retaken map[frontendKey]*frontend, rezone bool) []config.Frontend {
 	for _, key := range keys {
 		fe := r.frontends[key]
 		opened := fe == nil
@@ -270,7 +270,7 @@ func (r *reconciler) serve(view []Frontend, st *config.State, sp *config.Service
 			if fe = retaken[key]; fe == nil {
 				var err error
 				if fe, err = r.open(key, sp, st.Node); err != nil {
-					view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
+					view = append(view, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
 					continue
 				}
 			}
@@ -289,7 +289,7 @@ func (r *reconciler) serve(view []Frontend, st *config.State, sp *config.Service
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone), sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
 		}
 		fe.spec = sp
-		view = append(view, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
+		view = append(view, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr})
 	}
 	return view
@@ -330,7 +330,7 @@ func (r *reconciler) retakeNodePort(key frontendKey, sp *config.ServicePort) *fr
 
 // countFailures counts the frontends of view that could not open their
 // listener or NodePort: the sync goroutine tries them again.
-func (r *reconciler) countFailures(view []Frontend) {
+func (r *reconciler) countFailures(view []config.Frontend) {
 	r.failing, r.listenFailures, r.failingNames = 0, 0, r.failingNames[:0]
 	for _, fe := range view {
 		if fe.Err != nil {
@@ -346,7 +346,7 @@ func (r *reconciler) countFailures(view []Frontend) {
 }
 
 // publish makes view what readers see.
-func (r *reconciler) publish(st *config.State, view []Frontend) {
+func (r *reconciler) publish(st *config.State, view []config.Frontend) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.view, r.sorted = view, nil // sorted when first read: sorting 10k costs ms
@@ -444,7 +444,7 @@ func (r *reconciler) needsListener(keys []frontendKey) bool {
 func allFrontendKeys(name config.ServicePortName) []frontendKey {
 	keys := make([]frontendKey, 0, 6)
 	for _, fam := range []int{4, 6} {
-		for _, kind := range Kinds {
+		for _, kind := range config.Kinds {
 			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
 		}
 	}

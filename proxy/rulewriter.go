@@ -18,7 +18,7 @@ import (
 // the live rules with the desired ones (once per sync period) instead of
 // trusting what it wrote last.
 type Rules interface {
-	Sync(ctx context.Context, frontends []Frontend, verify bool) error
+	Sync(ctx context.Context, frontends []config.Frontend, verify bool) error
 }
 
 // ChangeSyncer is implemented by Rules that can be told what changed since
@@ -26,7 +26,7 @@ type Rules interface {
 // ports are fresh, the tail of frontends; every other frontend is as it was.
 // At 10k service ports looking at every frontend cost 5-12 ms per sync.
 type ChangeSyncer interface {
-	SyncChanged(ctx context.Context, frontends []Frontend, changed []config.ServicePortName, fresh []Frontend) error
+	SyncChanged(ctx context.Context, frontends []config.Frontend, changed []config.ServicePortName, fresh []config.Frontend) error
 }
 
 // RuleChecker is implemented by Rules that can compare the kernel's rules
@@ -41,11 +41,11 @@ type RuleChecker interface {
 // ruleWrite is one write of the rules, made by a sync (reconciler.apply)
 // and carried out by the rule writer while the next syncs go on.
 type ruleWrite struct {
-	view []Frontend
+	view []config.Frontend
 	// changed names the service ports served again since the write
 	// before (nil: any may have); fresh are their frontends in view.
 	changed []config.ServicePortName
-	fresh   []Frontend
+	fresh   []config.Frontend
 	verify  bool
 	// release were closed before this write was made: their ports are
 	// free once it succeeds. stale were replaced: they stop accepting once

@@ -17,7 +17,7 @@ type Config struct {
 	// 0.0.0.0 for IPv4 frontends and :: for IPv6 ones; a specific address is
 	// used for frontends of its family.
 	BindAddress netip.Addr
-	PortRange   PortRange
+	PortRange   config.PortRange
 
 	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout

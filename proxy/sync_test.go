@@ -61,7 +61,7 @@ type probeRules struct {
 	accepts map[string]bool // as of the last Sync
 }
 
-func (r *probeRules) Sync(_ context.Context, _ []Frontend, _ bool) error {
+func (r *probeRules) Sync(_ context.Context, _ []config.Frontend, _ bool) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.accepts = map[string]bool{}
@@ -147,7 +147,7 @@ func TestEndpointChangeKeepsListenerPortChangeReplacesIt(t *testing.T) {
 
 func TestPortRangeReleasedAndReused(t *testing.T) {
 	base := freePorts(t, 1)
-	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}})
+	h := startProxier(t, Config{PortRange: config.PortRange{Base: int(base), Size: 1}})
 	a := tcpBackend(t, "a")
 	h.apply(svc("one", config.TCP, a))
 	if h.port("one") != int(base) {
@@ -171,7 +171,7 @@ func TestPortRangeReleasedAndReused(t *testing.T) {
 // failingRules fails every Sync while fail is set.
 type failingRules struct{ fail atomic.Bool }
 
-func (r *failingRules) Sync(context.Context, []Frontend, bool) error {
+func (r *failingRules) Sync(context.Context, []config.Frontend, bool) error {
 	if r.fail.Load() {
 		return errors.New("injected rule failure")
 	}
@@ -184,7 +184,7 @@ func (r *failingRules) Sync(context.Context, []Frontend, bool) error {
 func TestPortHeldUntilRulesSyncedWithoutIt(t *testing.T) {
 	base := freePorts(t, 1)
 	rules := &failingRules{}
-	h := startProxier(t, Config{PortRange: PortRange{Base: int(base), Size: 1}, Rules: rules})
+	h := startProxier(t, Config{PortRange: config.PortRange{Base: int(base), Size: 1}, Rules: rules})
 	a := tcpBackend(t, "a")
 	h.apply(svc("one", config.TCP, a))
 	if h.port("one") != int(base) {
@@ -237,14 +237,14 @@ func TestNodePortListenerHoldsThePort(t *testing.T) {
 	taken := svc("taken", config.TCP, a)
 	taken.NodePort = other.Addr().(*net.TCPAddr).Port
 	h.apply(sp, taken)
-	fe, ok := h.p.Lookup(taken.Name, 4, KindAll)
+	fe, ok := h.p.Lookup(taken.Name, 4, config.KindAll)
 	if !ok || fe.NodePortErr == nil || int(fe.Listen.Port()) == taken.NodePort {
 		t.Fatalf("frontend %+v: want a NodePort error and another port", fe)
 	}
 	if got := fetchName(t, h.addr("taken")); got != "a" {
 		t.Fatalf("reached %q", got)
 	}
-	if fe, _ := h.p.Lookup(sp.Name, 4, KindAll); fe.NodePortErr != nil {
+	if fe, _ := h.p.Lookup(sp.Name, 4, config.KindAll); fe.NodePortErr != nil {
 		t.Fatalf("the other service got an error: %v", fe.NodePortErr)
 	}
 
@@ -326,7 +326,7 @@ func TestBulkSyncCollectsGarbage(t *testing.T) {
 // to it.
 func TestFailedListenerRetriedAndUnhealthy(t *testing.T) {
 	p := freePorts(t, 1)
-	h := startProxier(t, Config{PortRange: PortRange{Base: p, Size: 1}})
+	h := startProxier(t, Config{PortRange: config.PortRange{Base: p, Size: 1}})
 	a, b := svc("a", config.TCP, tcpBackend(t, "a")), svc("b", config.TCP, tcpBackend(t, "b"))
 	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{a.Name: a, b.Name: b}, Node: "node-a"}
 	h.p.Update(st)
@@ -381,7 +381,7 @@ func newGatedRules() *gatedRules {
 	return &gatedRules{gate: make(chan struct{}), free: make(chan struct{})}
 }
 
-func (r *gatedRules) Sync(ctx context.Context, _ []Frontend, _ bool) error {
+func (r *gatedRules) Sync(ctx context.Context, _ []config.Frontend, _ bool) error {
 	r.mu.Lock()
 	r.calls++
 	r.mu.Unlock()
@@ -410,7 +410,7 @@ func (r *gatedRules) started() int {
 func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
 	base := freePorts(t, 2)
 	rules := newGatedRules()
-	h := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}, Rules: rules})
+	h := startProxier(t, Config{PortRange: config.PortRange{Base: base, Size: 2}, Rules: rules})
 	t.Cleanup(rules.open) // before the proxier stops (cleanups run last first): its last write is gated too
 	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
 	state := func(ports ...*config.ServicePort) *config.State {
@@ -477,7 +477,7 @@ func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
 // removal of every rule at shutdown (no frontends) goes through.
 type heldRules struct{ calls atomic.Int32 }
 
-func (r *heldRules) Sync(ctx context.Context, frontends []Frontend, _ bool) error {
+func (r *heldRules) Sync(ctx context.Context, frontends []config.Frontend, _ bool) error {
 	if len(frontends) == 0 {
 		return nil
 	}
@@ -499,7 +499,7 @@ func TestStopWhileRulesAreWritten(t *testing.T) {
 	a := tcpBackend(t, "a")
 	p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "one"}: svc("one", config.TCP, a)}, Node: "node-a"})
 	waitFor(t, "the write", func() bool { return rules.calls.Load() == 1 })
-	addr := fmt.Sprintf("127.0.0.1:%d", p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "one"}, 4, KindAll))
+	addr := fmt.Sprintf("127.0.0.1:%d", p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "one"}, 4, config.KindAll))
 	if got := fetchName(t, addr); got != "a" {
 		t.Fatalf("served %q while the write was held", got)
 	}
@@ -520,7 +520,7 @@ func TestStopWhileRulesAreWritten(t *testing.T) {
 func TestQuietWhileNothingIsSynced(t *testing.T) {
 	base := freePorts(t, 2)
 	rules := newGatedRules()
-	h := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}, Rules: rules})
+	h := startProxier(t, Config{PortRange: config.PortRange{Base: base, Size: 2}, Rules: rules})
 	t.Cleanup(rules.open)
 	if !h.p.Quiet(0) {
 		t.Fatal("a proxier that has synced nothing is not quiet")
@@ -546,7 +546,7 @@ func TestQuietWhileNothingIsSynced(t *testing.T) {
 func TestHealthQueuedUntilRulesAreWritten(t *testing.T) {
 	base := freePorts(t, 2)
 	rules := newGatedRules()
-	h := startProxier(t, Config{PortRange: PortRange{Base: base, Size: 2}, Rules: rules})
+	h := startProxier(t, Config{PortRange: config.PortRange{Base: base, Size: 2}, Rules: rules})
 	t.Cleanup(rules.open)
 	a := tcpBackend(t, "a")
 	one := svc("one", config.TCP, a)

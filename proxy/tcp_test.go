@@ -166,7 +166,7 @@ func TestTCPMultiPortService(t *testing.T) {
 	admin.Name.Port, admin.Port = "admin", 9090
 	h.apply(http, admin)
 	for _, tc := range []struct{ port, want string }{{"http", "http"}, {"admin", "admin"}} {
-		p := h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "multi", Port: tc.port}, 4, KindAll)
+		p := h.p.ListenPort(config.ServicePortName{Namespace: "ns", Name: "multi", Port: tc.port}, 4, config.KindAll)
 		if got := fetchName(t, fmt.Sprintf("127.0.0.1:%d", p)); got != tc.want {
 			t.Errorf("port %s reached %q", tc.port, got)
 		}
@@ -410,7 +410,7 @@ func TestShutdownGraceIsHardBound(t *testing.T) {
 	st.Ports[sp.Name] = sp
 	p.Update(st)
 	var port int
-	waitFor(t, "the listener", func() bool { port = p.ListenPort(sp.Name, 4, KindAll); return port != 0 })
+	waitFor(t, "the listener", func() bool { port = p.ListenPort(sp.Name, 4, config.KindAll); return port != 0 })
 	pushUntilStuck(t, fmt.Sprintf("127.0.0.1:%d", port))
 	start := time.Now()
 	cancel()

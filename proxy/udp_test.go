@@ -41,9 +41,9 @@ func dialUDP(t *testing.T, addr string) *net.UDPConn {
 	return c
 }
 
-func (h *harness) udpFrontend(name string) Frontend {
+func (h *harness) udpFrontend(name string) config.Frontend {
 	h.t.Helper()
-	fe, ok := h.p.Lookup(config.ServicePortName{Namespace: "ns", Name: name}, 4, KindAll)
+	fe, ok := h.p.Lookup(config.ServicePortName{Namespace: "ns", Name: name}, 4, config.KindAll)
 	if !ok {
 		h.t.Fatalf("no frontend for %s", name)
 	}
@@ -156,7 +156,7 @@ func TestUDPIPv6(t *testing.T) {
 	sp := svc("dns6", config.UDP, backend)
 	sp.ClusterIPs = []netip.Addr{netip.MustParseAddr("fd00::10")}
 	h.apply(sp)
-	port := h.p.ListenPort(sp.Name, 6, KindAll)
+	port := h.p.ListenPort(sp.Name, 6, config.KindAll)
 	if port == 0 {
 		t.Fatal("no IPv6 listener")
 	}

@@ -10,7 +10,7 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-func lessFrontend(a, b Frontend) bool {
+func lessFrontend(a, b config.Frontend) bool {
 	if a.Service.Name != b.Service.Name {
 		return a.Service.Name.Less(b.Service.Name)
 	}
@@ -21,15 +21,15 @@ func lessFrontend(a, b Frontend) bool {
 }
 
 // Frontends returns the frontends as of the last sync, sorted by service.
-func (p *Proxier) Frontends() []Frontend {
+func (p *Proxier) Frontends() []config.Frontend {
 	p.rec.mu.Lock()
 	defer p.rec.mu.Unlock()
-	return append([]Frontend(nil), p.rec.sortedLocked()...)
+	return append([]config.Frontend(nil), p.rec.sortedLocked()...)
 }
 
 // sortedLocked returns the view sorted, sorting it on first read after a
 // sync. r.mu is held.
-func (r *reconciler) sortedLocked() []Frontend {
+func (r *reconciler) sortedLocked() []config.Frontend {
 	if r.sorted == nil && r.view != nil {
 		r.sorted = slices.Clone(r.view)
 		sort.Slice(r.sorted, func(i, j int) bool { return lessFrontend(r.sorted[i], r.sorted[j]) })
@@ -39,7 +39,7 @@ func (r *reconciler) sortedLocked() []Frontend {
 
 // FrontendStatus is one frontend and the live state of its listener.
 type FrontendStatus struct {
-	Frontend
+	config.Frontend
 	Scheduler      string           // the scheduler's name; empty without a listener
 	Affinities     []Affinity       // the session-affinity pins
 	EndpointHealth []EndpointHealth // the outlier state of every endpoint
@@ -67,9 +67,9 @@ func (p *Proxier) Status() []FrontendStatus {
 }
 
 // statusLocked is fe's status; r.mu is held.
-func (r *reconciler) statusLocked(fe Frontend) FrontendStatus {
+func (r *reconciler) statusLocked(fe config.Frontend) FrontendStatus {
 	st := FrontendStatus{Frontend: fe, Zone: r.viewZone, Topology: config.TopologyNone}
-	if !fe.key().localOnly(fe.Service) {
+	if !keyOf(fe).localOnly(fe.Service) {
 		st.Topology = config.TopologyMode(fe.Service.Endpoints, fe.Family, r.viewNode, r.viewZone)
 	}
 	live := r.liveLocked(fe)
@@ -85,11 +85,11 @@ func (r *reconciler) statusLocked(fe Frontend) FrontendStatus {
 
 // liveLocked returns the listener behind fe, or nil when it is gone; r.mu
 // is held.
-func (r *reconciler) liveLocked(fe Frontend) *frontend {
+func (r *reconciler) liveLocked(fe config.Frontend) *frontend {
 	if fe.Err != nil {
 		return nil
 	}
-	return r.frontends[fe.key()]
+	return r.frontends[keyOf(fe)]
 }
 
 // eachLive calls fn for every live frontend, holding r.mu: fn must not
@@ -105,16 +105,16 @@ func (r *reconciler) eachLive(fn func(*frontend)) {
 // Plan returns the frontends st needs, without opening anything: ports are 0
 // except where the listener would sit on the NodePort. It is what
 // --show-rules renders.
-func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []Frontend {
-	var out []Frontend
+func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []config.Frontend {
+	var out []config.Frontend
 	var keys []frontendKey
 	for name, sp := range st.Ports {
 		for _, key := range frontendKeys(keys[:0], name, sp) {
 			port := 0
-			if sp.NodePort != 0 && key.Kind != KindInternal && !nodePortsRestricted {
+			if sp.NodePort != 0 && key.Kind != config.KindInternal && !nodePortsRestricted {
 				port = sp.NodePort
 			}
-			out = append(out, Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
+			out = append(out, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
 				Listen: netip.AddrPortFrom(bindFor(bind, key.Family), uint16(port))})
 		}
 	}

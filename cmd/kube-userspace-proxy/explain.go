@@ -80,7 +80,7 @@ type explainAnswer struct {
 // explainer answers queries from one view of frontends and rules.
 type explainer struct {
 	node      string
-	frontends []proxy.Frontend
+	frontends []config.Frontend
 	// nodeAddrs are the node's addresses (NodePorts, and where the client is the node).
 	nodeAddrs []netip.Addr
 	// rules returns family fam's rules to walk; ok false without rules.
@@ -88,7 +88,7 @@ type explainer struct {
 	// placeholders: the rules name listeners by placeholder (offline).
 	placeholders bool
 	// service explains a matched frontend.
-	service func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation
+	service func(fe config.Frontend, as string, client netip.Addr) proxy.Explanation
 	offline bool
 }
 
@@ -108,7 +108,7 @@ func (e *explainer) explain(q explainQuery) explainAnswer {
 		FromNode: fromNode, DstLocal: ans.DstLocal}
 
 	matched, as, found := proxy.Match(e.frontends, q.To, q.Protocol, ans.DstLocal)
-	var fe proxy.Frontend
+	var fe config.Frontend
 	haveFE := false
 	in, haveRules, err := e.rules(fam)
 	if err != nil {
@@ -165,7 +165,7 @@ func (e *explainer) explain(q explainQuery) explainAnswer {
 		if !found || matched.Service != fe.Service || matched.Kind != fe.Kind {
 			// The rules caught it for a frontend; say what the
 			// destination is to that Service.
-			_, as, _ = proxy.Match([]proxy.Frontend{fe}, q.To, q.Protocol, true)
+			_, as, _ = proxy.Match([]config.Frontend{fe}, q.To, q.Protocol, true)
 		}
 		x := e.service(fe, as, q.From)
 		ans.Service = &x
@@ -349,7 +349,7 @@ func (d *debugServer) explainHTTP(w http.ResponseWriter, r *http.Request) {
 // last written with the kernel's counters, the real balancers.
 func (d *debugServer) explainer() *explainer {
 	e := &explainer{node: d.node, frontends: d.p.Frontends(),
-		service: func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation {
+		service: func(fe config.Frontend, as string, client netip.Addr) proxy.Explanation {
 			return d.p.Explain(fe, as, client)
 		},
 		rules: func(int) (iptables.TraceInput, bool, error) { return iptables.TraceInput{}, false, nil },
@@ -441,7 +441,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	features := iptables.Features{Comment: true, Addrtype: true, Conntrack: true}
 	e.rules = func(fam int) (iptables.TraceInput, bool, error) {
 		ro := iptables.RenderOptions{Family: fam, Features: features, AllLocal: len(o.nodePortCIDRs) == 0, Placeholders: true,
-			ProxyPorts: proxy.DefaultPortRange}
+			ProxyPorts: config.DefaultPortRange}
 		if !ro.AllLocal {
 			for _, a := range e.nodeAddrs {
 				for _, c := range o.nodePortCIDRs {
@@ -453,7 +453,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		}
 		return iptables.TraceInput{Rules: iptables.Render(e.frontends, ro), Features: features}, true, nil
 	}
-	e.service = func(fe proxy.Frontend, as string, client netip.Addr) proxy.Explanation {
+	e.service = func(fe config.Frontend, as string, client netip.Addr) proxy.Explanation {
 		return proxy.ExplainPlanned(fe, as, client, e.node, st.Zone)
 	}
 	ans := e.explain(q)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
@@ -23,7 +24,7 @@ type options struct {
 	master           string
 	hostnameOverride string
 	bindAddress      netip.Addr
-	portRange        proxy.PortRange
+	portRange        config.PortRange
 	udpTimeout       time.Duration
 	udpMaxFlows      int
 	tcpIdleTimeout   time.Duration
@@ -119,11 +120,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if o.bindAddress, err = netip.ParseAddr(bind); err != nil {
 		return nil, fmt.Errorf("%s: %q is not an IP address", o.name("bind-address"), bind)
 	}
-	if o.portRange, err = proxy.ParsePortRange(portRange); err != nil {
+	if o.portRange, err = config.ParsePortRange(portRange); err != nil {
 		return nil, fmt.Errorf("%s: %w", o.name("proxy-port-range"), err)
 	}
 	if o.portRange.Size == 0 { // "", "0" and "0-0", kube-proxy's "pick any"
-		o.portRange = proxy.DefaultPortRange
+		o.portRange = config.DefaultPortRange
 	}
 	for _, d := range []struct {
 		flag string

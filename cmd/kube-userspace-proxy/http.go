@@ -139,7 +139,7 @@ type endpointView struct {
 
 type serviceView struct {
 	Service     string           `json:"service"`
-	Kind        proxy.Kind       `json:"kind"`
+	Kind        config.Kind      `json:"kind"`
 	Family      int              `json:"family"`
 	Protocol    string           `json:"protocol"`
 	Listen      string           `json:"listen,omitempty"`

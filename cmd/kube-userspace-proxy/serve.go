@@ -285,3 +285,6 @@ func parkIdleAfter(d time.Duration) time.Duration {
 	}
 	return d
 }
+
+// The iptables package writes the proxier's rules.
+var _ proxy.Rules = (*iptables.Rules)(nil)
