@@ -5,12 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
-	"github.com/go-logr/logr"
 	"github.com/sirupsen/logrus"
 	"golang.org/x/time/rate"
 	v1 "k8s.io/api/core/v1"
@@ -29,7 +26,6 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/klog/v2"
 )
 
 // ClientConfig returns the API server connection: --master and --kubeconfig
@@ -76,10 +72,10 @@ type ClusterSource struct {
 	last *State // the last State built (builder goroutine only)
 	// ports names the service ports each Service (namespace/name) had in
 	// last: what a change of the Service replaces (builder goroutine only).
-	ports map[[2]string][]ServicePortName
+	ports map[ServiceName][]ServicePortName
 
 	mu       sync.Mutex // guards dirty, outage and seenErrs
-	dirty    map[[2]string]bool
+	dirty    map[ServiceName]bool
 	outage   bool
 	seenErrs map[string]bool
 }
@@ -275,9 +271,9 @@ func (c *ClusterSource) buildAll(inf *informerSet) {
 		return
 	}
 	st := c.buildState(services, slices)
-	c.ports = make(map[[2]string][]ServicePortName, len(st.Ports))
+	c.ports = make(map[ServiceName][]ServicePortName, len(st.Ports))
 	for name := range st.Ports {
-		key := [2]string{name.Namespace, name.Name}
+		key := ServiceName{name.Namespace, name.Name}
 		c.ports[key] = append(c.ports[key], name)
 	}
 	c.setNode(inf, st)
@@ -308,19 +304,19 @@ func (c *ClusterSource) build(inf *informerSet) {
 			delete(st.Ports, name)
 		}
 		delete(c.ports, key)
-		svc, err := inf.services.Services(key[0]).Get(key[1])
+		svc, err := inf.services.Services(key.Namespace).Get(key.Name)
 		if err != nil {
 			continue // gone, or never proxied: its ports go with it
 		}
 		b := NewBuilder(c.Node)
 		if skip, err := b.AddService(svc); err != nil {
-			c.Log.WithFields(logrus.Fields{"service": key[0] + "/" + key[1]}).WithError(err).Warn("Service not proxied")
+			c.Log.WithFields(logrus.Fields{"service": key.String()}).WithError(err).Warn("Service not proxied")
 			continue
 		} else if skip != "" {
 			continue
 		}
 		for _, sliceName := range inf.byService.slices(key) {
-			o, ok, _ := inf.sliceStore.GetByKey(key[0] + "/" + sliceName)
+			o, ok, _ := inf.sliceStore.GetByKey(key.Namespace + "/" + sliceName)
 			if !ok {
 				continue // deleted since: its event comes
 			}
@@ -371,14 +367,14 @@ func (c *ClusterSource) setNode(inf *informerSet, st *State) {
 
 // changed is every informer event: it records the Services it touches and
 // wakes the builder (no key: this node's Node object changed).
-func (c *ClusterSource) changed(keys ...[2]string) {
+func (c *ClusterSource) changed(keys ...ServiceName) {
 	c.mu.Lock()
 	for _, k := range keys {
-		if k[1] == "" {
+		if k.Name == "" {
 			continue
 		}
 		if c.dirty == nil {
-			c.dirty = map[[2]string]bool{}
+			c.dirty = map[ServiceName]bool{}
 		}
 		c.dirty[k] = true
 	}
@@ -390,144 +386,13 @@ func (c *ClusterSource) changed(keys ...[2]string) {
 }
 
 // takeDirty returns the Services changed since the last call, and forgets them.
-func (c *ClusterSource) takeDirty() map[[2]string]bool {
+func (c *ClusterSource) takeDirty() map[ServiceName]bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	d := c.dirty
 	c.dirty = nil
 	return d
 }
-
-// sliceIndex finds a Service's slices by name; the slice handlers keep it.
-// (An indexer of client-go keeps a set per Service: 3 MB at 10 000
-// Services with one slice each.)
-type sliceIndex struct {
-	mu    sync.Mutex
-	bySvc map[[2]string][]string
-}
-
-// update moves a slice from where old (nil: new slice) was to where o
-// (nil: deleted) is; either may be a tombstone.
-func (x *sliceIndex) update(old, o any) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if k, name := sliceKey(old), sliceName(old); k[1] != "" {
-		names := x.bySvc[k]
-		if i := slices.Index(names, name); i >= 0 {
-			names = slices.Delete(names, i, i+1)
-		}
-		if len(names) == 0 {
-			delete(x.bySvc, k)
-		} else {
-			x.bySvc[k] = names
-		}
-	}
-	if k, name := sliceKey(o), sliceName(o); k[1] != "" {
-		if x.bySvc == nil {
-			x.bySvc = map[[2]string][]string{}
-		}
-		if !slices.Contains(x.bySvc[k], name) {
-			x.bySvc[k] = append(x.bySvc[k], name)
-		}
-	}
-}
-
-// slices returns the names of the slices of the Service named by key.
-func (x *sliceIndex) slices(key [2]string) []string {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	return slices.Clone(x.bySvc[key])
-}
-
-func sliceName(o any) string {
-	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-		o = t.Obj
-	}
-	if es, ok := o.(*discovery.EndpointSlice); ok {
-		return es.Name
-	}
-	return ""
-}
-
-// serviceKey and sliceKey name the Service an event is about (a deleted
-// object may come as a tombstone).
-func serviceKey(o any) [2]string {
-	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-		o = t.Obj
-	}
-	if svc, ok := o.(*v1.Service); ok {
-		return [2]string{svc.Namespace, svc.Name}
-	}
-	return [2]string{}
-}
-
-func sliceKey(o any) [2]string {
-	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-		o = t.Obj
-	}
-	if es, ok := o.(*discovery.EndpointSlice); ok {
-		return [2]string{es.Namespace, es.Labels[LabelServiceName]}
-	}
-	return [2]string{}
-}
-
-// slim drops from an object, before the cache keeps it, what the model never
-// reads: managed fields, annotations other than this proxy's, a Node's status,
-// UIDs and owner references, an endpoint's Pod reference. It keeps the
-// resource version (client-go reads it) and a Service's creation time (the
-// oldest Service wins a NodePort).
-func slim(o any) (any, error) {
-	if m, ok := o.(metav1.Object); ok {
-		m.SetManagedFields(nil)
-		if a := m.GetAnnotations(); len(a) > 0 {
-			var keep map[string]string
-			for k, v := range a {
-				if strings.HasPrefix(k, annotationPrefix) {
-					if keep == nil {
-						keep = map[string]string{}
-					}
-					keep[k] = v
-				}
-			}
-			m.SetAnnotations(keep)
-		}
-	}
-	switch o := o.(type) {
-	case *v1.Node:
-		o.Status = v1.NodeStatus{}
-	case *v1.Service:
-		o.UID, o.GenerateName, o.OwnerReferences, o.Finalizers = "", "", nil, nil
-	case *discovery.EndpointSlice:
-		// The endpointslice controller's slices carry an owner reference,
-		// a Pod reference per endpoint and three *bool per endpoint: at
-		// 50 000 endpoints several MB the model never reads.
-		o.UID, o.GenerateName, o.OwnerReferences, o.Finalizers = "", "", nil, nil
-		o.CreationTimestamp = metav1.Time{}
-		for i := range o.Endpoints {
-			ep := &o.Endpoints[i]
-			ep.TargetRef, ep.DeprecatedTopology = nil, nil
-			ep.Conditions.Ready = sharedBool(ep.Conditions.Ready)
-			ep.Conditions.Serving = sharedBool(ep.Conditions.Serving)
-			ep.Conditions.Terminating = sharedBool(ep.Conditions.Terminating)
-		}
-	}
-	return o, nil
-}
-
-// sharedBool replaces a decoded *bool by one of two shared ones: one
-// allocation less per condition (the cache's objects are never written).
-func sharedBool(b *bool) *bool {
-	switch {
-	case b == nil:
-		return nil
-	case *b:
-		return &boolTrue
-	default:
-		return &boolFalse
-	}
-}
-
-var boolTrue, boolFalse = true, false
 
 // buildState converts the cached objects. Invalid objects are logged and
 // skipped: one bad Service must not stop the others.
@@ -616,44 +481,4 @@ func (c *ClusterSource) apiBack() {
 		default:
 		}
 	}
-}
-
-// quietKlog routes client-go's klog output to logrus at debug level: the
-// reflectors log every failed retry, which during an outage is a flood; the
-// source logs an outage once itself.
-func quietKlog(log logrus.FieldLogger) {
-	klogOnce.Do(func() {
-		klog.SetLogger(logr.New(&klogSink{log: log.WithField("from", "client-go")}))
-	})
-}
-
-var klogOnce sync.Once
-
-type klogSink struct {
-	log    logrus.FieldLogger
-	name   string
-	values []any
-}
-
-func (s *klogSink) Init(logr.RuntimeInfo)  {}
-func (s *klogSink) Enabled(level int) bool { return true }
-func (s *klogSink) Info(level int, msg string, kv ...any) {
-	s.log.WithFields(kvFields(append(s.values, kv...))).Debug(msg)
-}
-func (s *klogSink) Error(err error, msg string, kv ...any) {
-	s.log.WithFields(kvFields(append(s.values, kv...))).WithError(err).Debug(msg)
-}
-func (s *klogSink) WithValues(kv ...any) logr.LogSink {
-	return &klogSink{log: s.log, name: s.name, values: append(append([]any(nil), s.values...), kv...)}
-}
-func (s *klogSink) WithName(name string) logr.LogSink {
-	return &klogSink{log: s.log.WithField("logger", name), name: name, values: s.values}
-}
-
-func kvFields(kv []any) logrus.Fields {
-	f := logrus.Fields{}
-	for i := 0; i+1 < len(kv); i += 2 {
-		f[fmt.Sprint(kv[i])] = kv[i+1]
-	}
-	return f
 }

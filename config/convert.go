@@ -236,9 +236,9 @@ func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) 
 type Builder struct {
 	node     string
 	ports    map[ServicePortName]*ServicePort
-	services map[[2]string][]*ServicePort
+	services map[ServiceName][]*ServicePort
 	// endpoints by namespace/service, then by port name
-	endpoints map[[2]string]map[string][]Endpoint
+	endpoints map[ServiceName]map[string][]Endpoint
 }
 
 // NewBuilder starts an empty State for the named node.
@@ -246,8 +246,8 @@ func NewBuilder(node string) *Builder {
 	return &Builder{
 		node:      node,
 		ports:     make(map[ServicePortName]*ServicePort),
-		services:  make(map[[2]string][]*ServicePort),
-		endpoints: make(map[[2]string]map[string][]Endpoint),
+		services:  make(map[ServiceName][]*ServicePort),
+		endpoints: make(map[ServiceName]map[string][]Endpoint),
 	}
 }
 
@@ -263,7 +263,7 @@ func (b *Builder) AddService(svc *v1.Service) (skip string, err error) {
 
 // convertService is the one conversion of a Service into the model, for
 // both sources: its namespace/name and ports, or why it is skipped.
-func convertService(svc *v1.Service) (key [2]string, sps []*ServicePort, skip string, err error) {
+func convertService(svc *v1.Service) (key ServiceName, sps []*ServicePort, skip string, err error) {
 	if skip := SkipReason(svc); skip != "" {
 		return key, nil, skip, nil
 	}
@@ -271,12 +271,12 @@ func convertService(svc *v1.Service) (key [2]string, sps []*ServicePort, skip st
 		return key, nil, "", errors.New("metadata.name: required")
 	}
 	sps, err = ServicePorts(svc)
-	return [2]string{svc.Namespace, svc.Name}, sps, "", err
+	return ServiceName{svc.Namespace, svc.Name}, sps, "", err
 }
 
-func (b *Builder) addPorts(key [2]string, sps []*ServicePort) error {
+func (b *Builder) addPorts(key ServiceName, sps []*ServicePort) error {
 	if _, dup := b.services[key]; dup {
-		return fmt.Errorf("Service %s/%s is defined twice", key[0], key[1])
+		return fmt.Errorf("Service %s is defined twice", key)
 	}
 	b.services[key] = sps
 	for _, sp := range sps {
@@ -298,15 +298,15 @@ func (b *Builder) AddSlice(es *discovery.EndpointSlice) (skip string, err error)
 // convertSlice is the one conversion of an EndpointSlice into the model, for
 // both sources: its Service's namespace/name and endpoints by port name, or
 // why it is skipped.
-func convertSlice(es *discovery.EndpointSlice) (key [2]string, eps map[string][]Endpoint, skip string, err error) {
+func convertSlice(es *discovery.EndpointSlice) (key ServiceName, eps map[string][]Endpoint, skip string, err error) {
 	if skip := SkipSlice(es); skip != "" {
 		return key, nil, skip, nil
 	}
 	eps, err = SliceEndpoints(es)
-	return [2]string{es.Namespace, es.Labels[LabelServiceName]}, eps, "", err
+	return ServiceName{es.Namespace, es.Labels[LabelServiceName]}, eps, "", err
 }
 
-func (b *Builder) addEndpoints(key [2]string, eps map[string][]Endpoint) {
+func (b *Builder) addEndpoints(key ServiceName, eps map[string][]Endpoint) {
 	m := b.endpoints[key]
 	if m == nil {
 		m = make(map[string][]Endpoint)

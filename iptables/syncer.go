@@ -392,30 +392,13 @@ func LocalAddrs(fam int, cidrs []netip.Prefix) []netip.Addr {
 	return out
 }
 
-// sync writes the rules of frontends. When it knows the kernel's state it
-// rewrites only the chains whose rules changed (a Service's change touches
-// the few tree chains on its path); otherwise, or when verify finds the live
-// rules differ, it rewrites all of our chains and deletes any other chain of
-// ours. It returns the rule counts per table.
+// sync writes the rules of frontends: it brings the records up to date,
+// plans the write from what is installed or live (writePlan), and commits
+// the plan. It returns the rule counts per table.
 func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
-	if !reflect.DeepEqual(opts, f.opts) {
-		f.records = nil // node addresses changed: every NodePort rule may
-	}
-	f.opts = opts
-	var live *Ruleset
-	if f.drifted.Swap(false) && f.installed != nil {
-		log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
-		f.installed, f.jumpsOK = nil, false
-	}
-	if verify && f.installed != nil {
-		var jumps bool
-		if live, jumps, err = f.live(ctx, false); err != nil {
-			return 0, 0, err
-		}
-		if !live.Same(f.installed) || !jumps {
-			log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
-			f.installed, f.jumpsOK = nil, jumps
-		}
+	live, err := f.check(ctx, opts, verify, log)
+	if err != nil {
+		return 0, 0, err
 	}
 	start := time.Now()
 	var changed bool
@@ -430,25 +413,12 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 	}
 	want := f.render()
 	if f.installed != nil {
-		in := diffInput(f.installed, want)
-		if in == "" {
-			f.installed = want
-			nat, filter = want.Count()
-			return nat, filter, nil
-		}
-		restoreStart := time.Now()
-		err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, in)
-		if err == nil {
-			f.installed = want
-			log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(),
-				"restore": time.Since(restoreStart).String(), "lines": strings.Count(in, "\n")}).Debug("Rules updated")
+		if err := f.commit(ctx, f.plan(f.installed, want, writeDiff), log, start); err == nil {
 			nat, filter = want.Count()
 			return nat, filter, nil
 		}
 		log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
 	}
-	// A full rewrite: every chain of ours, and the deletion of those of ours
-	// that are not wanted (left by an earlier layout or version).
 	if live == nil {
 		var jumps bool
 		if live, jumps, err = f.live(ctx, false); err != nil {
@@ -457,27 +427,82 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 		}
 		f.jumpsOK = f.jumpsOK || jumps
 	}
+	mode := writeFull
 	if f.jumpsOK {
 		// What is installed (at a restart: the rules of the daemon before,
 		// mostly the wanted ones, its listeners' ports being chosen alike)
 		// is known now: write only the chains that differ. At 10k
 		// service ports a restart wrote 10 685 rules for 1.2 s.
-		in := diffInput(live, want)
-		if in != "" {
-			if err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, in); err != nil {
-				f.installed = nil
-				return 0, 0, err
-			}
-		}
-		f.installed = want
-		nat, filter = want.Count()
-		log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": nat, "filter": filter,
-			"lines": strings.Count(in, "\n")}).Debug("Rules written over the installed ones")
-		return nat, filter, nil
+		mode = writeOverwrite
+	}
+	if err := f.commit(ctx, f.plan(live, want, mode), log, start); err != nil {
+		f.installed = nil
+		return 0, 0, err
+	}
+	nat, filter = want.Count()
+	return nat, filter, nil
+}
+
+// check forgets what is installed when the rules drifted (a check found it)
+// or, with verify, when the live rules differ from it; it returns the live
+// rules when it read them.
+func (f *family) check(ctx context.Context, opts RenderOptions, verify bool, log logrus.FieldLogger) (*Ruleset, error) {
+	if !reflect.DeepEqual(opts, f.opts) {
+		f.records = nil // node addresses changed: every NodePort rule may
+	}
+	f.opts = opts
+	if f.drifted.Swap(false) && f.installed != nil {
+		log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
+		f.installed, f.jumpsOK = nil, false
+	}
+	if !verify || f.installed == nil {
+		return nil, nil
+	}
+	live, jumps, err := f.live(ctx, false)
+	if err != nil {
+		return nil, err
+	}
+	if !live.Same(f.installed) || !jumps {
+		log.WithField("family", f.fam).Warn("Rules changed behind our back; rewriting them")
+		f.installed, f.jumpsOK = nil, jumps
+	}
+	return live, nil
+}
+
+// writeMode is how a write brings the kernel's rules to the wanted ones.
+type writeMode int
+
+const (
+	// writeDiff writes the chains that differ from what we installed.
+	writeDiff writeMode = iota
+	// writeOverwrite writes the chains that differ from the live rules,
+	// whose jumps into our chains are known good.
+	writeOverwrite
+	// writeFull writes every chain of ours, deletes the other chains of
+	// ours (left by an earlier layout or version) and repairs the jumps.
+	writeFull
+)
+
+var writeModeNames = [...]string{writeDiff: "diff", writeOverwrite: "overwrite", writeFull: "full"}
+
+// writePlan is one write: what iptables-restore is given (nothing: the
+// rules are as wanted already) and the rules it leaves installed.
+type writePlan struct {
+	mode  writeMode
+	input string
+	want  *Ruleset
+}
+
+// plan returns the write of mode that turns from into want.
+func (f *family) plan(from, want *Ruleset, mode writeMode) writePlan {
+	p := writePlan{mode: mode, want: want}
+	if mode != writeFull {
+		p.input = diffInput(from, want)
+		return p
 	}
 	stale := map[string][]string{}
 	for _, table := range []string{"nat", "filter"} {
-		for chain := range live.table(table) {
+		for chain := range from.table(table) {
 			if _, ok := want.table(table)[chain]; !ok {
 				stale[table] = append(stale[table], chain)
 			}
@@ -486,28 +511,36 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 	for _, c := range stale {
 		sort.Strings(c)
 	}
-	if !f.jumpsOK {
+	p.input = want.RestoreInput() + deleteChainsInput(stale)
+	return p
+}
+
+// commit carries out p: the one place rules are written.
+func (f *family) commit(ctx context.Context, p writePlan, log logrus.FieldLogger, start time.Time) error {
+	full := p.mode == writeFull // chosen only while the jumps are not known good
+	if full {
 		// A jump into a chain about to be deleted, or a copy of ours.
 		if err := f.pruneJumps(); err != nil {
-			f.installed = nil
-			return 0, 0, err
+			return err
 		}
 	}
-	in := want.RestoreInput() + deleteChainsInput(stale)
-	if err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, in); err != nil {
-		f.installed = nil
-		return 0, 0, err
+	restoreStart := time.Now()
+	if p.input != "" {
+		if err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, p.input); err != nil {
+			return err
+		}
 	}
-	f.installed = want
-	if !f.jumpsOK {
+	f.installed = p.want
+	if full {
 		if err := f.ensureJumps(); err != nil {
-			return 0, 0, err
+			return err
 		}
 		f.jumpsOK = true
 	}
-	nat, filter = want.Count()
-	log.WithFields(logrus.Fields{"family": f.fam, "took": time.Since(start).String(), "nat": nat, "filter": filter}).Debug("Rules written")
-	return nat, filter, nil
+	nat, filter := p.want.Count()
+	log.WithFields(logrus.Fields{"family": f.fam, "write": writeModeNames[p.mode], "took": time.Since(start).String(),
+		"restore": time.Since(restoreStart).String(), "lines": strings.Count(p.input, "\n"), "nat": nat, "filter": filter}).Debug("Rules written")
+	return nil
 }
 
 // update brings records up to date with frontends, rendering only the
