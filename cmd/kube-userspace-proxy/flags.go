@@ -65,40 +65,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs := pflag.NewFlagSet("kube-userspace-proxy", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.SortFlags = false
-	var bind, portRange string
-	var nodePortAddrs []string
-	fs.StringVar(&o.configFile, "config", "", "A KubeProxyConfiguration YAML file (kube-proxy's fields that apply here, plus this proxy's own); flags override it.")
-	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this YAML/JSON file or directory (reloaded on change) instead of a cluster.")
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file for watching a cluster.")
-	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig).")
-	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "The name of this node, for traffic policies (default: $NODE_NAME, else the hostname).")
-	fs.StringVar(&bind, "bind-address", "0.0.0.0", "The address the proxy listeners bind to (0.0.0.0: all IPv4 and IPv6 addresses).")
-	fs.StringVar(&portRange, "proxy-port-range", "", "Local ports for the listeners that are not on a NodePort, begin-end or begin+offset (default: 45000-59999). The range is added to ip_local_reserved_ports, and new connections to it from other hosts that were not redirected are dropped.")
-	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
-	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
-	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
-	fs.DurationVar(&o.parkIdleAfter, "park-idle-after", proxy.DefaultParkIdleAfter, "A direction of a proxied TCP connection with nothing to read for this long gives up its goroutine and waits in an epoll set (an idle connection then costs ~2-3 KiB instead of ~8; waking costs microseconds). 0: never.")
-	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", proxy.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
-	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", proxy.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
-	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", proxy.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
-	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules under churn (changes meanwhile merge into one sync); a lone change, or two in a row such as a Service and its EndpointSlice, is synced at once.")
-	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
-	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
-	fs.StringSliceVar(&nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated; default: every local address).")
-	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
-	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
-	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
-	fs.BoolVar(&o.iptablesBasic, "iptables-basic-only", false, "Use only basic netfilter (no comment, addrtype or conntrack matches) even where the kernel has more.")
-	_ = fs.MarkHidden("iptables-basic-only") // for tests of kernels without netfilter extras
-	fs.StringVar(&o.restoreCommand, "iptables-restore-command", "", "The iptables-restore binary for IPv4 (default: iptables-restore from PATH).")
-	_ = fs.MarkHidden("iptables-restore-command") // tests inject failures with it
-	fs.StringVar(&o.healthzAddr, "healthz-bind-address", "0.0.0.0:10256", "Where /healthz and /livez are served (empty: off).")
-	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
-	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
-	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
-	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
-	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (the connection lines of --connection-log are info).")
-	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
+	raw := o.define(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: kube-userspace-proxy --manifests PATH | --kubeconfig PATH [flags]\n\n%s", fs.FlagUsages())
 	}
@@ -116,12 +83,64 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			return nil, err
 		}
 	}
-	var err error
-	if o.bindAddress, err = netip.ParseAddr(bind); err != nil {
-		return nil, fmt.Errorf("%s: %q is not an IP address", o.name("bind-address"), bind)
+	if err := o.check(raw); err != nil {
+		return nil, err
 	}
-	if o.portRange, err = config.ParsePortRange(portRange); err != nil {
-		return nil, fmt.Errorf("%s: %w", o.name("proxy-port-range"), err)
+	return o, nil
+}
+
+// rawFlags are the flags parsed into options by check.
+type rawFlags struct {
+	bind, portRange string
+	nodePortAddrs   []string
+}
+
+// define defines the flags on fs, into o and the returned raw values.
+func (o *options) define(fs *pflag.FlagSet) *rawFlags {
+	raw := &rawFlags{}
+	fs.StringVar(&o.configFile, "config", "", "A KubeProxyConfiguration YAML file (kube-proxy's fields that apply here, plus this proxy's own); flags override it.")
+	fs.StringVar(&o.manifests, "manifests", "", "Serve the Services and EndpointSlices in this YAML/JSON file or directory (reloaded on change) instead of a cluster.")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Path to a kubeconfig file for watching a cluster.")
+	fs.StringVar(&o.master, "master", "", "The address of the Kubernetes API server (overrides the kubeconfig).")
+	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "The name of this node, for traffic policies (default: $NODE_NAME, else the hostname).")
+	fs.StringVar(&raw.bind, "bind-address", "0.0.0.0", "The address the proxy listeners bind to (0.0.0.0: all IPv4 and IPv6 addresses).")
+	fs.StringVar(&raw.portRange, "proxy-port-range", "", "Local ports for the listeners that are not on a NodePort, begin-end or begin+offset (default: 45000-59999). The range is added to ip_local_reserved_ports, and new connections to it from other hosts that were not redirected are dropped.")
+	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
+	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
+	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
+	fs.DurationVar(&o.parkIdleAfter, "park-idle-after", proxy.DefaultParkIdleAfter, "A direction of a proxied TCP connection with nothing to read for this long gives up its goroutine and waits in an epoll set (an idle connection then costs ~2-3 KiB instead of ~8; waking costs microseconds). 0: never.")
+	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", proxy.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
+	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", proxy.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
+	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", proxy.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
+	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules under churn (changes meanwhile merge into one sync); a lone change, or two in a row such as a Service and its EndpointSlice, is synced at once.")
+	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
+	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
+	fs.StringSliceVar(&raw.nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated; default: every local address).")
+	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
+	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
+	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
+	fs.BoolVar(&o.iptablesBasic, "iptables-basic-only", false, "Use only basic netfilter (no comment, addrtype or conntrack matches) even where the kernel has more.")
+	_ = fs.MarkHidden("iptables-basic-only") // for tests of kernels without netfilter extras
+	fs.StringVar(&o.restoreCommand, "iptables-restore-command", "", "The iptables-restore binary for IPv4 (default: iptables-restore from PATH).")
+	_ = fs.MarkHidden("iptables-restore-command") // tests inject failures with it
+	fs.StringVar(&o.healthzAddr, "healthz-bind-address", "0.0.0.0:10256", "Where /healthz and /livez are served (empty: off).")
+	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
+	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
+	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
+	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
+	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (the connection lines of --connection-log are info).")
+	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")
+	return raw
+}
+
+// check parses raw into o and checks the flags against each other.
+func (o *options) check(raw *rawFlags) error {
+	var err error
+	if o.bindAddress, err = netip.ParseAddr(raw.bind); err != nil {
+		return fmt.Errorf("%s: %q is not an IP address", o.name("bind-address"), raw.bind)
+	}
+	if o.portRange, err = config.ParsePortRange(raw.portRange); err != nil {
+		return fmt.Errorf("%s: %w", o.name("proxy-port-range"), err)
 	}
 	if o.portRange.Size == 0 { // "", "0" and "0-0", kube-proxy's "pick any"
 		o.portRange = config.DefaultPortRange
@@ -141,54 +160,54 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		{"outlier-max-ejection-time", o.outlier.MaxEjectionTime, o.outlier.BaseEjectionTime},
 	} {
 		if d.v < d.min {
-			return nil, fmt.Errorf("%s: %s is below the minimum %s", o.name(d.flag), d.v, d.min)
+			return fmt.Errorf("%s: %s is below the minimum %s", o.name(d.flag), d.v, d.min)
 		}
 	}
 	if o.outlier.ConsecutiveFailures < 0 {
-		return nil, fmt.Errorf("%s: %d must not be negative", o.name("outlier-consecutive-failures"), o.outlier.ConsecutiveFailures)
+		return fmt.Errorf("%s: %d must not be negative", o.name("outlier-consecutive-failures"), o.outlier.ConsecutiveFailures)
 	}
 	if o.udpMaxFlows < 1 {
-		return nil, fmt.Errorf("%s: %d must be at least 1", o.name("udp-max-flows"), o.udpMaxFlows)
+		return fmt.Errorf("%s: %d must be at least 1", o.name("udp-max-flows"), o.udpMaxFlows)
 	}
 	switch o.connLog {
 	case "errors", "all", "none":
 	default:
-		return nil, fmt.Errorf("%s: %q is not errors, all or none", o.name("connection-log"), o.connLog)
+		return fmt.Errorf("%s: %q is not errors, all or none", o.name("connection-log"), o.connLog)
 	}
 	switch o.schedPolicy {
 	case "normal", "batch":
 	default:
-		return nil, fmt.Errorf("%s: %q is not normal or batch", o.name("scheduling-policy"), o.schedPolicy)
+		return fmt.Errorf("%s: %q is not normal or batch", o.name("scheduling-policy"), o.schedPolicy)
 	}
 	for _, a := range []struct{ flag, v string }{{"healthz-bind-address", o.healthzAddr}, {"metrics-bind-address", o.metricsAddr}} {
 		if a.v == "" {
 			continue
 		}
 		if _, err := netip.ParseAddrPort(a.v); err != nil {
-			return nil, fmt.Errorf("%s: %q is not ip:port", o.name(a.flag), a.v)
+			return fmt.Errorf("%s: %q is not ip:port", o.name(a.flag), a.v)
 		}
 	}
-	for _, a := range nodePortAddrs {
+	for _, a := range raw.nodePortAddrs {
 		pfx, err := netip.ParsePrefix(strings.TrimSpace(a))
 		if err != nil {
-			return nil, fmt.Errorf("%s: %q is not a CIDR", o.name("nodeport-addresses"), a)
+			return fmt.Errorf("%s: %q is not a CIDR", o.name("nodeport-addresses"), a)
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
 	}
 	if o.cleanup {
-		return o, nil
+		return nil
 	}
 	if o.showRules && o.manifests == "" {
-		return nil, errors.New("--show-rules needs --manifests")
+		return errors.New("--show-rules needs --manifests")
 	}
 	cluster := o.kubeconfig != "" || o.master != ""
 	switch {
 	case o.manifests != "" && cluster:
-		return nil, errors.New("give one source: --manifests PATH, or --kubeconfig/--master for a cluster, not both")
+		return errors.New("give one source: --manifests PATH, or --kubeconfig/--master for a cluster, not both")
 	case o.manifests == "" && !cluster && os.Getenv("KUBERNETES_SERVICE_HOST") == "":
-		return nil, errors.New("no source: give --manifests PATH, or --kubeconfig/--master for a cluster (in a pod the service account is used)")
+		return errors.New("no source: give --manifests PATH, or --kubeconfig/--master for a cluster (in a pod the service account is used)")
 	}
-	return o, nil
+	return nil
 }
 
 // nodeName is --hostname-override, else $NODE_NAME, else the hostname.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/pprof"
@@ -173,51 +174,7 @@ type serviceView struct {
 func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	var out []serviceView
 	for _, fe := range d.p.Status() {
-		sp := fe.Service
-		v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
-			Port: sp.Port, NodePort: sp.NodePort, Pins: fe.Affinities, Health: fe.EndpointHealth,
-			Scheduler: fe.Scheduler}
-		if fe.Err != nil {
-			v.Error = fe.Err.Error()
-		} else {
-			v.Listen = fe.Listen.String()
-		}
-		if fe.NodePortErr != nil {
-			v.NodePortErr = fe.NodePortErr.Error()
-		}
-		for _, ip := range sp.ClusterIPs {
-			v.ClusterIPs = append(v.ClusterIPs, ip.String())
-		}
-		for _, ip := range sp.ExternalIPs {
-			v.ExternalIPs = append(v.ExternalIPs, ip.String())
-		}
-		for _, ip := range sp.LoadBalancerIPs {
-			v.LBIPs = append(v.LBIPs, ip.String())
-		}
-		v.Endpoints = []endpointView{}
-		for _, ep := range sp.Endpoints {
-			text := ep.String()
-			if ep.NodeName != "" {
-				text += " node=" + ep.NodeName
-			}
-			if ep.ZoneHints != "" || ep.NodeHints != "" {
-				text += " hints=" + strings.Trim(ep.ZoneHints+"/"+ep.NodeHints, "/")
-			}
-			v.Endpoints = append(v.Endpoints, endpointView{Address: ep.Addr.String(), Ready: ep.Ready, Serving: ep.Serving,
-				Terminating: ep.Terminating, Node: ep.NodeName, ZoneHints: ep.ZoneHints, NodeHints: ep.NodeHints, text: text})
-		}
-		if sp.AffinityTimeout > 0 {
-			v.Affinity = sp.AffinityTimeout.String()
-		}
-		v.TrafficDistribution, v.HealthCheckNodePort = sp.TrafficDistribution, sp.HealthCheckNodePort
-		v.Topology, v.Zone = fe.Topology, fe.Zone
-		for _, r := range sp.SourceRanges {
-			v.SourceRanges = append(v.SourceRanges, r.String())
-		}
-		if fe.Protocol == config.UDP {
-			v.UDPFlows = &fe.UDPFlows
-		}
-		out = append(out, v)
+		out = append(out, newServiceView(fe))
 	}
 	if !wantsText(r) {
 		if out == nil {
@@ -228,56 +185,110 @@ func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	for _, v := range out {
-		fmt.Fprintf(w, "%s %s (IPv%d, %s) listen %s port %d", v.Service, v.Protocol, v.Family, v.Kind, v.Listen, v.Port)
-		if v.NodePort != 0 {
-			fmt.Fprintf(w, " nodePort %d", v.NodePort)
+		v.writeText(w)
+	}
+}
+
+// newServiceView is the view of one frontend's status.
+func newServiceView(fe proxy.FrontendStatus) serviceView {
+	sp := fe.Service
+	v := serviceView{Service: sp.Name.String(), Kind: fe.Kind, Family: fe.Family, Protocol: string(fe.Protocol),
+		Port: sp.Port, NodePort: sp.NodePort, Pins: fe.Affinities, Health: fe.EndpointHealth,
+		Scheduler: fe.Scheduler}
+	if fe.Err != nil {
+		v.Error = fe.Err.Error()
+	} else {
+		v.Listen = fe.Listen.String()
+	}
+	if fe.NodePortErr != nil {
+		v.NodePortErr = fe.NodePortErr.Error()
+	}
+	for _, ip := range sp.ClusterIPs {
+		v.ClusterIPs = append(v.ClusterIPs, ip.String())
+	}
+	for _, ip := range sp.ExternalIPs {
+		v.ExternalIPs = append(v.ExternalIPs, ip.String())
+	}
+	for _, ip := range sp.LoadBalancerIPs {
+		v.LBIPs = append(v.LBIPs, ip.String())
+	}
+	v.Endpoints = []endpointView{}
+	for _, ep := range sp.Endpoints {
+		text := ep.String()
+		if ep.NodeName != "" {
+			text += " node=" + ep.NodeName
 		}
-		fmt.Fprintf(w, "\n  addresses: %s\n", strings.Join(append(append(append([]string(nil), v.ClusterIPs...), v.ExternalIPs...), v.LBIPs...), " "))
-		for _, e := range []string{v.Error, v.NodePortErr} {
-			if e != "" {
-				fmt.Fprintf(w, "  ERROR: %s\n", e)
-			}
+		if ep.ZoneHints != "" || ep.NodeHints != "" {
+			text += " hints=" + strings.Trim(ep.ZoneHints+"/"+ep.NodeHints, "/")
 		}
-		texts := make([]string, len(v.Endpoints))
-		for i, e := range v.Endpoints {
-			texts[i] = e.text
+		v.Endpoints = append(v.Endpoints, endpointView{Address: ep.Addr.String(), Ready: ep.Ready, Serving: ep.Serving,
+			Terminating: ep.Terminating, Node: ep.NodeName, ZoneHints: ep.ZoneHints, NodeHints: ep.NodeHints, text: text})
+	}
+	if sp.AffinityTimeout > 0 {
+		v.Affinity = sp.AffinityTimeout.String()
+	}
+	v.TrafficDistribution, v.HealthCheckNodePort = sp.TrafficDistribution, sp.HealthCheckNodePort
+	v.Topology, v.Zone = fe.Topology, fe.Zone
+	for _, r := range sp.SourceRanges {
+		v.SourceRanges = append(v.SourceRanges, r.String())
+	}
+	if fe.Protocol == config.UDP {
+		v.UDPFlows = &fe.UDPFlows
+	}
+	return v
+}
+
+// writeText writes v as the text page's lines.
+func (v serviceView) writeText(w io.Writer) {
+	fmt.Fprintf(w, "%s %s (IPv%d, %s) listen %s port %d", v.Service, v.Protocol, v.Family, v.Kind, v.Listen, v.Port)
+	if v.NodePort != 0 {
+		fmt.Fprintf(w, " nodePort %d", v.NodePort)
+	}
+	fmt.Fprintf(w, "\n  addresses: %s\n", strings.Join(append(append(append([]string(nil), v.ClusterIPs...), v.ExternalIPs...), v.LBIPs...), " "))
+	for _, e := range []string{v.Error, v.NodePortErr} {
+		if e != "" {
+			fmt.Fprintf(w, "  ERROR: %s\n", e)
 		}
-		fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(texts, " "))
-		if v.Scheduler != "" {
-			fmt.Fprintf(w, "  scheduler: %s\n", v.Scheduler)
+	}
+	texts := make([]string, len(v.Endpoints))
+	for i, e := range v.Endpoints {
+		texts[i] = e.text
+	}
+	fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(texts, " "))
+	if v.Scheduler != "" {
+		fmt.Fprintf(w, "  scheduler: %s\n", v.Scheduler)
+	}
+	if v.Topology != "" || v.TrafficDistribution != "" {
+		mode := v.Topology
+		if mode == "" {
+			mode = "none used (every endpoint counts)"
 		}
-		if v.Topology != "" || v.TrafficDistribution != "" {
-			mode := v.Topology
-			if mode == "" {
-				mode = "none used (every endpoint counts)"
-			}
-			fmt.Fprintf(w, "  topology: trafficDistribution %q, hints %s, zone %q\n", v.TrafficDistribution, mode, v.Zone)
+		fmt.Fprintf(w, "  topology: trafficDistribution %q, hints %s, zone %q\n", v.TrafficDistribution, mode, v.Zone)
+	}
+	if v.HealthCheckNodePort != 0 {
+		fmt.Fprintf(w, "  healthCheckNodePort: %d\n", v.HealthCheckNodePort)
+	}
+	if len(v.SourceRanges) > 0 {
+		fmt.Fprintf(w, "  loadBalancerSourceRanges: %s\n", strings.Join(v.SourceRanges, " "))
+	}
+	for _, h := range v.Health {
+		var notes []string
+		if h.EjectedUntil != nil {
+			notes = append(notes, fmt.Sprintf("EJECTED until %s (ejection %d in a row)", h.EjectedUntil.Format(time.RFC3339), h.Ejections))
+		} else if h.Failures > 0 {
+			notes = append(notes, fmt.Sprintf("%d failure(s) in a row", h.Failures))
 		}
-		if v.HealthCheckNodePort != 0 {
-			fmt.Fprintf(w, "  healthCheckNodePort: %d\n", v.HealthCheckNodePort)
+		if h.Drained {
+			notes = append(notes, "DRAINED")
 		}
-		if len(v.SourceRanges) > 0 {
-			fmt.Fprintf(w, "  loadBalancerSourceRanges: %s\n", strings.Join(v.SourceRanges, " "))
+		if len(notes) > 0 || h.Active > 0 {
+			fmt.Fprintf(w, "    %s %d open %s\n", h.Endpoint, h.Active, strings.Join(notes, ", "))
 		}
-		for _, h := range v.Health {
-			var notes []string
-			if h.EjectedUntil != nil {
-				notes = append(notes, fmt.Sprintf("EJECTED until %s (ejection %d in a row)", h.EjectedUntil.Format(time.RFC3339), h.Ejections))
-			} else if h.Failures > 0 {
-				notes = append(notes, fmt.Sprintf("%d failure(s) in a row", h.Failures))
-			}
-			if h.Drained {
-				notes = append(notes, "DRAINED")
-			}
-			if len(notes) > 0 || h.Active > 0 {
-				fmt.Fprintf(w, "    %s %d open %s\n", h.Endpoint, h.Active, strings.Join(notes, ", "))
-			}
-		}
-		if v.Affinity != "" {
-			fmt.Fprintf(w, "  affinity: ClientIP for %s\n", v.Affinity)
-			for _, pin := range v.Pins {
-				fmt.Fprintf(w, "    %s -> %s until %s\n", pin.Client, pin.Endpoint, pin.Expires.Format(time.RFC3339))
-			}
+	}
+	if v.Affinity != "" {
+		fmt.Fprintf(w, "  affinity: ClientIP for %s\n", v.Affinity)
+		for _, pin := range v.Pins {
+			fmt.Fprintf(w, "    %s -> %s until %s\n", pin.Client, pin.Endpoint, pin.Expires.Format(time.RFC3339))
 		}
 	}
 }

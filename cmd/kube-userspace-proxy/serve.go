@@ -31,13 +31,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	node := o.nodeName()
 	switch {
 	case o.cleanup:
-		err := iptables.Cleanup(log)
-		if changed, rerr := proxy.UnreservePorts(o.portRange); rerr != nil {
-			log.WithError(rerr).Warn("Cannot take the proxy port range out of ip_local_reserved_ports")
-		} else if changed {
-			log.WithField("range", o.portRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
-		}
-		return err
+		return cleanup(o, log)
 	case o.showRules:
 		return showRules(o, node, stdout)
 	}
@@ -48,98 +42,22 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err := checkLocal(o.bindAddress); err != nil {
 		return usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
 	}
-	var client kubernetes.Interface
-	var manifests *config.ManifestSource
-	if o.manifests != "" {
-		manifests = &config.ManifestSource{Path: o.manifests, Node: node, Log: log.WithField("component", "manifests")}
-		if err := manifests.Check(); err != nil {
-			return fmt.Errorf("loading --manifests: %w", err)
-		}
-	} else {
-		rc, err := config.ClientConfig(o.master, o.kubeconfig)
-		if err != nil {
-			return usageError{err}
-		}
-		rc.UserAgent = "kube-userspace-proxy"
-		if client, err = kubernetes.NewForConfig(rc); err != nil {
-			return usageError{fmt.Errorf("API client: %w", err)}
-		}
+	manifests, client, err := checkSource(o, node, log)
+	if err != nil {
+		return err
 	}
-	if o.schedPolicy == "batch" {
-		if n, err := setBatchScheduling(); err != nil {
-			log.WithError(err).Warn("Cannot switch to SCHED_BATCH; running with the normal policy")
-		} else {
-			log.WithField("threads", n).Info("Scheduling policy batch (SCHED_BATCH)")
-		}
+	setUpProcess(o, log)
+	rules, ipt, err := newRules(o, log)
+	if err != nil {
+		return err
 	}
-	if limit, err := proxy.RaiseFileLimit(); err != nil {
-		log.WithError(err).Warn("Cannot raise the open-file limit")
-	} else {
-		log.WithField("limit", limit).Debug("Open-file limit")
-	}
-
-	var rules proxy.Rules
-	var ipt *iptables.Rules
-	if o.iptables {
-		// The guard covers the whole range with one rule: nobody else's
-		// socket may sit in it. Without rules there is no guard, and the
-		// node's settings are left alone.
-		if ok, err := hasNetAdmin(); err == nil && !ok {
-			return fmt.Errorf("programming iptables needs CAP_NET_ADMIN: run as root or grant the capability " +
-				"(--iptables=false runs the listeners only)")
-		}
-		r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
-			ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
-		if err != nil {
-			return err
-		}
-		// Only once iptables is known to work: a daemon that cannot start
-		// leaves the node's settings alone.
-		if changed, err := proxy.ReservePorts(o.portRange); err != nil {
-			log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
-				"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
-		} else if changed {
-			log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
-		}
-		rules, ipt = r, r
-	} else {
-		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
-	}
-	var events func(sp *config.ServicePort, reason, message string)
-	if client != nil {
-		// Service conflicts (a NodePort another process or Service holds)
-		// become Events on the Service, where its owner looks.
-		broadcaster := record.NewBroadcaster(record.WithContext(ctx))
-		broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
-		defer broadcaster.Shutdown()
-		recorder := broadcaster.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-userspace-proxy", Host: node})
-		events = func(sp *config.ServicePort, reason, message string) {
-			recorder.Event(&v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: sp.Name.Namespace, Name: sp.Name.Name},
-				v1.EventTypeWarning, reason, message)
-		}
-	}
+	events, stopEvents := eventRecorder(ctx, client, node)
+	defer stopEvents()
 	hc := &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
 	if len(o.nodePortCIDRs) > 0 {
 		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
 	}
-	p := proxy.New(proxy.Config{
-		Events:              events,
-		ServiceHealth:       hc,
-		Rules:               rules,
-		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
-		BindAddress:         o.bindAddress,
-		PortRange:           o.portRange,
-		TCPIdleTimeout:      o.tcpIdleTimeout,
-		ParkIdleAfter:       parkIdleAfter(o.parkIdleAfter),
-		Outlier:             o.outlier,
-		UDPTimeout:          o.udpTimeout,
-		UDPMaxFlows:         o.udpMaxFlows,
-		MinSyncPeriod:       o.minSyncPeriod,
-		SyncPeriod:          o.syncPeriod,
-		Log:                 log.WithField("component", "proxier"),
-		ConnLog:             log.WithField("component", "conn"),
-		ConnLogMode:         proxy.ConnLogMode(o.connLog),
-	})
+	p := newProxier(o, rules, hc, events, log)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
@@ -181,6 +99,123 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	<-watching
 	log.Info("Stopped")
 	return nil
+}
+
+// cleanup removes what the daemon put on the node (--cleanup).
+func cleanup(o *options, log *logrus.Logger) error {
+	err := iptables.Cleanup(log)
+	if changed, rerr := proxy.UnreservePorts(o.portRange); rerr != nil {
+		log.WithError(rerr).Warn("Cannot take the proxy port range out of ip_local_reserved_ports")
+	} else if changed {
+		log.WithField("range", o.portRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
+	}
+	return err
+}
+
+// checkSource checks the manifests (--manifests) or makes the API client:
+// bad input fails here, before the kernel is touched.
+func checkSource(o *options, node string, log *logrus.Logger) (*config.ManifestSource, kubernetes.Interface, error) {
+	if o.manifests != "" {
+		manifests := &config.ManifestSource{Path: o.manifests, Node: node, Log: log.WithField("component", "manifests")}
+		if err := manifests.Check(); err != nil {
+			return nil, nil, fmt.Errorf("loading --manifests: %w", err)
+		}
+		return manifests, nil, nil
+	}
+	rc, err := config.ClientConfig(o.master, o.kubeconfig)
+	if err != nil {
+		return nil, nil, usageError{err}
+	}
+	rc.UserAgent = "kube-userspace-proxy"
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, nil, usageError{fmt.Errorf("API client: %w", err)}
+	}
+	return nil, client, nil
+}
+
+// setUpProcess sets the scheduling policy and raises the open-file limit.
+func setUpProcess(o *options, log *logrus.Logger) {
+	if o.schedPolicy == "batch" {
+		if n, err := setBatchScheduling(); err != nil {
+			log.WithError(err).Warn("Cannot switch to SCHED_BATCH; running with the normal policy")
+		} else {
+			log.WithField("threads", n).Info("Scheduling policy batch (SCHED_BATCH)")
+		}
+	}
+	if limit, err := proxy.RaiseFileLimit(); err != nil {
+		log.WithError(err).Warn("Cannot raise the open-file limit")
+	} else {
+		log.WithField("limit", limit).Debug("Open-file limit")
+	}
+}
+
+// newRules probes iptables and reserves the proxy port range (--iptables),
+// or returns no rules.
+func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, error) {
+	if !o.iptables {
+		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
+		return nil, nil, nil
+	}
+	// The guard covers the whole range with one rule: nobody else's
+	// socket may sit in it. Without rules there is no guard, and the
+	// node's settings are left alone.
+	if ok, err := hasNetAdmin(); err == nil && !ok {
+		return nil, nil, fmt.Errorf("programming iptables needs CAP_NET_ADMIN: run as root or grant the capability " +
+			"(--iptables=false runs the listeners only)")
+	}
+	r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
+		ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
+	if err != nil {
+		return nil, nil, err
+	}
+	// Only once iptables is known to work: a daemon that cannot start
+	// leaves the node's settings alone.
+	if changed, err := proxy.ReservePorts(o.portRange); err != nil {
+		log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
+			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
+	} else if changed {
+		log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+	}
+	return r, r, nil
+}
+
+// eventRecorder turns a Service's conflicts (a NodePort another process or
+// Service holds) into Events on the Service, where its owner looks; none
+// without an API client.
+func eventRecorder(ctx context.Context, client kubernetes.Interface, node string) (events func(sp *config.ServicePort, reason, message string), stop func()) {
+	if client == nil {
+		return nil, func() {}
+	}
+	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	recorder := broadcaster.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-userspace-proxy", Host: node})
+	return func(sp *config.ServicePort, reason, message string) {
+		recorder.Event(&v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: sp.Name.Namespace, Name: sp.Name.Name},
+			v1.EventTypeWarning, reason, message)
+	}, broadcaster.Shutdown
+}
+
+// newProxier makes the proxier of the flags.
+func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(sp *config.ServicePort, reason, message string), log *logrus.Logger) *proxy.Proxier {
+	return proxy.New(proxy.Config{
+		Events:              events,
+		ServiceHealth:       hc,
+		Rules:               rules,
+		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
+		BindAddress:         o.bindAddress,
+		PortRange:           o.portRange,
+		TCPIdleTimeout:      o.tcpIdleTimeout,
+		ParkIdleAfter:       parkIdleAfter(o.parkIdleAfter),
+		Outlier:             o.outlier,
+		UDPTimeout:          o.udpTimeout,
+		UDPMaxFlows:         o.udpMaxFlows,
+		MinSyncPeriod:       o.minSyncPeriod,
+		SyncPeriod:          o.syncPeriod,
+		Log:                 log.WithField("component", "proxier"),
+		ConnLog:             log.WithField("component", "conn"),
+		ConnLogMode:         proxy.ConnLogMode(o.connLog),
+	})
 }
 
 // startSource starts the manifests source (already checked) or the cluster
