@@ -65,58 +65,10 @@ const annotationPrefix = "kube-userspace-proxy.io/"
 // The caller has already checked SkipReason. An invalid address or port is an
 // error naming the field.
 func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
-	clusterIPs, err := parseAddrs("spec.clusterIPs", svc.Spec.ClusterIPs)
+	base, err := serviceFields(svc)
 	if err != nil {
 		return nil, err
 	}
-	if len(clusterIPs) == 0 {
-		ip, err := parseAddr("spec.clusterIP", svc.Spec.ClusterIP)
-		if err != nil {
-			return nil, err
-		}
-		clusterIPs = []netip.Addr{ip}
-	}
-	externalIPs, err := parseAddrs("spec.externalIPs", svc.Spec.ExternalIPs)
-	if err != nil {
-		return nil, err
-	}
-	var lbIPs []netip.Addr
-	for i, ing := range svc.Status.LoadBalancer.Ingress {
-		if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == v1.LoadBalancerIPModeProxy) {
-			continue
-		}
-		ip, err := parseAddr(fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), ing.IP)
-		if err != nil {
-			return nil, err
-		}
-		lbIPs = append(lbIPs, ip)
-	}
-
-	var affinity time.Duration
-	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
-		affinity = DefaultAffinityTimeout
-		if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
-			secs := *c.ClientIP.TimeoutSeconds
-			if secs <= 0 || secs > 86400 {
-				return nil, fmt.Errorf("spec.sessionAffinityConfig.clientIP.timeoutSeconds: %d is outside 1..86400", secs)
-			}
-			affinity = time.Duration(secs) * time.Second
-		}
-	}
-
-	var sourceRanges []netip.Prefix
-	for i, r := range svc.Spec.LoadBalancerSourceRanges {
-		p, err := netip.ParsePrefix(strings.TrimSpace(r))
-		if err != nil {
-			return nil, fmt.Errorf("spec.loadBalancerSourceRanges[%d]: %q is not a CIDR", i, r)
-		}
-		sourceRanges = append(sourceRanges, p.Masked())
-	}
-	trafficDistribution := ""
-	if svc.Spec.TrafficDistribution != nil {
-		trafficDistribution = *svc.Spec.TrafficDistribution
-	}
-
 	if len(svc.Spec.Ports) == 0 {
 		return nil, errors.New("spec.ports: a Service with a clusterIP needs at least one port")
 	}
@@ -143,32 +95,83 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 		if len(svc.Spec.Ports) > 1 && p.Name == "" {
 			return nil, fmt.Errorf("%s.name: required when a Service has more than one port", field)
 		}
-		sp := &ServicePort{
-			Name:            ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: p.Name},
-			Protocol:        proto,
-			Port:            int(p.Port),
-			ClusterIPs:      clusterIPs,
-			ExternalIPs:     externalIPs,
-			LoadBalancerIPs: lbIPs,
-			AffinityTimeout: affinity,
-			InternalLocal:   svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
-			ExternalLocal:   svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
-
-			OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
-			Scheduler:        svc.Annotations[AnnotationScheduler],
-			ProxyProtocol:    svc.Annotations[AnnotationProxyProtocol],
-			Created:          svc.CreationTimestamp.Time,
-
-			HealthCheckNodePort: int(svc.Spec.HealthCheckNodePort),
-			SourceRanges:        sourceRanges,
-			TrafficDistribution: trafficDistribution,
-		}
+		sp := *base
+		sp.Name = ServicePortName{Namespace: svc.Namespace, Name: svc.Name, Port: p.Name}
+		sp.Protocol, sp.Port = proto, int(p.Port)
 		if svc.Spec.Type == v1.ServiceTypeNodePort || svc.Spec.Type == v1.ServiceTypeLoadBalancer {
 			sp.NodePort = int(p.NodePort)
 		}
-		out = append(out, sp)
+		out = append(out, &sp)
 	}
 	return out, nil
+}
+
+// serviceFields returns the fields every port of svc shares.
+func serviceFields(svc *v1.Service) (*ServicePort, error) {
+	sp := &ServicePort{
+		InternalLocal: svc.Spec.InternalTrafficPolicy != nil && *svc.Spec.InternalTrafficPolicy == v1.ServiceInternalTrafficPolicyLocal,
+		ExternalLocal: svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
+
+		OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
+		Scheduler:        svc.Annotations[AnnotationScheduler],
+		ProxyProtocol:    svc.Annotations[AnnotationProxyProtocol],
+		Created:          svc.CreationTimestamp.Time,
+
+		HealthCheckNodePort: int(svc.Spec.HealthCheckNodePort),
+	}
+	var err error
+	if sp.ClusterIPs, sp.ExternalIPs, sp.LoadBalancerIPs, err = serviceAddrs(svc); err != nil {
+		return nil, err
+	}
+	if svc.Spec.SessionAffinity == v1.ServiceAffinityClientIP {
+		sp.AffinityTimeout = DefaultAffinityTimeout
+		if c := svc.Spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
+			secs := *c.ClientIP.TimeoutSeconds
+			if secs <= 0 || secs > 86400 {
+				return nil, fmt.Errorf("spec.sessionAffinityConfig.clientIP.timeoutSeconds: %d is outside 1..86400", secs)
+			}
+			sp.AffinityTimeout = time.Duration(secs) * time.Second
+		}
+	}
+	for i, r := range svc.Spec.LoadBalancerSourceRanges {
+		p, err := netip.ParsePrefix(strings.TrimSpace(r))
+		if err != nil {
+			return nil, fmt.Errorf("spec.loadBalancerSourceRanges[%d]: %q is not a CIDR", i, r)
+		}
+		sp.SourceRanges = append(sp.SourceRanges, p.Masked())
+	}
+	if svc.Spec.TrafficDistribution != nil {
+		sp.TrafficDistribution = *svc.Spec.TrafficDistribution
+	}
+	return sp, nil
+}
+
+// serviceAddrs returns the addresses svc answers on.
+func serviceAddrs(svc *v1.Service) (clusterIPs, externalIPs, lbIPs []netip.Addr, err error) {
+	if clusterIPs, err = parseAddrs("spec.clusterIPs", svc.Spec.ClusterIPs); err != nil {
+		return nil, nil, nil, err
+	}
+	if len(clusterIPs) == 0 {
+		ip, err := parseAddr("spec.clusterIP", svc.Spec.ClusterIP)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		clusterIPs = []netip.Addr{ip}
+	}
+	if externalIPs, err = parseAddrs("spec.externalIPs", svc.Spec.ExternalIPs); err != nil {
+		return nil, nil, nil, err
+	}
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		if ing.IP == "" || (ing.IPMode != nil && *ing.IPMode == v1.LoadBalancerIPModeProxy) {
+			continue
+		}
+		ip, err := parseAddr(fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), ing.IP)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		lbIPs = append(lbIPs, ip)
+	}
+	return clusterIPs, externalIPs, lbIPs, nil
 }
 
 // SliceEndpoints returns the endpoints an EndpointSlice gives each named port.

@@ -421,11 +421,33 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, p)
 	}
+	e, err := offlineExplainer(o, nodeIPs, manifests)
+	if err != nil {
+		if errors.As(err, new(usageError)) {
+			return fail(err)
+		}
+		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %v\n", err)
+		return exitFailure
+	}
+	ans := e.explain(q)
+	if output == "json" {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(ans)
+	} else {
+		writeExplainText(stdout, ans)
+	}
+	return 0
+}
+
+// offlineExplainer explains with the rules and balancers the daemon would
+// make of manifests, without one running.
+func offlineExplainer(o *options, nodeIPs []string, manifests string) (*explainer, error) {
 	e := &explainer{node: o.nodeName(), placeholders: true, offline: true}
 	for _, s := range nodeIPs {
 		a, err := netip.ParseAddr(s)
 		if err != nil {
-			return fail(fmt.Errorf("--node-ip: %w", err))
+			return nil, usageError{fmt.Errorf("--node-ip: %w", err)}
 		}
 		e.nodeAddrs = append(e.nodeAddrs, a.Unmap())
 	}
@@ -434,8 +456,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	}
 	st, _, err := config.LoadManifests(manifests, e.node)
 	if err != nil {
-		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %v\n", err)
-		return exitFailure
+		return nil, err
 	}
 	e.frontends = proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
 	features := iptables.Features{Comment: true, Addrtype: true, Conntrack: true}
@@ -456,15 +477,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	e.service = func(fe config.Frontend, as string, client netip.Addr) proxy.Explanation {
 		return proxy.ExplainPlanned(fe, as, client, e.node, st.Zone)
 	}
-	ans := e.explain(q)
-	if output == "json" {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		_ = enc.Encode(ans)
-	} else {
-		writeExplainText(stdout, ans)
-	}
-	return 0
+	return e, nil
 }
 
 // explainRemote asks a running daemon's /debug/explain.
