@@ -5,7 +5,7 @@
 // a Builder (AddService, AddSlice, State) and hands it to a Sink; the proxier is the only Sink and never sees a
 // Kubernetes object.
 //
-//	st, err := config.LoadManifests("docs/examples/devpaasy.yaml", "node-a")
+//	st, skipped, err := config.LoadManifests("docs/examples/devpaasy.yaml", "node-a")
 //	proxier.Update(st)
 package config
 

@@ -7,8 +7,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // Reason says why a balancer picked an endpoint; it is logged per connection.
@@ -27,51 +25,8 @@ const (
 	ReasonRandom     Reason = "random"
 )
 
-// Balancer chooses the endpoint for each new connection or UDP flow of one
-// frontend. Implementations must be safe for concurrent use.
-type Balancer interface {
-	// Pick returns the endpoint for a new connection from client. attempt is
-	// the number of dials that already failed for this connection; a retry
-	// bypasses session affinity and re-pins the client to what it returns.
-	// ok is false when there is no endpoint.
-	Pick(client netip.Addr, attempt int) (ep netip.AddrPort, why Reason, ok bool)
-	// Report tells the outcome of a dial to ep (TCP), or of a flow's
-	// traffic (UDP: an answer, or an ICMP error): failed dials in a row eject
-	// ep from new picks for a while (outlier.go). It takes no lock. It
-	// returns how long ep is now ejected for, and whether a success just
-	// returned it from an ejection.
-	Report(ep netip.AddrPort, failed bool) (ejectedFor time.Duration, recovered bool)
-	// Done says that a connection or flow that Pick sent to ep has ended
-	// (or its dial failed): the count of active connections, which lc and
-	// the debug view use, goes down. It takes no lock.
-	Done(ep netip.AddrPort)
-	// Update replaces the endpoint set, the affinity timeout (0: none), the
-	// outlier detection and the scheduler; endpoints that stay keep their
-	// health, drain and counts.
-	Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig, scheduler string)
-	// SetDrained stops (or, with false, resumes) new picks of ep while its
-	// connections go on; false when ep is not an endpoint of the balancer.
-	SetDrained(ep netip.AddrPort, drained bool) bool
-	// Affinities returns the live session-affinity pins, sorted by client,
-	// for the debug view (none for a balancer without affinity).
-	Affinities() []Affinity
-	// Health returns every endpoint's outlier state, sorted by address.
-	Health() []EndpointHealth
-	// Scheduler names how it chooses: rr, lc, sh or random.
-	Scheduler() string
-	// Predict says what Pick would answer for a first attempt from client
-	// now, changing nothing (explain).
-	Predict(client netip.Addr) Prediction
-}
-
-// newBalancer returns the balancer for a new frontend of sp. The frontend
-// holds it only as a Balancer: schedulers plug in here without touching the
-// data path.
-func newBalancer(sp *config.ServicePort) Balancer { return NewBalancer(sp.Scheduler) }
-
-var _ Balancer = (*EndpointBalancer)(nil)
-
-// EndpointBalancer cycles through the endpoints in rotation (not ejected); with
+// EndpointBalancer chooses the endpoint for each new connection or UDP flow
+// of one frontend, safe for concurrent use. It cycles through the endpoints in rotation (not ejected); with
 // affinity a client IP keeps its endpoint until it has been idle for the
 // affinity timeout or its endpoint is ejected.
 //
@@ -98,9 +53,6 @@ type pin struct {
 	lastUsed time.Time
 }
 
-// NewRoundRobin returns an empty round-robin balancer.
-func NewRoundRobin() *EndpointBalancer { return NewBalancer(SchedRoundRobin) }
-
 // NewBalancer returns an empty balancer with the named scheduler (rr when
 // the name is unknown); call Update to give it endpoints.
 func NewBalancer(scheduler string) *EndpointBalancer {
@@ -116,8 +68,11 @@ func (rr *EndpointBalancer) clock() time.Time {
 	return time.Now()
 }
 
-// Update implements Balancer. Pins to endpoints that are gone are dropped; the
-// others survive an endpoint change, and so does an endpoint's health.
+// Update replaces the endpoint set, the affinity timeout (0: none), the
+// outlier detection and the scheduler; endpoints that stay keep their
+// health, drain and counts.
+// Pins to endpoints that are gone are dropped; the others survive an
+// endpoint change, and so does an endpoint's health.
 func (rr *EndpointBalancer) Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig, scheduler string) {
 	addrs := slices.Clone(endpoints)
 	sort.Slice(addrs, func(i, j int) bool { return addrs[i].Compare(addrs[j]) < 0 })
@@ -166,7 +121,10 @@ func findEndpoint(eps []*endpoint, a netip.AddrPort) *endpoint {
 	return eps[i]
 }
 
-// Pick implements Balancer.
+// Pick returns the endpoint for a new connection from client. attempt is
+// the number of dials that already failed for this connection; a retry
+// bypasses session affinity and re-pins the client to what it returns.
+// ok is false when there is no endpoint.
 func (rr *EndpointBalancer) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reason, bool) {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
@@ -209,7 +167,11 @@ func (rr *EndpointBalancer) Pick(client netip.Addr, attempt int) (netip.AddrPort
 	return e.addr, why, true
 }
 
-// Report implements Balancer.
+// Report tells the outcome of a dial to ep (TCP), or of a flow's
+// traffic (UDP: an answer, or an ICMP error): failed dials in a row eject
+// ep from new picks for a while (outlier.go). It takes no lock. It
+// returns how long ep is now ejected for, and whether a success just
+// returned it from an ejection.
 func (rr *EndpointBalancer) Report(ep netip.AddrPort, failed bool) (time.Duration, bool) {
 	o := rr.outlier.Load()
 	eps := rr.snapshot.Load()
@@ -223,7 +185,9 @@ func (rr *EndpointBalancer) Report(ep netip.AddrPort, failed bool) (time.Duratio
 	return e.report(*o, failed, rr.clock())
 }
 
-// Done implements Balancer.
+// Done says that a connection or flow that Pick sent to ep has ended
+// (or its dial failed): the count of active connections, which lc and
+// the debug view use, goes down. It takes no lock.
 func (rr *EndpointBalancer) Done(ep netip.AddrPort) {
 	if eps := rr.snapshot.Load(); eps != nil {
 		if e := findEndpoint(*eps, ep); e != nil {
@@ -232,7 +196,8 @@ func (rr *EndpointBalancer) Done(ep netip.AddrPort) {
 	}
 }
 
-// SetDrained implements Balancer.
+// SetDrained stops (or, with false, resumes) new picks of ep while its
+// connections go on; false when ep is not an endpoint of the balancer.
 func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {
 	if eps := rr.snapshot.Load(); eps != nil {
 		if e := findEndpoint(*eps, ep); e != nil {
@@ -243,14 +208,14 @@ func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {
 	return false
 }
 
-// Scheduler implements Balancer.
+// Scheduler names how it chooses: rr, lc, sh or random.
 func (rr *EndpointBalancer) Scheduler() string {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	return rr.sched.name()
 }
 
-// Health implements Balancer.
+// Health returns every endpoint's outlier state, sorted by address.
 func (rr *EndpointBalancer) Health() []EndpointHealth {
 	eps := rr.snapshot.Load()
 	if eps == nil {
@@ -318,7 +283,9 @@ type Prediction struct {
 	Position *int `json:"position,omitempty"`
 }
 
-// Predict implements Balancer: the same decisions as Pick, on copies.
+// Predict says what Pick would answer for a first attempt from client
+// now, changing nothing (explain).
+// It makes the same decisions as Pick, on copies.
 func (rr *EndpointBalancer) Predict(client netip.Addr) Prediction {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()

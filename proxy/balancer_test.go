@@ -21,7 +21,7 @@ func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
 
 func newTestRR() (*EndpointBalancer, *fakeClock) {
 	clk := &fakeClock{t: time.Unix(1000, 0)}
-	rr := NewRoundRobin()
+	rr := NewBalancer(SchedRoundRobin)
 	rr.now = clk.now
 	return rr, clk
 }

@@ -164,7 +164,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		d.budget.listeners.Add(1)
 	}
 	fe := &frontend{
-		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: newBalancer(sp), m: newFEMetrics(key.Name.String(), sp.Protocol),
+		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: NewBalancer(sp.Scheduler), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(ln.port)),
 		nodePortErr: nodePortErr,
 		hold:        hold,

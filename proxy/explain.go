@@ -112,7 +112,7 @@ type Explanation struct {
 // one that failed) it explains with a new balancer, as the listener would
 // start.
 func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Explanation {
-	var bal Balancer
+	var bal *EndpointBalancer
 	p.rec.mu.Lock()
 	l := p.rec.liveLocked(fe)
 	node, zone := p.rec.viewNode, p.rec.viewZone
@@ -129,7 +129,7 @@ func ExplainPlanned(fe config.Frontend, as string, client netip.Addr, node, zone
 	return explain(fe, as, client, node, zone, nil, false)
 }
 
-func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal Balancer, live bool) Explanation {
+func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal *EndpointBalancer, live bool) Explanation {
 	sp := fe.Service
 	local := keyOf(fe).localOnly(sp)
 	if as == AsClusterIP {

@@ -31,7 +31,7 @@ type frontend struct {
 	key         frontendKey
 	protocol    config.Protocol     // fixed: another protocol is another frontend
 	spec        *config.ServicePort // the sync goroutine's: connections never read it
-	bal         Balancer
+	bal         *EndpointBalancer
 	listen      netip.AddrPort
 	nodePortErr error      // the NodePort could not be taken
 	hold        *sock.Hold // holds the NodePort when the listener is elsewhere, or nil

@@ -364,9 +364,9 @@ func (r *reconciler) logSync(start time.Time, kept, closed int, changed []config
 	if opened := len(r.frontends) - kept; opened+closed >= bulkSync {
 		// A bulk sync (a start, a restore of many Services) leaves tens of
 		// MB of garbage; collected later, it would land on the next small
-		// change, whose sync then shares the CPU with a mark phase that
-		// scans every listener's goroutine (at 10k: +15-25 ms, in ~40 % of
-		// the changes measured right after a load). Collect it now.
+		// change, whose sync then shares the CPU with the mark phase (at
+		// 10k: +15-25 ms, in ~40 % of the changes measured right after a
+		// load). Collect it now.
 		gcStart := time.Now()
 		runtime.GC()
 		fields["gcAfterBulk"] = time.Since(gcStart).String()

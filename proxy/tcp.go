@@ -11,7 +11,7 @@ package proxy
 //	    in the proxier's sock.Parker, which hands it back to a copier when
 //	    it wakes.
 //	  → the direction that finishes last closes both sockets and logs the
-//	    record (tcpPair.finish, conns.go)
+//	    record (tcpPair.finish; the record's end is connRecord.finish in conns.go)
 //
 // The acceptor never dials: a slow backend delays only its own client.
 // Raw socket work is package sock's (internal/sock).

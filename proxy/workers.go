@@ -20,7 +20,6 @@ type workers struct {
 
 	mu      sync.Mutex
 	idle    []*worker // most recently parked last
-	spawned int       // goroutines started, for tests
 	stopped bool
 	running sync.WaitGroup
 }
@@ -47,7 +46,6 @@ func (w *workers) Go(fn func()) {
 		return
 	}
 	w.running.Add(1)
-	w.spawned++
 	w.mu.Unlock()
 	go w.loop(fn)
 }

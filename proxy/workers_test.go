@@ -1,10 +1,47 @@
 package proxy
 
 import (
+	"bytes"
+	"runtime"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
 )
+
+// goid is the calling goroutine's number, from its stack trace's header
+// ("goroutine 7 [running]:"): which goroutine ran a job.
+func goid() int {
+	buf := make([]byte, 64)
+	buf = buf[:runtime.Stack(buf, false)]
+	f := bytes.Fields(bytes.TrimPrefix(buf, []byte("goroutine ")))
+	n, _ := strconv.Atoi(string(f[0]))
+	return n
+}
+
+// ranOn collects the goroutines jobs ran on.
+type ranOn struct {
+	mu  sync.Mutex
+	ids map[int]bool
+}
+
+func (r *ranOn) job(fn func()) func() {
+	return func() {
+		r.mu.Lock()
+		if r.ids == nil {
+			r.ids = map[int]bool{}
+		}
+		r.ids[goid()] = true
+		r.mu.Unlock()
+		fn()
+	}
+}
+
+func (r *ranOn) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.ids)
+}
 
 func (w *workers) idleCount() int {
 	w.mu.Lock()
@@ -18,14 +55,15 @@ func TestWorkersReuseRetireStop(t *testing.T) {
 	go func() { w.Run(stop); close(done) }()
 
 	// Sequential jobs reuse one parked worker.
+	var on ranOn
 	for i := 0; i < 5; i++ {
 		ran := make(chan struct{})
-		w.Go(func() { close(ran) })
+		w.Go(on.job(func() { close(ran) }))
 		<-ran
 		waitFor(t, "worker parked", func() bool { return w.idleCount() == 1 })
 	}
-	if w.spawned != 1 {
-		t.Fatalf("5 sequential jobs started %d goroutines, want 1", w.spawned)
+	if n := on.count(); n != 1 {
+		t.Fatalf("5 sequential jobs ran on %d goroutines, want 1", n)
 	}
 
 	// Concurrent jobs get a worker each; none waits for another.
@@ -33,13 +71,13 @@ func TestWorkersReuseRetireStop(t *testing.T) {
 	release := make(chan struct{})
 	for i := 0; i < 3; i++ {
 		wg.Add(1)
-		w.Go(func() { defer wg.Done(); <-release })
+		w.Go(on.job(func() { defer wg.Done(); <-release }))
 	}
 	close(release)
 	wg.Wait()
 	waitFor(t, "three workers parked", func() bool { return w.idleCount() == 3 })
-	if w.spawned != 3 {
-		t.Fatalf("3 concurrent jobs after one parked worker: %d goroutines started in all, want 3", w.spawned)
+	if n := on.count(); n != 3 {
+		t.Fatalf("3 concurrent jobs after one parked worker: %d goroutines in all, want 3", n)
 	}
 
 	// At most maxParked wait; the others end.
