@@ -205,7 +205,7 @@ done
 # paths interleaved (one search per path, then the next run): one search per path, minutes apart, moved the direct
 # path's own figure by 1.8× from run to run. The load generator paces each flow by the clock in sends of
 # UDP_BURST datagrams (loadgen -burst): a millisecond's worth at once overflowed the backend's socket at rates the
-# path carried, and made the figures a tail of the scheduler (docs/benchmarks.md, fourteenth round).
+# path carried, and made the figures a tail of the scheduler (docs/benchmarks-history.md, fourteenth round).
 # udp_search PATH SIZE FLOWS: the rates step up until one loses ≥ 0.1 %; then three halvings of the gap between the
 # last rate that passed and the first that failed (the steps alone made every figure one of a few values, and a
 # ratio of two neighbours a step apart read as a 0.5× or a 2×). A rate fails only when it fails twice in a row, after
@@ -265,7 +265,7 @@ fi
 
 # udprt (not in the default set): all CPU time of the machine (/proc/stat: user, nice, system, irq, softirq) per UDP
 # round trip at a rate every path carries, 1 400 B, one flow and 64: what a path costs the machine, which is the
-# ceiling of its UDP figures where the CPUs are the limit (docs/benchmarks.md, fourteenth round).
+# ceiling of its UDP figures where the CPUs are the limit (docs/benchmarks-history.md, fourteenth round).
 # e.g. TESTS=udprt PATHS="direct dnat nginx proxy" test/bench/bench.sh
 busyticks() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }
 if want udprt; then
