@@ -18,6 +18,7 @@ const (
 	CauseDialFailed                 // every dial attempt failed
 	CauseEvicted                    // UDP: the flow table was full
 	CauseEndpointError              // UDP: the endpoint's socket failed (an ICMP error, say)
+	CauseEndpointGone               // UDP: the endpoint left the Service or stopped serving
 )
 
 var causeNames = [...]string{
@@ -32,6 +33,7 @@ var causeNames = [...]string{
 	CauseDialFailed:    "dial failed",
 	CauseEvicted:       "evicted",
 	CauseEndpointError: "endpoint error",
+	CauseEndpointGone:  "endpoint gone",
 }
 
 func (c Cause) String() string {

@@ -109,6 +109,10 @@ var (
 	udpFlowsEvicted = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_udp_flows_evicted_total", Help: "UDP flows evicted because the flow table was full.",
 	}, []string{"service"})
+	udpFlowsMoved = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_udp_flows_moved_total",
+		Help: "UDP flows ended because their endpoint left the Service or stopped serving: the client's next datagram goes to another endpoint (kube-proxy's UDP conntrack cleanup).",
+	}, []string{"service"})
 	connDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kube_userspace_proxy_connection_duration_seconds", Help: "How long proxied TCP connections lasted.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 4, 12),
@@ -120,7 +124,7 @@ func RegisterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(syncDuration, syncLast, syncLastQueued, programmingDuration,
 		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration,
+		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration,
 		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
 		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals)
 }
@@ -138,6 +142,7 @@ type feMetrics struct {
 
 type feSeries struct {
 	accepted, retries, noEndpoints, evicted prometheus.Counter
+	moved                                   prometheus.Counter
 	bytesIn, bytesOut                       prometheus.Counter
 	active, udpActive                       prometheus.Gauge
 	duration                                prometheus.Observer
@@ -160,6 +165,7 @@ func (m *feMetrics) get() *feSeries {
 		}
 		if m.proto == config.UDP {
 			fs.evicted = udpFlowsEvicted.WithLabelValues(service)
+			fs.moved = udpFlowsMoved.WithLabelValues(service)
 			fs.udpActive = udpFlowsActive.WithLabelValues(service)
 		} else {
 			fs.accepted = connsAccepted.WithLabelValues(service)
@@ -244,7 +250,7 @@ func deleteServiceMetrics(service string) {
 	match := prometheus.Labels{"service": service}
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, connDuration, endpointEjections, udpEndpointErrors,
+		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration, endpointEjections, udpEndpointErrors,
 	} {
 		v.DeletePartialMatch(match)
 	}

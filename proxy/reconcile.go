@@ -18,6 +18,7 @@ package proxy
 import (
 	"fmt"
 	"maps"
+	"net/netip"
 	"runtime"
 	"slices"
 	"sort"
@@ -287,12 +288,27 @@ func (r *reconciler) serve(view []config.Frontend, st *config.State, sp *config.
 			warnAnnotations(fe.log(), prev, sp)
 			fe.proxyProto.Store(sp.ProxyProtocol)
 			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone), sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
+			if fe.udp != nil && !opened {
+				fe.udp.endFlowsOff(servingEndpoints(sp))
+			}
 		}
 		fe.spec = sp
 		view = append(view, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
 			NodePortErr: fe.nodePortErr})
 	}
 	return view
+}
+
+// servingEndpoints are the addresses of sp's endpoints that serve, ready or
+// terminating.
+func servingEndpoints(sp *config.ServicePort) map[netip.AddrPort]bool {
+	set := make(map[netip.AddrPort]bool, len(sp.Endpoints))
+	for _, ep := range sp.Endpoints {
+		if ep.Ready || ep.Serving {
+			set[ep.Addr] = true
+		}
+	}
+	return set
 }
 
 // open opens key's listener and says what went wrong: the listener (the

@@ -312,6 +312,29 @@ func (u *udpServer) evict(fl *udpFlow) bool {
 	return true
 }
 
+// endFlowsOff ends the flows whose endpoint no longer serves (gone from the
+// Service's slices, or not serving): the client's next datagram opens a flow
+// to an endpoint the balancer picks, as kube-proxy's UDP conntrack cleanup
+// moves it. A terminating endpoint that still serves keeps its flows. A
+// client that sends often from one source port never idles out, so without
+// this it would keep talking to a pod that is gone.
+func (u *udpServer) endFlowsOff(serving map[netip.AddrPort]bool) {
+	u.flows.mu.Lock()
+	var off []*udpFlow
+	for _, fl := range u.flows.flows {
+		if !serving[fl.endpoint] {
+			off = append(off, fl)
+		}
+	}
+	u.flows.mu.Unlock()
+	for _, fl := range off {
+		u.endFlow(fl, CauseEndpointGone)
+	}
+	if len(off) > 0 {
+		u.m.get().moved.Add(float64(len(off)))
+	}
+}
+
 // counts returns the live and the evicted flow counts.
 func (u *udpServer) counts() (active int, evicted uint64) {
 	u.flows.mu.Lock()
