@@ -159,4 +159,3 @@ func TestUDPFlowsFollowTheEndpointSet(t *testing.T) {
 		})
 	}
 }
-
