@@ -170,20 +170,30 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		hold:        hold,
 		release:     release,
 	}
-	if ln.tcp != nil {
-		fe.tcp = &tcpServer{ln: ln.tcp}
-		if err := fe.serveTCP(ln.tcp); err != nil {
-			fe.discard()
-			return nil, fmt.Errorf("serving %s: %w", fe.listen, err)
-		}
-	} else {
-		u := &udpServer{frontend: fe, sk: &udpSocket{conn: ln.udp, family: key.Family}, flows: udpFlows{budget: d.budget}}
-		fe.udp = u
-		d.budget.addUDP(u)
-		u.served.Go(u.serve)
+	if err := d.serve(fe, ln); err != nil {
+		fe.discard()
+		return nil, err
 	}
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	return fe, nil
+}
+
+// serve has fe serve on ln: a TCP listener through the accept loop, a UDP
+// socket with a read loop of its own.
+func (d *dataplane) serve(fe *frontend, ln listener) error {
+	if ln.tcp != nil {
+		fe.tcp = &tcpServer{ln: ln.tcp}
+		if err := fe.serveTCP(ln.tcp); err != nil {
+			ln.tcp.Close()
+			return fmt.Errorf("serving %s: %w", fe.listen, err)
+		}
+		return nil
+	}
+	if fe.udp == nil {
+		fe.udp = &udpServer{frontend: fe, flows: udpFlows{budget: d.budget}}
+	}
+	fe.udp.open(&udpSocket{conn: ln.udp, family: fe.key.Family})
+	return nil
 }
 
 // task is a goroutine with an owner, who stops it.

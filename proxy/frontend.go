@@ -44,6 +44,12 @@ type frontend struct {
 	m   *feMetrics
 	tcp *tcpServer // one of tcp and udp is set
 	udp *udpServer
+	// refusing holds the port while no endpoint can serve: the listener
+	// is closed and a socket that refuses sits on its port (refuse), so a
+	// client is refused at connect as kube-proxy's REJECT does. The sync
+	// goroutine's; refused tells other goroutines.
+	refusing *sock.Hold
+	refused  atomic.Bool
 }
 
 // tcpServer is a frontend's TCP listener; the accept loop is the
@@ -127,13 +133,58 @@ func (fe *frontend) stop() {
 	if fe.hold != nil {
 		fe.dp.budget.listeners.Add(-1)
 	}
-	if fe.tcp != nil {
+	fe.closeListener()
+	fe.refusing.Close()
+	fe.refusing = nil
+	fe.hold.Close()
+}
+
+// closeListener closes the listener, unless the frontend refuses (it is
+// closed then).
+func (fe *frontend) closeListener() {
+	switch {
+	case fe.refusing != nil:
+	case fe.tcp != nil:
 		fe.tcp.ln.Close()
-	}
-	if fe.udp != nil {
+	case fe.udp != nil:
 		fe.udp.close()
 	}
-	fe.hold.Close()
+}
+
+// refuse closes the listener and holds its port with a socket that refuses
+// (sock.RefusePort): a TCP SYN gets a reset, a UDP datagram an ICMP port
+// unreachable, from the first packet and whatever address the rules
+// redirected from, at no cost per packet. Established connections go on.
+// Without a socket on the port the kernel would answer the same, but
+// another process could take the port meanwhile.
+func (fe *frontend) refuse() error {
+	if fe.refusing != nil {
+		return nil
+	}
+	fe.closeListener()
+	h, err := sock.RefusePort(fe.protocol == config.UDP, fe.listen)
+	if err != nil {
+		return fmt.Errorf("holding %s while no endpoint serves: %w", fe.listen, err)
+	}
+	fe.refusing = h
+	fe.refused.Store(true)
+	return nil
+}
+
+// serveAgain opens the listener again on its port, once an endpoint can
+// serve.
+func (fe *frontend) serveAgain() error {
+	if fe.refusing == nil {
+		return nil
+	}
+	fe.refusing.Close()
+	fe.refusing = nil
+	fe.refused.Store(false)
+	ln, err := listenOn(fe.protocol, fe.listen)
+	if err != nil {
+		return err
+	}
+	return fe.dp.serve(fe, ln)
 }
 
 // discard closes a frontend that never served (a NodePort retake that

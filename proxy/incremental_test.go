@@ -18,7 +18,12 @@ import (
 // endpoint changes, traffic policy splits (two frontends) and joins, and
 // re-adds of the same pointer.
 func TestIncrementalSyncEqualsFull(t *testing.T) {
+	// Each its own port range: two proxiers in one namespace would take
+	// each other's ports while a frontend without endpoints refuses.
 	inc, full := benchProxier(t), benchProxier(t)
+	base := freePorts(t, 200)
+	inc.dp.alloc.r = config.PortRange{Base: base, Size: 100}
+	full.dp.alloc.r = config.PortRange{Base: base + 100, Size: 100}
 	defer inc.shutdownSynced(0)
 	defer full.shutdownSynced(0)
 	r := rand.New(rand.NewPCG(3, 4))

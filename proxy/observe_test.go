@@ -14,14 +14,14 @@ import (
 
 // The default connection log leaves normal closes out and logs the rest.
 func TestConnLogErrorsOnly(t *testing.T) {
-	h := startProxier(t, Config{ConnLogMode: ConnLogErrors})
-	h.apply(svc("ok", config.TCP, tcpBackend(t, "a")), svc("empty", config.TCP))
+	h := startProxier(t, Config{ConnLogMode: ConnLogErrors, DialTimeouts: []time.Duration{time.Second}})
+	h.apply(svc("ok", config.TCP, tcpBackend(t, "a")), svc("dead", config.TCP, closedPort(t)))
 	fetchName(t, h.addr("ok"))
-	expectReset(t, h.addr("empty"))
+	expectReset(t, h.addr("dead"))
 	waitFor(t, "the reset's line", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
 	time.Sleep(100 * time.Millisecond) // proving an absence: the normal close's line
-	if lines := h.logs.Find("Connection closed"); len(lines) != 1 || lines[0]["cause"] != CauseNoEndpoints.String() {
-		t.Fatalf("lines %v: want only the no-endpoints reset", lines)
+	if lines := h.logs.Find("Connection closed"); len(lines) != 1 || lines[0]["cause"] != CauseDialFailed.String() {
+		t.Fatalf("lines %v: want only the failed dial's reset", lines)
 	}
 }
 

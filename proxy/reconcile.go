@@ -287,9 +287,14 @@ func (r *reconciler) serve(view []config.Frontend, st *config.State, sp *config.
 			}
 			warnAnnotations(fe.log(), prev, sp)
 			fe.proxyProto.Store(sp.ProxyProtocol)
-			fe.bal.Update(config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone), sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
+			eps := config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone)
+			fe.bal.Update(eps, sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
 			if fe.udp != nil && !opened {
 				fe.udp.endFlowsOff(servingEndpoints(sp))
+			}
+			if err := r.refuseUnless(fe, len(eps) > 0); err != nil {
+				view = append(view, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Err: err})
+				continue
 			}
 		}
 		fe.spec = sp
@@ -297,6 +302,28 @@ func (r *reconciler) serve(view []config.Frontend, st *config.State, sp *config.
 			NodePortErr: fe.nodePortErr})
 	}
 	return view
+}
+
+// refuseUnless has fe refuse connections while no endpoint can serve it,
+// and serve again once one can. A listener that cannot be opened again
+// (another process took its port meanwhile) leaves the live set: the sync
+// goroutine opens a new one later, and its port goes back once the rules no
+// longer point at it.
+func (r *reconciler) refuseUnless(fe *frontend, serving bool) error {
+	var err error
+	if serving {
+		err = fe.serveAgain()
+	} else {
+		err = fe.refuse()
+	}
+	if err == nil {
+		return nil
+	}
+	fe.log().WithError(err).Error("Cannot open listener; service port not served, retrying")
+	r.forget(fe.key)
+	r.stop(fe)
+	r.unreleased = append(r.unreleased, fe)
+	return err
 }
 
 // servingEndpoints are the addresses of sp's endpoints that serve, ready or

@@ -173,14 +173,48 @@ func TestTCPMultiPortService(t *testing.T) {
 	}
 }
 
-func TestTCPNoEndpointsResets(t *testing.T) {
+// A service port without endpoints refuses at connect, as kube-proxy's
+// REJECT does: a client (nc -z, a readiness check, a pool) must not see the
+// port open. Once an endpoint appears it serves, within the sync that brought
+// it; when the endpoint goes it refuses again.
+func TestTCPNoEndpointsRefuses(t *testing.T) {
 	h := startProxier(t, Config{})
-	h.apply(svc("empty", config.TCP))
-	expectReset(t, h.addr("empty"))
-	waitFor(t, "log", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
-	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseNoEndpoints.String() {
-		t.Fatalf("cause %v", f["cause"])
+	empty := svc("empty", config.TCP)
+	h.apply(empty)
+	expectRefused(t, h.addr("empty"))
+	if st := h.p.status(h.tcpFrontend("empty")); !st.Refusing {
+		t.Fatal("the status does not say the port refuses")
 	}
+	served := svc("empty", config.TCP, tcpBackend(t, "a"))
+	h.apply(served)
+	if got := fetchName(t, h.addr("empty")); got != "a" {
+		t.Fatalf("after an endpoint appeared: reached %q, want a", got)
+	}
+	h.apply(empty)
+	expectRefused(t, h.addr("empty"))
+}
+
+// expectRefused connects and expects the connect itself to fail with
+// ECONNREFUSED (a reset to the SYN), within a bound.
+func expectRefused(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err == nil {
+		c.Close()
+		t.Fatalf("connect to %s succeeded, want connection refused", addr)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("connect to %s: %v, want connection refused", addr, err)
+	}
+}
+
+func (h *harness) tcpFrontend(name string) config.Frontend {
+	h.t.Helper()
+	fe, ok := h.p.Lookup(config.ServicePortName{Namespace: "ns", Name: name}, 4, config.KindAll)
+	if !ok {
+		h.t.Fatalf("no frontend for %s", name)
+	}
+	return fe
 }
 
 func TestTCPAllDialsFailResets(t *testing.T) {

@@ -485,8 +485,17 @@ func payloadBytes(datagrams [][]byte) (n int64) {
 	return n
 }
 
+// open starts serving on sk: a new server, or one that refused meanwhile.
+func (u *udpServer) open(sk *udpSocket) {
+	u.flows.mu.Lock()
+	u.sk, u.flows.closed = sk, false
+	u.flows.mu.Unlock()
+	u.flows.budget.addUDP(u)
+	u.served.Go(u.serve)
+}
+
 // close stops the read loop and ends every flow (the frontend is going
-// away), waiting for them.
+// away, or refuses), waiting for them.
 func (u *udpServer) close() {
 	u.sk.conn.Close()
 	u.served.Wait()

@@ -2,10 +2,12 @@ package proxy
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -129,16 +131,24 @@ func TestUDPFlowTableBounded(t *testing.T) {
 	}
 }
 
-func TestUDPNoEndpointsDrops(t *testing.T) {
+// A UDP service port without endpoints answers a datagram with an ICMP port
+// unreachable, as kube-proxy's REJECT does: the client's read fails with
+// ECONNREFUSED at once instead of waiting out its timeout. An endpoint that
+// appears serves from the sync that brought it.
+func TestUDPNoEndpointsRefuses(t *testing.T) {
 	h := startProxier(t, Config{})
 	h.apply(svc("dns", config.UDP))
 	c := dialUDP(t, h.addr("dns"))
 	if _, err := c.Write([]byte("q")); err != nil {
 		t.Fatal(err)
 	}
-	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
-	if n, err := c.Read(make([]byte, 10)); err == nil {
-		t.Fatalf("got a %d-byte reply with no endpoints", n)
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 10)); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("a datagram to a port without endpoints: %v, want ECONNREFUSED", err)
+	}
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
+	if reply := udpExchange(t, c, []byte("q")); string(reply) != "a:q" {
+		t.Fatalf("after an endpoint appeared: %q", reply)
 	}
 }
 

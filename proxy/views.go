@@ -50,6 +50,9 @@ type FrontendStatus struct {
 	// UDP frontend.
 	UDPFlows   int
 	UDPEvicted uint64
+	// Refusing: no endpoint can serve, so the listener is closed and its
+	// port refuses connections (a TCP reset, a UDP port unreachable).
+	Refusing bool
 }
 
 // Status returns every frontend as of the last sync, sorted by service, with
@@ -77,6 +80,7 @@ func (r *reconciler) statusLocked(fe config.Frontend) FrontendStatus {
 		return st
 	}
 	st.Scheduler, st.Affinities, st.EndpointHealth = live.bal.Scheduler(), live.bal.Affinities(), live.bal.Health()
+	st.Refusing = live.refused.Load()
 	if live.udp != nil {
 		st.UDPFlows, st.UDPEvicted = live.udp.counts()
 	}

@@ -20,7 +20,8 @@
 //     only while datagrams are taken, with the sender's and local
 //     addresses), without an allocation per datagram.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
-//     processes) and RaiseFileLimit.
+//     processes), RefusePort (the same, refusing what arrives: a TCP reset,
+//     a UDP port unreachable) and RaiseFileLimit.
 //
 // # Ownership
 //

@@ -201,7 +201,9 @@ var listenBacklog = sync.OnceValue(func() int {
 type Hold struct{ fd int }
 
 // HoldPort binds a TCP (udp false) or UDP socket to ap.
-func HoldPort(udp bool, ap netip.AddrPort) (*Hold, error) {
+func HoldPort(udp bool, ap netip.AddrPort) (*Hold, error) { return holdPort(udp, ap, false) }
+
+func holdPort(udp bool, ap netip.AddrPort, reuseAddr bool) (*Hold, error) {
 	family := familyOf(ap)
 	typ := unix.SOCK_STREAM
 	if udp {
@@ -214,6 +216,9 @@ func HoldPort(udp bool, ap netip.AddrPort) (*Hold, error) {
 	if family == 6 {
 		_ = unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1)
 	}
+	if reuseAddr {
+		_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
+	}
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ap, family)
 	if _, _, errno := unix.Syscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
@@ -221,6 +226,35 @@ func HoldPort(udp bool, ap netip.AddrPort) (*Hold, error) {
 		return nil, fmt.Errorf("bind %s: %w", ap, errno)
 	}
 	return &Hold{fd: fd}, nil
+}
+
+// RefusePort binds a socket to ap that refuses what arrives there, as a
+// port without a socket would, while keeping the port from other processes:
+// a TCP SYN is answered by a reset (the socket does not listen), a UDP
+// datagram by an ICMP port unreachable (the socket is connected to its own
+// address on loopback, so no datagram from elsewhere matches it).
+//
+// A TCP port is bound with SO_REUSEADDR, as its listener was: the
+// connections that listener accepted still have the port.
+func RefusePort(udp bool, ap netip.AddrPort) (*Hold, error) {
+	h, err := holdPort(udp, ap, !udp)
+	if err != nil || !udp {
+		return h, err
+	}
+	self := ap.Addr()
+	if self.IsUnspecified() {
+		self = netip.IPv6Loopback()
+		if familyOf(ap) == 4 {
+			self = netip.AddrFrom4([4]byte{127, 0, 0, 1})
+		}
+	}
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, netip.AddrPortFrom(self, ap.Port()), familyOf(ap))
+	if _, _, errno := unix.Syscall(unix.SYS_CONNECT, uintptr(h.fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
+		h.Close()
+		return nil, fmt.Errorf("connect %s: %w", ap, errno)
+	}
+	return h, nil
 }
 
 // Close gives the port up. A nil Hold holds nothing.

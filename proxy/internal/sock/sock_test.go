@@ -337,3 +337,50 @@ func TestDialUDPDeadPort(t *testing.T) {
 		t.Fatalf("receive: %v, want ECONNREFUSED", err)
 	}
 }
+
+// A refusing port answers as a port without a socket would — a TCP connect
+// is reset, a UDP client's next read after its datagram fails with
+// ECONNREFUSED (an ICMP port unreachable) — and keeps the port from others,
+// on the unspecified address and on a specific one, IPv4 and IPv6.
+func TestRefusePort(t *testing.T) {
+	for _, bind := range []string{"0.0.0.0", "127.0.0.1", "::", "::1"} {
+		for _, udp := range []bool{false, true} {
+			network := map[bool]string{false: "tcp", true: "udp"}[udp]
+			free := testutil.ClosedPort(t)
+			ap := netip.AddrPortFrom(netip.MustParseAddr(bind), free.Port())
+			h, err := RefusePort(udp, ap)
+			if err != nil {
+				t.Fatalf("%s %s: %v", network, ap, err)
+			}
+			dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), ap.Port())
+			if ap.Addr().Is6() {
+				dst = netip.AddrPortFrom(netip.IPv6Loopback(), ap.Port())
+			}
+			if _, err := HoldPort(udp, ap); !errors.Is(err, syscall.EADDRINUSE) {
+				t.Errorf("%s %s: binding a refusing port: %v, want EADDRINUSE", network, ap, err)
+			}
+			if udp {
+				c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(dst))
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, _ = c.Write([]byte("q"))
+				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+				_, err = c.Read(make([]byte, 16))
+				c.Close()
+				if !errors.Is(err, syscall.ECONNREFUSED) {
+					t.Errorf("udp %s: a datagram to it: %v, want ECONNREFUSED", ap, err)
+				}
+			} else {
+				c, err := net.DialTimeout("tcp", dst.String(), 5*time.Second)
+				if err == nil {
+					c.Close()
+				}
+				if !errors.Is(err, syscall.ECONNREFUSED) {
+					t.Errorf("tcp %s: a connect to it: %v, want ECONNREFUSED", ap, err)
+				}
+			}
+			h.Close()
+		}
+	}
+}
