@@ -155,6 +155,9 @@ type serviceView struct {
 	Affinity    string           `json:"affinityTimeout,omitempty"`
 	Pins        []proxy.Affinity `json:"affinity,omitempty"`
 	UDPFlows    *int             `json:"udpFlows,omitempty"`
+	// Refusing: no endpoint can serve, so connections are refused at
+	// connect (a TCP reset, a UDP port unreachable).
+	Refusing bool `json:"refusing,omitempty"`
 	// Scheduler picks among the endpoints: rr, lc, sh or random.
 	Scheduler string `json:"scheduler,omitempty"`
 	// TrafficDistribution is the Service's; Topology the hints in use for
@@ -200,6 +203,7 @@ func newServiceView(fe proxy.FrontendStatus) serviceView {
 	} else {
 		v.Listen = fe.Listen.String()
 	}
+	v.Refusing = fe.Refusing
 	if fe.NodePortErr != nil {
 		v.NodePortErr = fe.NodePortErr.Error()
 	}
@@ -255,6 +259,9 @@ func (v serviceView) writeText(w io.Writer) {
 		texts[i] = e.text
 	}
 	fmt.Fprintf(w, "  endpoints: %s\n", strings.Join(texts, " "))
+	if v.Refusing {
+		fmt.Fprintf(w, "  refusing: no endpoint can serve; connections are refused at connect\n")
+	}
 	if v.Scheduler != "" {
 		fmt.Fprintf(w, "  scheduler: %s\n", v.Scheduler)
 	}

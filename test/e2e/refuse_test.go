@@ -70,6 +70,9 @@ func TestNoEndpointsRefusedOnEveryAddress(t *testing.T) {
 	}
 	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/web:http`) > 0 })
 	refusedEverywhere("without endpoints")
+	if out := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/debug/services"); strings.Count(out, `"refusing": true`) != 4 {
+		t.Fatalf("/debug/services does not say all four listeners refuse:\n%s", out)
+	}
 	// Refused at once: the connect fails in far less than a timeout.
 	start := time.Now()
 	if ok, out := l.tcpRefused("client", "10.96.0.10", "80"); !ok || time.Since(start) > time.Second {
