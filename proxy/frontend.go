@@ -86,6 +86,26 @@ func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.Se
 	return keys
 }
 
+// allFrontendKeys lists every key a frontend of the port name may have.
+func allFrontendKeys(name config.ServicePortName) []frontendKey {
+	keys := make([]frontendKey, 0, 6)
+	for _, fam := range []int{4, 6} {
+		for _, kind := range config.Kinds {
+			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
+		}
+	}
+	return keys
+}
+
+// claimsFirst orders the Services that claim NodePorts: the oldest first,
+// then by name.
+func claimsFirst(a, b *config.ServicePort) bool {
+	if !a.Created.Equal(b.Created) {
+		return a.Created.Before(b.Created)
+	}
+	return a.Name.String() < b.Name.String()
+}
+
 // bindFor returns the address listeners of a family bind to, given
 // --bind-address b.
 func bindFor(b netip.Addr, family int) netip.Addr {

@@ -483,25 +483,5 @@ func (r *reconciler) needsListener(keys []frontendKey) bool {
 	return false
 }
 
-// allFrontendKeys lists every key a frontend of the port name may have.
-func allFrontendKeys(name config.ServicePortName) []frontendKey {
-	keys := make([]frontendKey, 0, 6)
-	for _, fam := range []int{4, 6} {
-		for _, kind := range config.Kinds {
-			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
-		}
-	}
-	return keys
-}
-
-// claimsFirst orders the Services that claim NodePorts: the oldest first,
-// then by name.
-func claimsFirst(a, b *config.ServicePort) bool {
-	if !a.Created.Equal(b.Created) {
-		return a.Created.Before(b.Created)
-	}
-	return a.Name.String() < b.Name.String()
-}
-
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
 const bulkSync = 1000
