@@ -48,7 +48,7 @@ func TestOutlierBlackholedEndpoint(t *testing.T) {
 	if len(h.logs.Find("Endpoint ejected after failures in a row; new connections go to the others")) != 1 {
 		t.Fatal("no ejection logged")
 	}
-	fe := h.udpFrontend("bh") // any protocol: the lookup is by name
+	fe := h.frontend("bh") // any protocol: the lookup is by name
 	var ejected bool
 	for _, hl := range h.p.EndpointHealth(fe) {
 		ejected = ejected || (hl.Endpoint == dead && hl.EjectedUntil != nil)
@@ -230,7 +230,7 @@ func TestUDPIdleEndsAreNotErrors(t *testing.T) {
 		c := dialUDP(t, h.addr("quiet"))
 		udpExchange(t, c, []byte("q"))
 	}
-	fe := h.udpFrontend("quiet")
+	fe := h.frontend("quiet")
 	waitFor(t, "every flow to expire", func() bool { n, _ := h.p.UDPFlows(fe); return n == 0 })
 	if n := h.p.dp.budget.udpFlows.Load(); n != 0 {
 		t.Fatalf("the descriptor budget still counts %d flows", n)

@@ -98,7 +98,7 @@ var (
 		Name: "kube_userspace_proxy_retries_total", Help: "Dials retried on another endpoint after a failure.",
 	}, []string{"service"})
 	noEndpointResets = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_no_endpoints_resets_total", Help: "Connections reset (or datagrams dropped) because no endpoint was usable.",
+		Name: "kube_userspace_proxy_no_endpoints_resets_total", Help: "Connections reset (or datagrams dropped) because no endpoint was usable when they came; a port without endpoints refuses at connect, so these are the ones that came just before it did.",
 	}, []string{"service", "protocol"})
 	bytesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_bytes_total", Help: "Bytes proxied; direction in = client to endpoint, out = endpoint to client.",

@@ -190,7 +190,7 @@ func TestLeastConnectionsHeld(t *testing.T) {
 	for _, c := range held["a"] {
 		c.Close()
 	}
-	fe := h.udpFrontend("lc")
+	fe := h.frontend("lc")
 	waitFor(t, "a's connections to end", func() bool {
 		for _, hl := range h.p.EndpointHealth(fe) {
 			if hl.Active != map[bool]int{true: 0, false: 2}[hl.Endpoint == sp.Endpoints[0].Addr] {

@@ -182,7 +182,7 @@ func TestTCPNoEndpointsRefuses(t *testing.T) {
 	empty := svc("empty", config.TCP)
 	h.apply(empty)
 	expectRefused(t, h.addr("empty"))
-	if st := h.p.status(h.tcpFrontend("empty")); !st.Refusing {
+	if st := h.p.status(h.frontend("empty")); !st.Refusing {
 		t.Fatal("the status does not say the port refuses")
 	}
 	served := svc("empty", config.TCP, tcpBackend(t, "a"))
@@ -206,15 +206,6 @@ func expectRefused(t *testing.T, addr string) {
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("connect to %s: %v, want connection refused", addr, err)
 	}
-}
-
-func (h *harness) tcpFrontend(name string) config.Frontend {
-	h.t.Helper()
-	fe, ok := h.p.Lookup(config.ServicePortName{Namespace: "ns", Name: name}, 4, config.KindAll)
-	if !ok {
-		h.t.Fatalf("no frontend for %s", name)
-	}
-	return fe
 }
 
 func TestTCPAllDialsFailResets(t *testing.T) {

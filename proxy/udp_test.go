@@ -43,7 +43,9 @@ func dialUDP(t *testing.T, addr string) *net.UDPConn {
 	return c
 }
 
-func (h *harness) udpFrontend(name string) config.Frontend {
+// frontend returns the IPv4 frontend of the service ns/name as of the last
+// sync.
+func (h *harness) frontend(name string) config.Frontend {
 	h.t.Helper()
 	fe, ok := h.p.Lookup(config.ServicePortName{Namespace: "ns", Name: name}, 4, config.KindAll)
 	if !ok {
@@ -94,10 +96,10 @@ func TestUDPFlowExpires(t *testing.T) {
 	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
 	c := dialUDP(t, h.addr("dns"))
 	udpExchange(t, c, []byte("q"))
-	if n, _ := h.p.UDPFlows(h.udpFrontend("dns")); n != 1 {
+	if n, _ := h.p.UDPFlows(h.frontend("dns")); n != 1 {
 		t.Fatalf("%d flows after one exchange, want 1", n)
 	}
-	waitFor(t, "flow expiry", func() bool { n, _ := h.p.UDPFlows(h.udpFrontend("dns")); return n == 0 })
+	waitFor(t, "flow expiry", func() bool { n, _ := h.p.UDPFlows(h.frontend("dns")); return n == 0 })
 	waitFor(t, "flow log line", func() bool { return len(h.logs.Find("UDP flow closed")) == 1 })
 	f := h.logs.Find("UDP flow closed")[0]
 	if f["cause"] != CauseIdleTimeout.String() || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
@@ -118,7 +120,7 @@ func TestUDPFlowTableBounded(t *testing.T) {
 		udpExchange(t, c, []byte("q"))
 		clients = append(clients, c)
 	}
-	active, evicted := h.p.UDPFlows(h.udpFrontend("dns"))
+	active, evicted := h.p.UDPFlows(h.frontend("dns"))
 	if active != 3 || evicted != 2 {
 		t.Fatalf("active=%d evicted=%d, want 3 and 2", active, evicted)
 	}
@@ -126,7 +128,7 @@ func TestUDPFlowTableBounded(t *testing.T) {
 	if reply := udpExchange(t, clients[0], []byte("back")); string(reply) != "a:back" {
 		t.Fatalf("reply %q", reply)
 	}
-	if _, evicted := h.p.UDPFlows(h.udpFrontend("dns")); evicted != 3 {
+	if _, evicted := h.p.UDPFlows(h.frontend("dns")); evicted != 3 {
 		t.Fatalf("evicted=%d after a returning client, want 3", evicted)
 	}
 }
@@ -205,8 +207,8 @@ func TestUDPFlowsShareOneBudget(t *testing.T) {
 			udpExchange(t, c, []byte("q"))
 		}
 	}
-	oldFlows, oldEvicted := h.p.UDPFlows(h.udpFrontend("old"))
-	newFlows, _ := h.p.UDPFlows(h.udpFrontend("new"))
+	oldFlows, oldEvicted := h.p.UDPFlows(h.frontend("old"))
+	newFlows, _ := h.p.UDPFlows(h.frontend("new"))
 	if oldFlows+newFlows > share {
 		t.Fatalf("%d + %d flows open, over the UDP share of %d", oldFlows, newFlows, share)
 	}
