@@ -205,8 +205,7 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 	}
 	want := f.render()
 	if f.installed != nil {
-		if err := f.commit(ctx, f.plan(f.installed, want, writeDiff), log, start); err == nil {
-			nat, filter = want.Count()
+		if nat, filter, err = f.commit(ctx, f.plan(f.installed, want, writeDiff), log, start); err == nil {
 			return nat, filter, nil
 		}
 		log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
@@ -227,11 +226,10 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 		// service ports a restart wrote 10 685 rules for 1.2 s.
 		mode = writeOverwrite
 	}
-	if err := f.commit(ctx, f.plan(live, want, mode), log, start); err != nil {
+	if nat, filter, err = f.commit(ctx, f.plan(live, want, mode), log, start); err != nil {
 		f.installed = nil
 		return 0, 0, err
 	}
-	nat, filter = want.Count()
 	return nat, filter, nil
 }
 
@@ -308,31 +306,31 @@ func (f *family) plan(from, want *Ruleset, mode writeMode) writePlan {
 }
 
 // commit carries out p: the one place rules are written.
-func (f *family) commit(ctx context.Context, p writePlan, log logrus.FieldLogger, start time.Time) error {
+func (f *family) commit(ctx context.Context, p writePlan, log logrus.FieldLogger, start time.Time) (nat, filter int, err error) {
 	full := p.mode == writeFull // chosen only while the jumps are not known good
 	if full {
 		// A jump into a chain about to be deleted, or a copy of ours.
 		if err := f.pruneJumps(); err != nil {
-			return err
+			return 0, 0, err
 		}
 	}
 	restoreStart := time.Now()
 	if p.input != "" {
 		if err := f.run(ctx, f.restore, []string{"-w", "--noflush"}, p.input); err != nil {
-			return err
+			return 0, 0, err
 		}
 	}
 	f.installed = p.want
 	if full {
 		if err := f.ensureJumps(); err != nil {
-			return err
+			return 0, 0, err
 		}
 		f.jumpsOK = true
 	}
-	nat, filter := p.want.Count()
+	nat, filter = p.want.Count()
 	log.WithFields(logrus.Fields{"family": f.fam, "write": writeModeNames[p.mode], "took": time.Since(start).String(),
 		"restore": time.Since(restoreStart).String(), "lines": strings.Count(p.input, "\n"), "nat": nat, "filter": filter}).Debug("Rules written")
-	return nil
+	return nat, filter, nil
 }
 
 // update brings records up to date with frontends, rendering only the
