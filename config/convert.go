@@ -24,6 +24,9 @@ func SkipReason(svc *v1.Service) string {
 	if _, ok := svc.Labels[LabelServiceProxyName]; ok {
 		return "labelled " + LabelServiceProxyName + " (another proxy owns it)"
 	}
+	if _, ok := svc.Labels[LabelHeadless]; ok {
+		return "labelled " + LabelHeadless // as kube-proxy's informers, which never see it
+	}
 	if svc.Spec.Type == v1.ServiceTypeExternalName {
 		return "type ExternalName"
 	}

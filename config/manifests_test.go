@@ -226,6 +226,11 @@ spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}
 ---
 apiVersion: v1
 kind: Service
+metadata: {name: labelled-headless, labels: {service.kubernetes.io/headless: ""}}
+spec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
 metadata: {name: kept}
 spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
 ---
@@ -242,8 +247,8 @@ ports: [{port: 80}]
 	if len(st.Ports) != 1 || len(port(t, st, "default/kept").Endpoints) != 0 {
 		t.Fatalf("ports %v", st.Ports)
 	}
-	if len(skipped) != 4 {
-		t.Fatalf("skipped %v, want headless, ExternalName, proxy-name and the headless slice", skipped)
+	if len(skipped) != 5 {
+		t.Fatalf("skipped %v, want headless, ExternalName, proxy-name, the Service labelled headless and the headless slice", skipped)
 	}
 }
 
