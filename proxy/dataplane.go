@@ -74,21 +74,21 @@ func (d *dataplane) start(ctx context.Context) {
 	// Stopped last: whatever the parker still holds at stop goes back to
 	// the copiers, and the handlers of the last connections to the workers.
 	d.tasks = append(d.tasks,
-		startTask(ctx, func(ctx context.Context) { d.workers.Run(ctx.Done()) }),
-		startTask(ctx, func(ctx context.Context) { d.copiers.Run(ctx.Done()) }))
+		startTask(func(ctx context.Context) { d.workers.Run(ctx.Done()) }),
+		startTask(func(ctx context.Context) { d.copiers.Run(ctx.Done()) }))
 	if d.cfg.parkIdleAfter() > 0 {
 		if parker, err := sock.NewParker(); err != nil {
 			d.cfg.log().WithError(err).Warn("Idle connections keep their goroutines: no epoll set for parking them")
 		} else {
 			d.parker.Store(parker)
-			d.tasks = append(d.tasks, startTask(ctx, func(ctx context.Context) {
+			d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
 				parker.Run(ctx.Done())
 				_ = parker.Close()
 			}))
 		}
 	}
 	if idle := d.cfg.TCPIdleTimeout; idle > 0 {
-		d.tasks = append(d.tasks, startTask(ctx, func(ctx context.Context) { d.conns.sweepIdle(ctx, idle) }))
+		d.tasks = append(d.tasks, startTask(func(ctx context.Context) { d.conns.sweepIdle(ctx, idle) }))
 	}
 }
 
@@ -202,9 +202,11 @@ type task struct {
 	done   chan struct{}
 }
 
-// startTask runs fn on a goroutine of its own until stop (or parent's end).
-func startTask(parent context.Context, fn func(ctx context.Context)) *task {
-	ctx, cancel := context.WithCancel(context.WithoutCancel(parent))
+// startTask runs fn on a goroutine of its own until stop: not until the
+// daemon's context ends, since the dataplane's goroutines must outlive the
+// connections' drain.
+func startTask(fn func(ctx context.Context)) *task {
+	ctx, cancel := context.WithCancel(context.Background())
 	t := &task{cancel: cancel, done: make(chan struct{})}
 	go func() { defer close(t.done); fn(ctx) }()
 	return t

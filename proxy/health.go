@@ -42,11 +42,17 @@ func (p *Proxier) Health() Health {
 	queuedAt := earliest(p.queuedAt, p.applyingAt)
 	p.mu.Unlock()
 	lastUpdated, lastErr, unwrittenAt := p.writer.status()
-	p.rec.mu.Lock()
-	listenFailures, nodeDeleting := p.rec.lastListenFailures, p.rec.nodeDeleting
-	p.rec.mu.Unlock()
+	listenFailures, nodeDeleting := p.rec.health()
 	return Health{LastUpdated: lastUpdated, QueuedAt: earliest(queuedAt, unwrittenAt), LastErr: lastErr, ListenFailures: listenFailures,
 		OutOfFiles: p.dp.budget.exhaustedWithin(10 * time.Second), NodeDeleting: nodeDeleting}
+}
+
+// health is the last sync's part of Health: listeners it could not open,
+// and whether the node is going away.
+func (r *reconciler) health() (listenFailures int, nodeDeleting bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.lastListenFailures, r.nodeDeleting
 }
 
 // syncHealthChecks gives ServiceHealth every Service with a health check

@@ -23,7 +23,7 @@ type Config struct {
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
 	// ParkIdleAfter is how long a direction of a TCP connection has
 	// nothing to read before its goroutine is given up and the socket
-	// waits in the proxier's Parker (tcp.go); DefaultParkIdleAfter when 0,
+	// waits in the dataplane's Parker (tcp.go); DefaultParkIdleAfter when 0,
 	// never when negative.
 	ParkIdleAfter time.Duration
 	// Events, when set, records a Service's own trouble as an Event on it

@@ -2,13 +2,13 @@ package proxy
 
 // One TCP connection's path, top to bottom:
 //
-//	serveTCP (the proxier's acceptor)  →  handleTCP (a worker goroutine)
+//	serveTCP (the dataplane's acceptor) →  handleTCP (a worker goroutine)
 //	  → dialBackend (balancer pick + sock.DialTCP, with retry)
 //	  → splice (two halfCopy, one per direction, each a sock.Copy;
 //	    half-closes passed on; tcpPair.end aborts both sockets; the idle
 //	    sweep of conns.go ends a quiet pair). A direction with nothing to
 //	    read for --park-idle-after gives up its goroutine: its socket waits
-//	    in the proxier's sock.Parker, which hands it back to a copier when
+//	    in the dataplane's sock.Parker, which hands it back to a copier when
 //	    it wakes.
 //	  → the direction that finishes last closes both sockets and logs the
 //	    record (tcpPair.finish; the record's end is connRecord.finish in conns.go)
@@ -33,7 +33,7 @@ import (
 // userspace proxier: up to four endpoints are tried before the client is reset.
 var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second}
 
-// serveTCP has the proxier's acceptor take the listener's connections: a
+// serveTCP has the dataplane's acceptor take the listener's connections: a
 // listener has no goroutine of its own. Accept errors such as EMFILE back
 // off (5 ms doubling to 1 s) instead of spinning.
 func (f *frontend) serveTCP(ln *sock.Listener) error {
