@@ -112,15 +112,8 @@ type Explanation struct {
 // one that failed) it explains with a new balancer, as the listener would
 // start.
 func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Explanation {
-	var bal *EndpointBalancer
-	p.rec.mu.Lock()
-	l := p.rec.liveLocked(fe)
-	node, zone := p.rec.viewNode, p.rec.viewZone
-	p.rec.mu.Unlock()
-	if l != nil {
-		bal = l.bal
-	}
-	return explain(fe, as, client, node, zone, bal, l != nil)
+	bal, node, zone := p.rec.balancerOf(fe)
+	return explain(fe, as, client, node, zone, bal, bal != nil)
 }
 
 // ExplainPlanned explains a frontend of Plan: no listener, a balancer as a

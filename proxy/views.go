@@ -96,6 +96,17 @@ func (r *reconciler) liveLocked(fe config.Frontend) *frontend {
 	return r.frontends[keyOf(fe)]
 }
 
+// balancerOf returns the balancer of the listener behind fe (nil when it is
+// gone) and the node and zone the view was synced for.
+func (r *reconciler) balancerOf(fe config.Frontend) (bal *EndpointBalancer, node, zone string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if l := r.liveLocked(fe); l != nil {
+		bal = l.bal
+	}
+	return bal, r.viewNode, r.viewZone
+}
+
 // eachLive calls fn for every live frontend, holding r.mu: fn must not
 // block.
 func (r *reconciler) eachLive(fn func(*frontend)) {
