@@ -36,6 +36,15 @@ type fileConfig struct {
 	SyncPeriod     *string `json:"syncPeriod,omitempty"`
 	MinSyncPeriod  *string `json:"minSyncPeriod,omitempty"`
 	UDPIdleTimeout *string `json:"udpIdleTimeout,omitempty"`
+	Conntrack      *struct {
+		MaxPerCore            *int    `json:"maxPerCore,omitempty"`
+		Min                   *int    `json:"min,omitempty"`
+		TCPEstablishedTimeout *string `json:"tcpEstablishedTimeout,omitempty"`
+		TCPCloseWaitTimeout   *string `json:"tcpCloseWaitTimeout,omitempty"`
+		TCPBeLiberal          *bool   `json:"tcpBeLiberal,omitempty"`
+		UDPTimeout            *string `json:"udpTimeout,omitempty"`
+		UDPStreamTimeout      *string `json:"udpStreamTimeout,omitempty"`
+	} `json:"conntrack,omitempty"`
 
 	// This proxy's own.
 	Manifests      *string `json:"manifests,omitempty"`
@@ -103,6 +112,28 @@ func applyConfigFile(path string, fs *pflag.FlagSet, origin map[string]string) e
 	if fc.EnableProfiling != nil {
 		v := fmt.Sprint(*fc.EnableProfiling)
 		settings = append(settings, setting{"enableProfiling", "profiling", &v})
+	}
+	if c := fc.Conntrack; c != nil {
+		num := func(p *int) *string {
+			if p == nil {
+				return nil
+			}
+			v := fmt.Sprint(*p)
+			return &v
+		}
+		var liberal *string
+		if c.TCPBeLiberal != nil {
+			v := fmt.Sprint(*c.TCPBeLiberal)
+			liberal = &v
+		}
+		settings = append(settings,
+			setting{"conntrack.maxPerCore", "conntrack-max-per-core", num(c.MaxPerCore)},
+			setting{"conntrack.min", "conntrack-min", num(c.Min)},
+			setting{"conntrack.tcpEstablishedTimeout", "conntrack-tcp-timeout-established", dur(c.TCPEstablishedTimeout)},
+			setting{"conntrack.tcpCloseWaitTimeout", "conntrack-tcp-timeout-close-wait", dur(c.TCPCloseWaitTimeout)},
+			setting{"conntrack.tcpBeLiberal", "conntrack-tcp-be-liberal", liberal},
+			setting{"conntrack.udpTimeout", "conntrack-udp-timeout", dur(c.UDPTimeout)},
+			setting{"conntrack.udpStreamTimeout", "conntrack-udp-timeout-stream", dur(c.UDPStreamTimeout)})
 	}
 	if fc.UDPMaxFlows != nil {
 		v := fmt.Sprint(*fc.UDPMaxFlows)

@@ -47,6 +47,7 @@ type options struct {
 	connLog          string
 	schedPolicy      string
 	configFile       string
+	conntrack        conntrackSettings
 	// origin names where a flag's value came from, for error messages.
 	origin map[string]string
 }
@@ -116,6 +117,13 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
 	fs.StringSliceVar(&raw.nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated; default: every local address).")
+	fs.IntVar(&o.conntrack.maxPerCore, "conntrack-max-per-core", 32768, "As kube-proxy's: conntrack entries per CPU for nf_conntrack_max (raised, never lowered; host-wide, so only from the host's network namespace). 0 leaves the limit alone.")
+	fs.IntVar(&o.conntrack.min, "conntrack-min", 131072, "As kube-proxy's: the least nf_conntrack_max, whatever the CPUs.")
+	fs.DurationVar(&o.conntrack.tcpEstablished, "conntrack-tcp-timeout-established", 24*time.Hour, "As kube-proxy's: nf_conntrack_tcp_timeout_established (0: leave as is).")
+	fs.DurationVar(&o.conntrack.tcpCloseWait, "conntrack-tcp-timeout-close-wait", time.Hour, "As kube-proxy's: nf_conntrack_tcp_timeout_close_wait (0: leave as is).")
+	fs.BoolVar(&o.conntrack.tcpBeLiberal, "conntrack-tcp-be-liberal", false, "As kube-proxy's: set nf_conntrack_tcp_be_liberal (out-of-window packets are not marked INVALID).")
+	fs.DurationVar(&o.conntrack.udpTimeout, "conntrack-udp-timeout", 0, "As kube-proxy's: nf_conntrack_udp_timeout (0: leave as is).")
+	fs.DurationVar(&o.conntrack.udpStream, "conntrack-udp-timeout-stream", 0, "As kube-proxy's: nf_conntrack_udp_timeout_stream (0: leave as is).")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
 	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
 	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")

@@ -83,6 +83,7 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/drain", d.drain)
 	mux.HandleFunc("/debug/explain", d.explainHTTP)
 	mux.HandleFunc("/debug/log", d.connLog)
+	mux.HandleFunc("/proxyMode", proxyMode)
 	mux.HandleFunc("/", page)
 	if profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
@@ -92,6 +93,14 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	}
 	return mux
+}
+
+// proxyMode answers as kube-proxy's /proxyMode does (its mode's name, as
+// text), for the tools and the upstream e2e spec that ask it.
+func proxyMode(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	fmt.Fprint(w, "userspace")
 }
 
 func wantsText(r *http.Request) bool {

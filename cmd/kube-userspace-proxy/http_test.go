@@ -1,11 +1,13 @@
 package main
 
 import (
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // A drain changes state: a page in a browser must not be able to send one.
@@ -38,5 +40,22 @@ func TestDrainRequestGuards(t *testing.T) {
 		if rec.Code != tc.want {
 			t.Errorf("%s: %d %q, want %d", tc.name, rec.Code, rec.Body.String(), tc.want)
 		}
+	}
+}
+
+// kube-proxy's /proxyMode names the mode; tools and the upstream e2e spec
+// "should check kube-proxy urls" read it from the metrics address.
+func TestProxyModeURL(t *testing.T) {
+	d := &debugServer{p: proxy.New(proxy.Config{})}
+	srv := httptest.NewServer(d.routes(prometheus.NewRegistry(), false))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + "/proxyMode")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK || string(body) != "userspace" {
+		t.Fatalf("/proxyMode: %d %q, want 200 \"userspace\"", resp.StatusCode, body)
 	}
 }

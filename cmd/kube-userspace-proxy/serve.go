@@ -177,6 +177,8 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	} else if changed {
 		log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
 	}
+	// Redirected connections are conntrack entries: kube-proxy's timeouts.
+	o.conntrack.apply(log.WithField("component", "conntrack"))
 	return r, r, nil
 }
 

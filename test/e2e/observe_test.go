@@ -367,3 +367,34 @@ func TestSIGTERMDrainsAndRemovesRules(t *testing.T) {
 		t.Fatalf("%d rules left after exit", n)
 	}
 }
+
+// As kube-proxy: the conntrack timeouts are set in the node's own network
+// namespace (a CLOSE_WAIT entry lives an hour, not the kernel's minute),
+// the host-wide table size is left to the host, and /proxyMode names the
+// mode on the metrics address.
+func TestConntrackSysctlsAndProxyMode(t *testing.T) {
+	hostCloseWait, err := os.ReadFile("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_close_wait")
+	if err != nil {
+		t.Fatalf("nf_conntrack is not loaded on this machine: %v", err)
+	}
+	l, d, _ := startWeb(t, webManifest())
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	sysctl := func(name string) string {
+		return strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/netfilter/"+name))
+	}
+	if got := sysctl("nf_conntrack_tcp_timeout_close_wait"); got != "3600" {
+		t.Errorf("node's nf_conntrack_tcp_timeout_close_wait = %s, want 3600", got)
+	}
+	if got := sysctl("nf_conntrack_tcp_timeout_established"); got != "86400" {
+		t.Errorf("node's nf_conntrack_tcp_timeout_established = %s, want 86400", got)
+	}
+	if after, _ := os.ReadFile("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_close_wait"); string(after) != string(hostCloseWait) {
+		t.Errorf("the host's close_wait timeout changed from %q to %q", hostCloseWait, after)
+	}
+	if !strings.Contains(d.Output(), "host-wide and read-only in this network namespace") {
+		t.Errorf("no line says the table size was left to the host:\n%s", d.Output())
+	}
+	if code, body := l.get("node", "http://127.0.0.1:10249/proxyMode"); code != 200 || body != "userspace" {
+		t.Errorf("/proxyMode: %d %q, want 200 \"userspace\"", code, body)
+	}
+}

@@ -1,0 +1,130 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/sirupsen/logrus"
+)
+
+// conntrackSettings are kube-proxy's conntrack sysctls (its --conntrack-*
+// flags and conntrack: fields, with its defaults). Connections through a
+// REDIRECT are conntrack entries like kube-proxy's DNAT ones: a CLOSE_WAIT
+// entry that lives 60 s (the kernel's default) instead of kube-proxy's
+// hour breaks clients that keep half-closed connections.
+type conntrackSettings struct {
+	maxPerCore, min int
+	tcpEstablished  time.Duration
+	tcpCloseWait    time.Duration
+	tcpBeLiberal    bool
+	udpTimeout      time.Duration
+	udpStream       time.Duration
+}
+
+// Where the settings live; tests point these at copies.
+var (
+	conntrackSysctlDir    = "/proc/sys/net/netfilter"
+	conntrackHashsizePath = "/sys/module/nf_conntrack/parameters/hashsize"
+)
+
+// conntrackMax is kube-proxy's: maxPerCore × CPUs, at least min, at most
+// 1 Mi; 0 (maxPerCore 0) leaves the limit alone.
+func (c conntrackSettings) conntrackMax(cpus int) int {
+	if c.maxPerCore <= 0 {
+		return 0
+	}
+	return min(max(c.maxPerCore*cpus, c.min), 1<<20)
+}
+
+// apply writes what differs from the kernel's values, as kube-proxy does,
+// and says what it could not: a setting the kernel refuses is a warning
+// naming the sysctl, never a reason not to serve. The table size is
+// host-wide, so it is raised only where the kernel lets this namespace
+// write it (the host's own network namespace).
+func (c conntrackSettings) apply(log logrus.FieldLogger) {
+	if want := c.conntrackMax(runtime.NumCPU()); want > 0 {
+		c.raiseMax(want, log)
+	}
+	secs := func(d time.Duration) int { return int(d / time.Second) }
+	for _, s := range []struct {
+		name  string
+		value int
+		set   bool
+	}{
+		{"nf_conntrack_tcp_timeout_established", secs(c.tcpEstablished), c.tcpEstablished > 0},
+		{"nf_conntrack_tcp_timeout_close_wait", secs(c.tcpCloseWait), c.tcpCloseWait > 0},
+		{"nf_conntrack_tcp_be_liberal", 1, c.tcpBeLiberal},
+		{"nf_conntrack_udp_timeout", secs(c.udpTimeout), c.udpTimeout > 0},
+		{"nf_conntrack_udp_timeout_stream", secs(c.udpStream), c.udpStream > 0},
+	} {
+		if !s.set {
+			continue
+		}
+		changed, err := setSysctl(s.name, s.value)
+		entry := log.WithFields(logrus.Fields{"sysctl": "net.netfilter." + s.name, "value": s.value})
+		switch {
+		case err != nil:
+			entry.WithError(err).Warn("Cannot set the conntrack sysctl; the kernel's value stays")
+		case changed:
+			entry.Info("Set conntrack sysctl")
+		}
+	}
+}
+
+func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger) {
+	entry := log.WithFields(logrus.Fields{"sysctl": "net.netfilter.nf_conntrack_max", "value": want})
+	p := filepath.Join(conntrackSysctlDir, "nf_conntrack_max")
+	fi, err := os.Stat(p)
+	if err != nil {
+		entry.WithError(err).Warn("Cannot read the conntrack table size (is nf_conntrack loaded?)")
+		return
+	}
+	if fi.Mode().Perm()&0o200 == 0 {
+		entry.Info("The conntrack table size is host-wide and read-only in this network namespace: left to the host")
+		return
+	}
+	cur, err := readSysctl(p)
+	if err != nil || cur >= want {
+		return // kube-proxy only raises it
+	}
+	if _, err := setSysctl("nf_conntrack_max", want); err != nil {
+		entry.WithError(err).Warn("Cannot raise the conntrack table size")
+		return
+	}
+	entry.Info("Raised the conntrack table size")
+	if hs, err := readSysctl(conntrackHashsizePath); err == nil && hs < want/4 {
+		if err := os.WriteFile(conntrackHashsizePath, []byte(strconv.Itoa(want/4)), 0o640); err != nil {
+			entry.WithError(err).Warn("Cannot raise the conntrack hash table (nf_conntrack hashsize)")
+		}
+	}
+}
+
+func readSysctl(p string) (int, error) {
+	data, err := os.ReadFile(p)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(strings.TrimSpace(string(data)))
+}
+
+// setSysctl writes value when the kernel holds another one.
+func setSysctl(name string, value int) (bool, error) {
+	p := filepath.Join(conntrackSysctlDir, name)
+	cur, err := readSysctl(p)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, fmt.Errorf("%s is missing (is nf_conntrack loaded?)", p)
+	}
+	if err == nil && cur == value {
+		return false, nil
+	}
+	if err := os.WriteFile(p, []byte(strconv.Itoa(value)), 0o644); err != nil {
+		return false, err
+	}
+	return true, nil
+}
