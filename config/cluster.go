@@ -12,6 +12,7 @@ import (
 	"golang.org/x/time/rate"
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
@@ -45,6 +46,13 @@ func ClientConfig(master, kubeconfig string) (*rest.Config, error) {
 	cfg.ContentType = "application/vnd.kubernetes.protobuf"
 	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
 	return cfg, nil
+}
+
+// resynced tells a periodic resync (the object as it was) from a change.
+func resynced(old, o any) bool {
+	a, errA := meta.Accessor(old)
+	b, errB := meta.Accessor(o)
+	return errA == nil && errB == nil && a.GetResourceVersion() != "" && a.GetResourceVersion() == b.GetResourceVersion()
 }
 
 // ClusterSource feeds a Sink from a cluster's Services and EndpointSlices,
@@ -186,18 +194,31 @@ func (c *ClusterSource) startInformers(ctx context.Context) (*informerSet, error
 		h   cache.ResourceEventHandler
 	}{
 		{svcInformer, cache.ResourceEventHandlerFuncs{
-			AddFunc:    func(o any) { c.changed(serviceKey(o)) },
-			UpdateFunc: func(_, o any) { c.changed(serviceKey(o)) },
+			AddFunc: func(o any) { c.changed(serviceKey(o)) },
+			UpdateFunc: func(old, o any) {
+				if !resynced(old, o) {
+					c.changed(serviceKey(o))
+				}
+			},
 			DeleteFunc: func(o any) { c.changed(serviceKey(o)) },
 		}},
 		{sliceInformer, cache.ResourceEventHandlerFuncs{
-			AddFunc:    func(o any) { byService.update(nil, o); c.changed(sliceKey(o)) },
-			UpdateFunc: func(old, o any) { byService.update(old, o); c.changed(sliceKey(old), sliceKey(o)) },
+			AddFunc: func(o any) { byService.update(nil, o); c.changed(sliceKey(o)) },
+			UpdateFunc: func(old, o any) {
+				if !resynced(old, o) {
+					byService.update(old, o)
+					c.changed(sliceKey(old), sliceKey(o))
+				}
+			},
 			DeleteFunc: func(o any) { byService.update(o, nil); c.changed(sliceKey(o)) },
 		}},
 		{nodeInformer.Informer(), cache.ResourceEventHandlerFuncs{
-			AddFunc:    func(any) { c.changed() },
-			UpdateFunc: func(any, any) { c.changed() },
+			AddFunc: func(any) { c.changed() },
+			UpdateFunc: func(old, o any) {
+				if !resynced(old, o) {
+					c.changed()
+				}
+			},
 			DeleteFunc: func(any) { c.changed() },
 		}},
 	}

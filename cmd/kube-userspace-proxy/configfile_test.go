@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -57,8 +58,11 @@ outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTim
 
 func TestConfigFileRejectsBadFields(t *testing.T) {
 	for _, tc := range []struct{ content, want string }{
-		{"kind: KubeProxyConfiguration\nmode: ipvs\n", `unknown field "mode"`},
-		{"kind: KubeProxyConfiguration\niptables: {syncPeriod: 30s, masqueradeAll: true}\n", `unknown field "iptables.masqueradeAll"`},
+		{"kind: KubeProxyConfiguration\nmodes: ipvs\n", `unknown field "modes"`},
+		{"kind: KubeProxyConfiguration\niptables: {syncPeriod: 30s, masqueradeAl: true}\n", `unknown field "iptables.masqueradeAl"`},
+		{"kind: KubeProxyConfiguration\nconntrack: {tcpCloseWaitTimeout: soon}\nmanifests: m.yaml\n", `conntrack.tcpCloseWaitTimeout: invalid argument "soon"`},
+		{"kind: KubeProxyConfiguration\noomScoreAdj: -2000\nmanifests: m.yaml\n", `oomScoreAdj (in --config`},
+		{"kind: KubeProxyConfiguration\nnodePortAddresses: [primary, 10.0.0.0/8]\nmanifests: m.yaml\n", `nodePortAddresses (in --config`},
 		{"kind: KubeProxyConfiguration\nbindAddress: nowhere\nmanifests: m.yaml\n", `bindAddress (in --config`},
 		{"kind: KubeProxyConfiguration\nportRange: 9-1\nmanifests: m.yaml\n", `portRange (in --config`},
 		{"kind: KubeProxyConfiguration\nsyncPeriod: soon\n", `syncPeriod`},
@@ -74,7 +78,7 @@ func TestConfigFileRejectsBadFields(t *testing.T) {
 		}
 	}
 	var stderr bytes.Buffer
-	if code := run([]string{"--config", writeConfig(t, "mode: ipvs\n")}, &bytes.Buffer{}, &stderr); code != exitUsage {
+	if code := run([]string{"--config", writeConfig(t, "mdoe: ipvs\n")}, &bytes.Buffer{}, &stderr); code != exitUsage {
 		t.Errorf("bad config file: exit %d, want %d", code, exitUsage)
 	}
 }
@@ -96,5 +100,142 @@ func TestParkIdleAfterZeroMeansNever(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"--manifests", "x", "--park-idle-after", "-1s"}, &bytes.Buffer{}); err == nil {
 		t.Error("a negative --park-idle-after was accepted")
+	}
+}
+
+// kubeadmConfigConf is the config.conf of kubeadm v1.37's kube-proxy
+// ConfigMap for a cluster with podSubnet 10.244.0.0/16: every field of
+// KubeProxyConfiguration, most of them zero.
+const kubeadmConfigConf = `apiVersion: kubeproxy.config.k8s.io/v1alpha1
+bindAddress: 0.0.0.0
+bindAddressHardFail: false
+clientConnection:
+  acceptContentTypes: ""
+  burst: 0
+  contentType: ""
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 0
+clusterCIDR: ""
+configSyncPeriod: 0s
+conntrack:
+  maxPerCore: null
+  min: null
+  tcpBeLiberal: false
+  tcpCloseWaitTimeout: null
+  tcpEstablishedTimeout: null
+  udpStreamTimeout: 0s
+  udpTimeout: 0s
+detectLocal:
+  bridgeInterface: ""
+  interfaceNamePrefix: ""
+detectLocalMode: ""
+enableProfiling: false
+healthzBindAddress: ""
+hostnameOverride: ""
+iptables:
+  localhostNodePorts: null
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+ipvs:
+  excludeCIDRs: null
+  minSyncPeriod: 0s
+  scheduler: ""
+  strictARP: false
+  syncPeriod: 0s
+  tcpFinTimeout: 0s
+  tcpTimeout: 0s
+  udpTimeout: 0s
+kind: KubeProxyConfiguration
+logging:
+  flushFrequency: 0
+  options:
+    json:
+      infoBufferSize: "0"
+    text:
+      infoBufferSize: "0"
+  verbosity: 0
+metricsBindAddress: ""
+mode: ""
+nftables:
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+nodePortAddresses: null
+oomScoreAdj: null
+portRange: ""
+showHiddenMetricsForVersion: ""
+winkernel:
+  enableDSR: false
+  forwardHealthCheckVip: false
+  networkName: ""
+  rootHnsEndpointName: ""
+  sourceVip: ""
+`
+
+// kubeadm's config.conf, which names every field with zero values, starts
+// the daemon with kube-proxy's defaults and without a single warning: a
+// zero means the default, as in kube-proxy.
+func TestKubeadmConfigConf(t *testing.T) {
+	o, err := parseFlags([]string{"--config", writeConfig(t, kubeadmConfigConf)}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defaults, err := parseFlags([]string{"--kubeconfig", "/var/lib/kube-proxy/kubeconfig.conf"}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(o.configWarnings) > 0 {
+		t.Errorf("warnings for kubeadm's config.conf: %q", o.configWarnings)
+	}
+	got, want := o.configz("n"), defaults.configz("n")
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("kubeadm's config.conf does not give the defaults:\n got %v\nwant %v", got, want)
+	}
+	if o.healthzAddr != "0.0.0.0:10256" || o.metricsAddr != "127.0.0.1:10249" || o.syncPeriod != 30*time.Second ||
+		o.oomScoreAdj != -999 || o.conntrack.tcpCloseWait != time.Hour || o.configSync != 15*time.Minute {
+		t.Errorf("not kube-proxy's defaults: %+v", o)
+	}
+}
+
+// The fields of kube-proxy's other modes and the ones that cannot apply
+// here are named in one warning each; the ones that apply are applied.
+func TestConfigFileWarnsWhatDoesNotApply(t *testing.T) {
+	o, err := parseFlags([]string{"--config", writeConfig(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: /k, qps: 50, burst: 100, contentType: application/json}
+mode: ipvs
+ipvs: {scheduler: lc, strictARP: true, syncPeriod: 0s}
+nftables: {syncPeriod: 0s}
+featureGates: {SomeGate: true}
+iptables: {masqueradeBit: 14, localhostNodePorts: false, syncPeriod: 1m}
+logging: {format: json, verbosity: 4}
+oomScoreAdj: -500
+configSyncPeriod: 1h
+nodePortAddresses: [primary]
+conntrack: {maxPerCore: 0, tcpCloseWaitTimeout: 0s}
+`)}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	joined := strings.Join(o.configWarnings, "\n")
+	for _, want := range []string{`mode: "ipvs"`, "ipvs: scheduler, strictARP: settings of kube-proxy's ipvs mode", "featureGates: SomeGate",
+		"iptables.masqueradeBit", "iptables.localhostNodePorts"} {
+		if !strings.Contains(joined, want) {
+			t.Errorf("no warning naming %q in:\n%s", want, joined)
+		}
+	}
+	if strings.Contains(joined, "nftables") {
+		t.Errorf("nftables: holds only zero values, yet warned:\n%s", joined)
+	}
+	if len(o.configWarnings) != 5 {
+		t.Errorf("%d warnings, want 5:\n%s", len(o.configWarnings), joined)
+	}
+	if o.api.qps != 50 || o.api.burst != 100 || o.api.contentType != "application/json" || o.logFormat != "json" ||
+		o.logLevel != "debug" || o.oomScoreAdj != -500 || o.configSync != time.Hour || !o.nodePortPrimary ||
+		o.syncPeriod != time.Minute || o.conntrack.maxPerCore != 0 || o.conntrack.tcpCloseWait != 0 {
+		t.Errorf("fields not applied: %+v", o)
 	}
 }

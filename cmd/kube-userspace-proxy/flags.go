@@ -48,6 +48,14 @@ type options struct {
 	schedPolicy      string
 	configFile       string
 	conntrack        conntrackSettings
+	oomScoreAdj      int
+	configSync       time.Duration
+	api              apiSettings
+	bindHardFail     bool
+	nodePortPrimary  bool // --nodeport-addresses primary: the node's own addresses
+	// configWarnings are the --config file's fields that do not apply here,
+	// logged once the logger exists.
+	configWarnings []string
 	// origin names where a flag's value came from, for error messages.
 	origin map[string]string
 }
@@ -80,14 +88,23 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("unexpected argument %q (flags only)", fs.Arg(0))
 	}
 	if o.configFile != "" {
-		if err := applyConfigFile(o.configFile, fs, o.origin); err != nil {
+		warnings, err := applyConfigFile(o.configFile, fs, o.origin)
+		if err != nil {
 			return nil, err
 		}
+		o.configWarnings = warnings
 	}
 	if err := o.check(raw); err != nil {
 		return nil, err
 	}
 	return o, nil
+}
+
+// apiSettings are the API client's, as kube-proxy's clientConnection.
+type apiSettings struct {
+	qps                             float32
+	burst                           int32
+	contentType, acceptContentTypes string
 }
 
 // rawFlags are the flags parsed into options by check.
@@ -116,7 +133,7 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules under churn (changes meanwhile merge into one sync); a lone change, or two in a row such as a Service and its EndpointSlice, is synced at once.")
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
-	fs.StringSliceVar(&raw.nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated; default: every local address).")
+	fs.StringSliceVar(&raw.nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated), or on the node's primary addresses (primary: the Node's InternalIPs, with --manifests the addresses of the default routes); default: every local address.")
 	fs.IntVar(&o.conntrack.maxPerCore, "conntrack-max-per-core", 32768, "As kube-proxy's: conntrack entries per CPU for nf_conntrack_max (raised, never lowered; host-wide, so only from the host's network namespace). 0 leaves the limit alone.")
 	fs.IntVar(&o.conntrack.min, "conntrack-min", 131072, "As kube-proxy's: the least nf_conntrack_max, whatever the CPUs.")
 	fs.DurationVar(&o.conntrack.tcpEstablished, "conntrack-tcp-timeout-established", 24*time.Hour, "As kube-proxy's: nf_conntrack_tcp_timeout_established (0: leave as is).")
@@ -124,6 +141,13 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.BoolVar(&o.conntrack.tcpBeLiberal, "conntrack-tcp-be-liberal", false, "As kube-proxy's: set nf_conntrack_tcp_be_liberal (out-of-window packets are not marked INVALID).")
 	fs.DurationVar(&o.conntrack.udpTimeout, "conntrack-udp-timeout", 0, "As kube-proxy's: nf_conntrack_udp_timeout (0: leave as is).")
 	fs.DurationVar(&o.conntrack.udpStream, "conntrack-udp-timeout-stream", 0, "As kube-proxy's: nf_conntrack_udp_timeout_stream (0: leave as is).")
+	fs.IntVar(&o.oomScoreAdj, "oom-score-adj", -999, "As kube-proxy's: the daemon's oom_score_adj, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE: a warning when refused).")
+	fs.DurationVar(&o.configSync, "config-sync-period", 15*time.Minute, "As kube-proxy's: how often the informers re-deliver what they hold (an unchanged object costs nothing; 0: never).")
+	fs.Float32Var(&o.api.qps, "kube-api-qps", 5, "As kube-proxy's: queries per second to the API server.")
+	fs.Int32Var(&o.api.burst, "kube-api-burst", 10, "As kube-proxy's: the burst of queries to the API server.")
+	fs.StringVar(&o.api.contentType, "kube-api-content-type", "application/vnd.kubernetes.protobuf", "As kube-proxy's: the content type of requests to the API server.")
+	fs.StringVar(&o.api.acceptContentTypes, "kube-api-accept-content-types", "application/vnd.kubernetes.protobuf,application/json", "The content types accepted from the API server (clientConnection.acceptContentTypes).")
+	fs.BoolVar(&o.bindHardFail, "bind-address-hard-fail", false, "As kube-proxy's: exit when the healthz or metrics address cannot be bound; otherwise log it and retry every 5 s (a daemon started beside a running one then serves them once it is gone).")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
 	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
 	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
@@ -195,7 +219,20 @@ func (o *options) check(raw *rawFlags) error {
 			return fmt.Errorf("%s: %q is not ip:port", o.name(a.flag), a.v)
 		}
 	}
+	if o.oomScoreAdj < -1000 || o.oomScoreAdj > 1000 {
+		return fmt.Errorf("%s: %d is outside [-1000, 1000]", o.name("oom-score-adj"), o.oomScoreAdj)
+	}
+	if o.configSync < 0 || o.api.qps < 0 || o.api.burst < 0 {
+		return fmt.Errorf("%s, %s and %s must not be negative", o.name("config-sync-period"), o.name("kube-api-qps"), o.name("kube-api-burst"))
+	}
 	for _, a := range raw.nodePortAddrs {
+		if strings.TrimSpace(a) == "primary" {
+			if len(raw.nodePortAddrs) > 1 {
+				return fmt.Errorf("%s: primary stands alone (as kube-proxy's), not beside CIDRs", o.name("nodeport-addresses"))
+			}
+			o.nodePortPrimary = true
+			continue
+		}
 		pfx, err := netip.ParsePrefix(strings.TrimSpace(a))
 		if err != nil {
 			return fmt.Errorf("%s: %q is not a CIDR", o.name("nodeport-addresses"), a)

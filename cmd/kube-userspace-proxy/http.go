@@ -72,6 +72,8 @@ type debugServer struct {
 	rules *iptables.Rules // nil with --iptables=false
 	node  string          // this node's name, for traffic policies
 	log   *recentLog      // the latest connection log lines, for the page
+	// conf is the effective configuration, for /configz.
+	conf map[string]any
 }
 
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
@@ -84,6 +86,7 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/explain", d.explainHTTP)
 	mux.HandleFunc("/debug/log", d.connLog)
 	mux.HandleFunc("/proxyMode", proxyMode)
+	mux.HandleFunc("/configz", configzHandler(d.conf))
 	mux.HandleFunc("/", page)
 	if profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
@@ -351,16 +354,23 @@ func (d *debugServer) showRules(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// startHTTP serves h on addr until ctx ends; a bind error is returned at once.
-func startHTTP(ctx context.Context, addr string, h http.Handler, log logrus.FieldLogger) (<-chan struct{}, error) {
+// startHTTP serves h on addr until ctx ends. A bind error is returned at
+// once with hardFail (kube-proxy's bindAddressHardFail); otherwise it is
+// logged and the bind retried every retry until it succeeds, as
+// kube-proxy does, so that a daemon started beside a running one takes
+// the address over once the other is gone.
+func startHTTP(ctx context.Context, addr string, h http.Handler, hardFail bool, retry time.Duration, log logrus.FieldLogger) (<-chan struct{}, error) {
 	done := make(chan struct{})
 	if addr == "" {
 		close(done)
 		return done, nil
 	}
 	ln, err := net.Listen("tcp", addr)
-	if err != nil {
+	if err != nil && hardFail {
 		return nil, fmt.Errorf("serving on %s: %w", addr, err)
+	}
+	if err != nil {
+		log.WithError(err).WithField("address", addr).Error("Cannot serve HTTP yet; retrying")
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
@@ -371,11 +381,21 @@ func startHTTP(ctx context.Context, addr string, h http.Handler, log logrus.Fiel
 	}()
 	go func() {
 		defer close(done)
+		for ln == nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(retry):
+			}
+			if ln, err = net.Listen("tcp", addr); err != nil {
+				log.WithError(err).WithField("address", addr).Debug("Cannot serve HTTP yet; retrying")
+			}
+		}
+		log.WithField("address", ln.Addr().String()).Info("Serving HTTP")
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.WithError(err).Error("HTTP server failed")
 		}
 	}()
-	log.WithField("address", ln.Addr().String()).Info("Serving HTTP")
 	return done, nil
 }
 

@@ -1,13 +1,19 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"testing"
+	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
 )
 
 // A drain changes state: a page in a browser must not be able to send one.
@@ -57,5 +63,82 @@ func TestProxyModeURL(t *testing.T) {
 	body, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != http.StatusOK || string(body) != "userspace" {
 		t.Fatalf("/proxyMode: %d %q, want 200 \"userspace\"", resp.StatusCode, body)
+	}
+}
+
+// With bindAddressHardFail off (kube-proxy's default) a taken address is
+// retried until it frees up; with it on the error is returned at once.
+func TestHTTPBindRetriesUnlessHardFail(t *testing.T) {
+	holder, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := holder.Addr().String()
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if _, err := startHTTP(ctx, addr, http.NotFoundHandler(), true, 10*time.Millisecond, log); err == nil {
+		t.Fatal("hard fail: a taken address was not an error")
+	}
+	done, err := startHTTP(ctx, addr, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "mine") }),
+		false, 20*time.Millisecond, log)
+	if err != nil {
+		t.Fatalf("soft fail: %v", err)
+	}
+	holder.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := http.Get("http://" + addr + "/")
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if string(body) == "mine" {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the freed address was not taken over: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server did not stop with its context")
+	}
+}
+
+// /configz shows the effective configuration under kube-proxy's key.
+func TestConfigzShowsEffectiveConfig(t *testing.T) {
+	o, err := parseFlags([]string{"--manifests", "m.yaml", "--conntrack-tcp-timeout-close-wait", "2h", "--nodeport-addresses", "primary"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &debugServer{p: proxy.New(proxy.Config{}), conf: o.configz("node-1")}
+	srv := httptest.NewServer(d.routes(prometheus.NewRegistry(), false))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + "/configz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var got map[string]map[string]any
+	if err := json.NewDecoder(resp.Body).Decode(&got); err != nil {
+		t.Fatal(err)
+	}
+	kp := got["kubeproxy.config.k8s.io"]
+	if kp["mode"] != "userspace" || kp["hostnameOverride"] != "node-1" || kp["healthzBindAddress"] != "0.0.0.0:10256" {
+		t.Errorf("configz: %v", kp)
+	}
+	if ct := kp["conntrack"].(map[string]any); ct["tcpCloseWaitTimeout"] != "2h0m0s" {
+		t.Errorf("configz conntrack: %v", ct)
+	}
+	if np := fmt.Sprint(kp["nodePortAddresses"]); np != "[primary]" {
+		t.Errorf("configz nodePortAddresses: %s", np)
+	}
+	if got["kube-userspace-proxy"]["manifests"] != "m.yaml" {
+		t.Errorf("configz lacks this proxy's own fields: %v", got["kube-userspace-proxy"])
 	}
 }

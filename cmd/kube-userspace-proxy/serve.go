@@ -27,6 +27,9 @@ import (
 )
 
 // serve runs the daemon until ctx ends.
+// httpBindRetry is kube-proxy's pause between binds of its HTTP addresses.
+const httpBindRetry = 5 * time.Second
+
 func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer) error {
 	node := o.nodeName()
 	switch {
@@ -42,9 +45,18 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err := checkLocal(o.bindAddress); err != nil {
 		return usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
 	}
+	for _, w := range o.configWarnings {
+		log.Warn(w)
+	}
 	manifests, client, err := checkSource(o, node, log)
 	if err != nil {
 		return err
+	}
+	if o.nodePortPrimary {
+		if o.nodePortCIDRs, err = primaryAddrs(ctx, client, node, 30*time.Second); err != nil {
+			return err
+		}
+		log.WithField("addresses", fmt.Sprint(o.nodePortCIDRs)).Info("NodePorts on the node's primary addresses")
 	}
 	setUpProcess(o, log)
 	rules, ipt, err := newRules(o, log)
@@ -62,14 +74,14 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()
-	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), log.WithField("component", "healthz"))
+	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), o.bindHardFail, httpBindRetry, log.WithField("component", "healthz"))
 	if err != nil {
 		return err
 	}
 	recent := newRecentLog(200)
 	log.AddHook(recent)
-	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent}
-	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), log.WithField("component", "metrics"))
+	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node)}
+	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()
 		<-healthDone
@@ -84,7 +96,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	defer stopProxier()
 	proxierDone := make(chan struct{})
 	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
-	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, log)
+	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, o.configSync, log)
 	if err != nil {
 		stopProxier()
 		<-proxierDone
@@ -127,6 +139,8 @@ func checkSource(o *options, node string, log *logrus.Logger) (*config.ManifestS
 		return nil, nil, usageError{err}
 	}
 	rc.UserAgent = "kube-userspace-proxy"
+	rc.QPS, rc.Burst = o.api.qps, int(o.api.burst)
+	rc.ContentType, rc.AcceptContentTypes = o.api.contentType, o.api.acceptContentTypes
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
 		return nil, nil, usageError{fmt.Errorf("API client: %w", err)}
@@ -142,6 +156,9 @@ func setUpProcess(o *options, log *logrus.Logger) {
 		} else {
 			log.WithField("threads", n).Info("Scheduling policy batch (SCHED_BATCH)")
 		}
+	}
+	if err := os.WriteFile("/proc/self/oom_score_adj", []byte(strconv.Itoa(o.oomScoreAdj)), 0o644); err != nil {
+		log.WithError(err).WithField("oomScoreAdj", o.oomScoreAdj).Warn("Cannot set the daemon's oom_score_adj (lowering it needs CAP_SYS_RESOURCE)")
 	}
 	if limit, err := proxy.RaiseFileLimit(); err != nil {
 		log.WithError(err).Warn("Cannot raise the open-file limit")
@@ -222,7 +239,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 
 // startSource starts the manifests source (already checked) or the cluster
 // source, feeding p.
-func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, minSyncPeriod time.Duration, log *logrus.Logger) (<-chan struct{}, error) {
+func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, minSyncPeriod, resync time.Duration, log *logrus.Logger) (<-chan struct{}, error) {
 	if manifests != nil {
 		manifests.Sink = p
 		done, err := manifests.Start(ctx)
@@ -232,7 +249,7 @@ func startSource(ctx context.Context, manifests *config.ManifestSource, node str
 		return done, nil
 	}
 	src := &config.ClusterSource{Client: client, Node: node, Sink: p, Log: log.WithField("component", "cluster"),
-		BuildInterval: minSyncPeriod / 4}
+		BuildInterval: minSyncPeriod / 4, Resync: resync}
 	return src.Start(ctx)
 }
 
