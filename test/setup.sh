@@ -9,6 +9,9 @@
 #   test/setup.sh bench   + the benchmarks' tools (sockperf, socat)
 #   test/setup.sh ci      test + Chromium for the live page's browser test
 #                         (installed only here: make test never installs a browser)
+#   test/setup.sh conformance  test + what a kubelet node needs: runc, the CNI
+#                         plugins, nftables (kube-proxy's reference mode),
+#                         busybox and gcc (the lab's images)
 #
 # Go: when `go` (in PATH or /usr/local/go/bin) is missing or older than go.mod
 # asks (Debian 12's golang-go is 1.19), the toolchain go.mod names is fetched
@@ -22,11 +25,14 @@ job=${1:-test}
 demo=(iptables-restore:iptables ip:iproute2 curl:curl sysctl:procps make:make git:git conntrack:conntrack unzip:unzip)
 test_=("${demo[@]}" nc:netcat-openbsd dig:dnsutils haproxy:haproxy nginx:nginx-light iperf3:iperf3 socat:socat sockperf:sockperf
   /usr/lib/nginx/modules/ngx_stream_module.so:libnginx-mod-stream) # a path: a file, not a command
+conformance=(runc:runc /usr/lib/cni/bridge:containernetworking-plugins nft:nftables busybox:busybox-static
+  gcc:gcc nsenter:util-linux wget:wget)
 case "$job" in
   demo) want=("${demo[@]}") ;;
   test | bench) want=("${test_[@]}") ;;
-  ci) want=("${test_[@]}" chromium:chromium) ;;
-  *) echo "usage: $0 demo|test|bench|ci" >&2; exit 2 ;;
+  ci) want=("${test_[@]}" chromium:chromium "${conformance[@]}") ;;
+  conformance) want=("${test_[@]}" "${conformance[@]}") ;;
+  *) echo "usage: $0 demo|test|bench|ci|conformance" >&2; exit 2 ;;
 esac
 
 need=()

@@ -32,9 +32,25 @@ import (
 // go.mod, go.sum and sources, so a version bump rebuilds.
 func BinDir(repoRoot string, log io.Writer) (string, error) {
 	mod := filepath.Join(repoRoot, "test", "controlplane")
+	return Cached("controlplane", mod, []string{"etcd", "kube-apiserver", "kube-controller-manager"}, log,
+		"the control plane (first time only: ~10 minutes)",
+		func(out string) error {
+			cmd := exec.Command("go", "build", "-o", out+"/", "./cmd/...")
+			cmd.Dir = mod
+			cmd.Stdout, cmd.Stderr = log, log
+			return cmd.Run()
+		})
+}
+
+// Cached returns the cache folder named after kind and a hash of the files
+// under src, after filling it with build when it lacks one of the programs
+// in want. Builds are serialised across processes by a lock file, and a
+// build that fails leaves nothing behind, so the next run starts clean.
+// $KUP_CACHE_DIR overrides the cache's place (the user's cache folder).
+func Cached(kind, src string, want []string, log io.Writer, what string, build func(out string) error) (string, error) {
 	h := sha256.New()
 	var files []string
-	_ = filepath.Walk(mod, func(p string, fi os.FileInfo, err error) error {
+	_ = filepath.Walk(src, func(p string, fi os.FileInfo, err error) error {
 		if err == nil && !fi.IsDir() {
 			files = append(files, p)
 		}
@@ -46,7 +62,7 @@ func BinDir(repoRoot string, log io.Writer) (string, error) {
 		if err != nil {
 			return "", err
 		}
-		rel, _ := filepath.Rel(mod, f)
+		rel, _ := filepath.Rel(src, f)
 		fmt.Fprintf(h, "%s\x00%d\x00", rel, len(data))
 		h.Write(data)
 	}
@@ -58,14 +74,13 @@ func BinDir(repoRoot string, log io.Writer) (string, error) {
 		}
 		base = filepath.Join(c, "kube-userspace-proxy")
 	}
-	dir := filepath.Join(base, "controlplane-"+hex.EncodeToString(h.Sum(nil))[:16])
-	if haveAll(dir) {
+	dir := filepath.Join(base, kind+"-"+hex.EncodeToString(h.Sum(nil))[:16])
+	if haveAll(dir, want) {
 		return dir, nil
 	}
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		return "", err
 	}
-	// One build at a time, even across test processes.
 	lock, err := os.OpenFile(filepath.Join(base, "build.lock"), os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
 		return "", err
@@ -74,17 +89,22 @@ func BinDir(repoRoot string, log io.Writer) (string, error) {
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
 		return "", err
 	}
-	if haveAll(dir) {
+	if haveAll(dir, want) {
 		return dir, nil
 	}
-	fmt.Fprintf(log, "building the control plane into %s (first time only: ~10 minutes)\n", dir)
+	fmt.Fprintf(log, "building %s into %s\n", what, dir)
 	tmp := dir + ".tmp"
 	os.RemoveAll(tmp)
-	cmd := exec.Command("go", "build", "-o", tmp+"/", "./cmd/...")
-	cmd.Dir = mod
-	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("building the control plane: %w", err)
+	if err := os.MkdirAll(tmp, 0o755); err != nil {
+		return "", err
+	}
+	if err := build(tmp); err != nil {
+		os.RemoveAll(tmp)
+		return "", fmt.Errorf("building %s: %w", kind, err)
+	}
+	if !haveAll(tmp, want) {
+		os.RemoveAll(tmp)
+		return "", fmt.Errorf("building %s: %v not all made", kind, want)
 	}
 	if err := os.Rename(tmp, dir); err != nil {
 		return "", err
@@ -92,8 +112,8 @@ func BinDir(repoRoot string, log io.Writer) (string, error) {
 	return dir, nil
 }
 
-func haveAll(dir string) bool {
-	for _, b := range []string{"etcd", "kube-apiserver", "kube-controller-manager"} {
+func haveAll(dir string, want []string) bool {
+	for _, b := range want {
 		if fi, err := os.Stat(filepath.Join(dir, b)); err != nil || fi.Mode()&0o111 == 0 {
 			return false
 		}

@@ -144,8 +144,17 @@ func TestAllServiceAddressesByTraffic(t *testing.T) {
 	}
 }
 
+// --nodeport-addresses limits NodePorts to the node addresses in its
+// CIDRs; "primary" (kube-proxy's keyword) to the node's primary addresses,
+// with --manifests those the default routes leave from (192.168.50.1 and
+// fd00:50::1 here).
 func TestNodePortAddressesLimit(t *testing.T) {
-	l, d, _ := startWeb(t, webManifest(), "--nodeport-addresses", "192.168.50.0/24")
+	t.Run("cidr", func(t *testing.T) { nodePortAddressesLimit(t, "192.168.50.0/24") })
+	t.Run("primary", func(t *testing.T) { nodePortAddressesLimit(t, "primary") })
+}
+
+func nodePortAddressesLimit(t *testing.T, flag string) {
+	l, d, _ := startWeb(t, webManifest(), "--nodeport-addresses", flag)
 	defer func() {
 		if t.Failed() {
 			t.Logf("daemon log:\n%s", d.Output())

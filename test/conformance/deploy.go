@@ -1,0 +1,110 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	_ "embed"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+//go:embed manifests/coredns.yaml
+var corednsManifest []byte
+
+// The Service proxies a run can judge: ours, deployed as users deploy it,
+// and the reference, upstream kube-proxy in its two Linux modes.
+const (
+	proxyOurs          = "kube-userspace-proxy"
+	proxyKubeNftables  = "kube-proxy-nftables"
+	proxyKubeIptables  = "kube-proxy-iptables"
+	ourDaemonSetName   = "kube-userspace-proxy"
+	ourDeployDir       = "docs/deploy"
+	kubeProxyModeFlags = "--proxy-mode"
+)
+
+func knownProxy(p string) bool {
+	return p == proxyOurs || p == proxyKubeNftables || p == proxyKubeIptables
+}
+
+// ourManifests are docs/deploy's rbac.yaml and daemonset.yaml with the two
+// things the DaemonSet's comment asks a user to fill in: the control-plane
+// endpoint, and the image (built here, as the lab reaches no registry).
+func ourManifests(repo string) ([]byte, error) {
+	var all []byte
+	for _, f := range []string{"rbac.yaml", "daemonset.yaml"} {
+		data, err := os.ReadFile(filepath.Join(repo, ourDeployDir, f))
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, data...)
+		all = append(all, []byte("\n---\n")...)
+	}
+	for old, repl := range map[string]string{"CONTROL_PLANE_ENDPOINT": bridgeAddr, daemonImageTag: ourImage} {
+		if !bytes.Contains(all, []byte(old)) {
+			return nil, fmt.Errorf("%s no longer names %q: update test/conformance", ourDeployDir, old)
+		}
+		all = bytes.ReplaceAll(all, []byte(old), []byte(repl))
+	}
+	return all, nil
+}
+
+// deployProxy makes proxy the Service proxy of every node and waits until
+// it serves there.
+func (l *lab) deployProxy(ctx context.Context, cp *controlPlane, repo, proxy string) error {
+	switch proxy {
+	case proxyOurs:
+		m, err := ourManifests(repo)
+		if err != nil {
+			return err
+		}
+		if err := cp.apply(m); err != nil {
+			return err
+		}
+		return waitFor(ctx, 3*time.Minute, "the "+ourDaemonSetName+" DaemonSet ready on every node", func() error {
+			out, err := cp.kubectl("-n", "kube-system", "get", "daemonset", ourDaemonSetName,
+				"-o", "jsonpath={.status.numberReady}/{.status.desiredNumberScheduled}")
+			if err != nil {
+				return err
+			}
+			if out != fmt.Sprintf("%d/%d", l.nodes, l.nodes) {
+				return fmt.Errorf("ready/desired %s", out)
+			}
+			return nil
+		})
+	case proxyKubeNftables, proxyKubeIptables:
+		mode := strings.TrimPrefix(proxy, "kube-proxy-")
+		for i := 1; i <= l.nodes; i++ {
+			// --conntrack-max-per-core=0 leaves the machine-wide conntrack
+			// table size alone (it is not per namespace).
+			if _, err := l.start(fmt.Sprintf("kube-proxy-%d", i), nodeName(i), nil, filepath.Join(cp.b.k8s, "kube-proxy"),
+				"--kubeconfig", cp.kubeconfig, "--hostname-override", nodeName(i), kubeProxyModeFlags, mode,
+				"--cluster-cidr", clusterCIDR, "--conntrack-max-per-core=0", "--v=2"); err != nil {
+				return err
+			}
+		}
+		return waitFor(ctx, 2*time.Minute, "kube-proxy healthy on every node", func() error {
+			for i := 1; i <= l.nodes; i++ {
+				if err := run("", "nsenter", "--net=/run/netns/"+nodeName(i), "--", "curl", "-sf", "-o", "/dev/null",
+					"http://127.0.0.1:10256/healthz"); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	return fmt.Errorf("unknown proxy %q", proxy)
+}
+
+// deployDNS starts CoreDNS and waits for it to answer through the proxy.
+func (l *lab) deployDNS(ctx context.Context, cp *controlPlane) error {
+	if err := cp.apply(corednsManifest); err != nil {
+		return err
+	}
+	return waitFor(ctx, 3*time.Minute, "CoreDNS answering at "+clusterDNS, func() error {
+		return run("", "nsenter", "--net=/run/netns/"+nodeName(1), "--", "dig", "+short", "+time=1", "+tries=1",
+			"@"+clusterDNS, "kubernetes.default.svc.cluster.local")
+	})
+}

@@ -1,0 +1,238 @@
+// Command conformance (make conformance) judges a Service proxy by
+// Kubernetes' own e2e suite on a real cluster built on this machine: etcd,
+// kube-apiserver, kube-controller-manager and kube-scheduler, two nodes
+// each with containerd, runc, the CNI bridge and a kubelet, CoreDNS, and
+// the proxy under test, every piece in network namespaces of its own.
+// kube-userspace-proxy runs as the DaemonSet of docs/deploy; upstream
+// kube-proxy (nftables and iptables modes) runs in its place as the
+// reference. The results go to test/conformance/results and the table in
+// docs/conformance.md; the exit status fails when kube-proxy passes a spec
+// we fail that test/conformance/known-differences.txt does not list.
+//
+//	go run ./test/conformance [-proxies kube-userspace-proxy,kube-proxy-nftables] [-short] [-focus RE] [-keep]
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+)
+
+// The suite's part that is about a Service proxy (test/e2e/network).
+const fullFocus = `\[sig-network\] (Services|Conntrack|Networking|KubeProxy|EndpointSlice)`
+
+// shortFocus is the few-minute subset make test runs: the specs that
+// broke for a userspace proxy before (refusal, UDP flows, kube-proxy's
+// URLs) and a Conformance spec per Service type.
+const shortFocus = `\[sig-network\] Services should (be rejected when no endpoints exist|serve a basic endpoint from pods|be able to create a functioning NodePort service|serve multiport endpoints from pods)` +
+	`|\[sig-network\] Conntrack should be able to preserve UDP traffic when server pod cycles for a ClusterIP service` +
+	`|\[sig-network\] Networking should check kube-proxy urls`
+
+const labDir = "/var/lib/kup-conformance"
+
+// binaries are the cached builds a run uses.
+type binaries struct {
+	controlPlane, k8s, containerd, dns string
+	ours                               string
+}
+
+func main() {
+	proxies := flag.String("proxies", proxyOurs+","+proxyKubeNftables+","+proxyKubeIptables, "the proxies to judge, in order")
+	short := flag.Bool("short", false, "run the few-minute subset (make test) and write no docs")
+	focus := flag.String("focus", "", "a Ginkgo focus regexp instead of the suite's proxy part")
+	nodes := flag.Int("nodes", 2, "kubelet nodes")
+	keep := flag.Bool("keep", false, "leave the last lab's folder (logs, configs) in "+labDir)
+	flag.Parse()
+	if os.Geteuid() != 0 {
+		fatal(fmt.Errorf("needs root: it makes network namespaces, cgroups and mounts"))
+	}
+	repo, err := repoRoot()
+	if err != nil {
+		fatal(err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	f := *focus
+	if f == "" {
+		f = fullFocus
+		if *short {
+			f = shortFocus
+		}
+	}
+	conf := filepath.Join(repo, "test", "conformance")
+	skips, err := readSkips(filepath.Join(conf, "skips.txt"))
+	if err != nil {
+		fatal(err)
+	}
+	knowns, err := readKnown(filepath.Join(conf, "known-differences.txt"))
+	if err != nil {
+		fatal(err)
+	}
+	b, err := build(repo)
+	if err != nil {
+		fatal(err)
+	}
+	tars, err := buildImages(repo, b)
+	if err != nil {
+		fatal(err)
+	}
+	command := "make conformance"
+	if *short {
+		command = "make conformance-short"
+	}
+	for _, p := range strings.Split(*proxies, ",") {
+		if !knownProxy(p) {
+			fatal(fmt.Errorf("unknown proxy %q (want %s, %s or %s)", p, proxyOurs, proxyKubeNftables, proxyKubeIptables))
+		}
+		fmt.Printf("== %s: a %d-node cluster, then the e2e suite (%s)\n", p, *nodes, f)
+		res, err := runOne(ctx, repo, b, tars, p, *nodes, f, skips, *keep)
+		if err != nil {
+			fatal(fmt.Errorf("%s: %w", p, err))
+		}
+		rr := runResults{Proxy: p, Date: time.Now().UTC().Format("2006-01-02"), Command: command, Nodes: *nodes, Focus: f, Specs: res}
+		if err := saveResults(conf, rr, *short); err != nil {
+			fatal(err)
+		}
+		printSummary(rr)
+	}
+	ok, err := verdicts(repo, conf, knowns, *short)
+	if err != nil {
+		fatal(err)
+	}
+	if !ok {
+		os.Exit(1)
+	}
+}
+
+// runOne brings a lab up with proxy as the Service proxy, runs the suite
+// and takes the lab down again, whatever happened.
+func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy string, nodes int, focus string, skips []skip, keep bool) ([]result, error) {
+	sweep(labDir, false)
+	l := &lab{dir: labDir, log: os.Stdout, nodes: nodes}
+	defer l.close(keep)
+	if err := os.MkdirAll(l.dir, 0o755); err != nil {
+		return nil, err
+	}
+	if err := l.network(); err != nil {
+		return nil, fmt.Errorf("lab network: %w", err)
+	}
+	cp, err := l.startControlPlane(ctx, b)
+	if err != nil {
+		return nil, fmt.Errorf("control plane: %w (logs in %s)", err, filepath.Join(l.dir, "logs"))
+	}
+	for i := 1; i <= nodes; i++ {
+		if err := l.startNode(ctx, i, b, cp, tars); err != nil {
+			return nil, fmt.Errorf("%s: %w (logs in %s)", nodeName(i), err, filepath.Join(l.dir, "logs"))
+		}
+	}
+	if err := l.deployProxy(ctx, cp, repo, proxy); err != nil {
+		return nil, fmt.Errorf("deploying %s: %w", proxy, err)
+	}
+	if err := l.deployDNS(ctx, cp); err != nil {
+		return nil, err
+	}
+	if _, err := cp.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=120s"); err != nil {
+		return nil, err
+	}
+	fmt.Printf("   cluster up (%d nodes, %s serving, CoreDNS answering)\n", nodes, proxy)
+	return runE2E(ctx, l, cp, focus, skips, os.Stdout)
+}
+
+// build returns the cached programs, building what the cache lacks
+// (first run: roughly 15 minutes on two cores).
+func build(repo string) (*binaries, error) {
+	b := &binaries{}
+	var err error
+	if b.controlPlane, err = cluster.BinDir(repo, os.Stderr); err != nil {
+		return nil, err
+	}
+	mod := func(name string) string { return filepath.Join(repo, "test", "conformance", "build", name) }
+	goBuild := func(dir string, env []string, args ...string) error {
+		cmd := exec.Command("go", args...)
+		cmd.Dir, cmd.Stdout, cmd.Stderr = dir, os.Stderr, os.Stderr
+		cmd.Env = append(os.Environ(), env...)
+		return cmd.Run()
+	}
+	k8sProgs := []string{"kubelet", "kube-scheduler", "kube-proxy", "kubectl", "agnhost", "regression-issue-74839", "mkimage", "e2e.test"}
+	if b.k8s, err = cluster.Cached("conformance-k8s", mod("k8s"), k8sProgs, os.Stderr,
+		"kubelet, kube-proxy, agnhost and the e2e suite (first time only: ~8 minutes)", func(out string) error {
+			if err := goBuild(mod("k8s"), nil, "build", "-o", out+"/", "k8s.io/kubernetes/cmd/kubelet",
+				"k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kube-proxy", "k8s.io/kubernetes/cmd/kubectl",
+				"k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes/test/images/regression-issue-74839", "./cmd/mkimage"); err != nil {
+				return err
+			}
+			return goBuild(mod("k8s"), nil, "test", "-c", "-o", filepath.Join(out, "e2e.test"), "k8s.io/kubernetes/test/e2e")
+		}); err != nil {
+		return nil, err
+	}
+	static := []string{"CGO_ENABLED=0"}
+	if b.containerd, err = cluster.Cached("conformance-containerd", mod("containerd"), []string{"containerd", "ctr", "containerd-shim-runc-v2"}, os.Stderr,
+		"containerd (first time only: ~3 minutes)", func(out string) error {
+			if err := goBuild(mod("containerd"), static, "build", "-tags", "no_btrfs urfave_cli_no_docs", "-o", out+"/",
+				"github.com/containerd/containerd/v2/cmd/containerd", "github.com/containerd/containerd/v2/cmd/ctr"); err != nil {
+				return err
+			}
+			return goBuild(mod("containerd"), static, "build", "-tags", "no_btrfs urfave_cli_no_docs no_grpc", "-o", out+"/",
+				"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2")
+		}); err != nil {
+		return nil, err
+	}
+	if b.dns, err = cluster.Cached("conformance-coredns", mod("coredns"), []string{"coredns"}, os.Stderr,
+		"CoreDNS (first time only: ~3 minutes)", func(out string) error {
+			return goBuild(mod("coredns"), static, "build", "-o", filepath.Join(out, "coredns"), "github.com/coredns/coredns")
+		}); err != nil {
+		return nil, err
+	}
+	b.ours = filepath.Join(repo, "bin", "kube-userspace-proxy")
+	if err := goBuild(repo, static, "build", "-trimpath", "-o", b.ours, "./cmd/kube-userspace-proxy"); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// buildImages writes every image's tarball (a minute; not cached, as they
+// take this machine's binaries and the proxy just built).
+func buildImages(repo string, b *binaries) ([]string, error) {
+	list := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "k8s.io/kubernetes")
+	list.Dir = filepath.Join(repo, "test", "conformance", "build", "k8s")
+	modDir, err := list.Output()
+	if err != nil {
+		return nil, fmt.Errorf("finding k8s.io/kubernetes in the module cache: %w", err)
+	}
+	ib := &imageBuilder{k8sBin: b.k8s, dnsBin: b.dns, ourBin: b.ours, k8sModDir: strings.TrimSpace(string(modDir))}
+	work := filepath.Join(repo, "bin", "conformance-images")
+	if err := os.MkdirAll(work, 0o755); err != nil {
+		return nil, err
+	}
+	var tars []string
+	for _, img := range ib.images() {
+		out := filepath.Join(work, strings.NewReplacer("/", "_", ":", "_").Replace(img.ref)+".tar")
+		if err := ib.build(img, work, out); err != nil {
+			return nil, err
+		}
+		tars = append(tars, out)
+	}
+	return tars, nil
+}
+
+func repoRoot() (string, error) {
+	out, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
+	if err != nil {
+		return "", fmt.Errorf("run from the repository: %w", err)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+func fatal(err error) {
+	fmt.Fprintln(os.Stderr, "conformance:", err)
+	os.Exit(2)
+}
