@@ -74,10 +74,17 @@ type ClusterSource struct {
 	// never syncs was most of a churn's garbage at 10k Services. 0: none.
 	BuildInterval time.Duration
 
+	// Unserved is told once per Service (and again when its message
+	// changes) about the ports it asks for that are not proxied (SCTP),
+	// for an Event on the Service; the warning is logged either way.
+	Unserved func(svc ServiceName, message string)
+
 	kick chan struct{} // capacity 1: merges bursts of events into one build
 	back chan struct{} // capacity 1: the API server is back after an outage
 
 	last *State // the last State built (builder goroutine only)
+	// unserved is the message last given per Service (builder goroutine only).
+	unserved map[ServiceName]string
 	// ports names the service ports each Service (namespace/name) had in
 	// last: what a change of the Service replaces (builder goroutine only).
 	ports map[ServiceName][]ServicePortName
@@ -336,6 +343,7 @@ func (c *ClusterSource) build(inf *informerSet) {
 		} else if skip != "" {
 			continue
 		}
+		c.noteUnserved(svc)
 		for _, sliceName := range inf.byService.slices(key) {
 			o, ok, _ := inf.sliceStore.GetByKey(key.Namespace + "/" + sliceName)
 			if !ok {
@@ -415,13 +423,38 @@ func (c *ClusterSource) takeDirty() map[ServiceName]bool {
 	return d
 }
 
+// noteUnserved warns, once per Service and message, about its ports that
+// are not proxied.
+func (c *ClusterSource) noteUnserved(svc *v1.Service) {
+	key := ServiceName{svc.Namespace, svc.Name}
+	un := UnservedPorts(svc)
+	if len(un) == 0 {
+		delete(c.unserved, key)
+		return
+	}
+	msg := UnservedMessage(un)
+	if c.unserved[key] == msg {
+		return
+	}
+	if c.unserved == nil {
+		c.unserved = map[ServiceName]string{}
+	}
+	c.unserved[key] = msg
+	c.Log.WithField("service", key.String()).Warn(msg)
+	if c.Unserved != nil {
+		c.Unserved(key, msg)
+	}
+}
+
 // buildState converts the cached objects. Invalid objects are logged and
 // skipped: one bad Service must not stop the others.
 func (c *ClusterSource) buildState(services []*v1.Service, slices []*discovery.EndpointSlice) *State {
 	b := NewBuilder(c.Node)
 	for _, svc := range services {
-		if _, err := b.AddService(svc); err != nil {
+		if skip, err := b.AddService(svc); err != nil {
 			c.Log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name}).WithError(err).Warn("Service not proxied")
+		} else if skip == "" {
+			c.noteUnserved(svc)
 		}
 	}
 	for _, es := range slices {

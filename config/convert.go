@@ -267,6 +267,28 @@ func (b *Builder) AddService(svc *v1.Service) (skip string, err error) {
 	return "", b.addPorts(key, sps)
 }
 
+// UnservedPorts names the ports of svc that this proxy does not serve
+// (SCTP: the classic userspace mode never proxied it), for the warning
+// its owner must see instead of silence.
+func UnservedPorts(svc *v1.Service) []string {
+	var out []string
+	for _, p := range svc.Spec.Ports {
+		if p.Protocol == v1.ProtocolSCTP {
+			name := p.Name
+			if name == "" {
+				name = "(unnamed)"
+			}
+			out = append(out, fmt.Sprintf("%s %d/SCTP", name, p.Port))
+		}
+	}
+	return out
+}
+
+// UnservedMessage is the warning for UnservedPorts.
+func UnservedMessage(ports []string) string {
+	return "SCTP is not proxied by kube-userspace-proxy: no listener or rule for port " + strings.Join(ports, ", ")
+}
+
 // convertService is the one conversion of a Service into the model, for
 // both sources: its namespace/name and ports, or why it is skipped.
 func convertService(svc *v1.Service) (key ServiceName, sps []*ServicePort, skip string, err error) {

@@ -68,6 +68,9 @@ func manifestFiles(path string) ([]string, error) {
 type Skipped struct {
 	Object string
 	Reason string
+	// Warning marks what the Service's owner asked for and does not get
+	// (SCTP ports), logged as a warning rather than a note.
+	Warning bool
 }
 
 // LoadManifests reads a manifests file or directory and builds the State for node.

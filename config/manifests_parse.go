@@ -174,6 +174,9 @@ func (fr *fileResult) parseService(js []byte, at where) error {
 		fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: skip})
 	default:
 		fr.services = append(fr.services, parsedService{at: at, key: key, ports: sps})
+		if un := UnservedPorts(&svc); len(un) > 0 {
+			fr.skipped = append(fr.skipped, Skipped{Object: at.object, Reason: UnservedMessage(un), Warning: true})
+		}
 	}
 	return nil
 }

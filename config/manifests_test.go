@@ -504,3 +504,31 @@ func TestManifestRewrittenInPlaceDropsNothing(t *testing.T) {
 		}
 	}
 }
+
+// An SCTP port is not proxied, and the loader says so as a warning naming
+// the Service and the port; the Service's TCP port is served.
+func TestSCTPPortWarned(t *testing.T) {
+	dir := t.TempDir()
+	f := filepath.Join(dir, "m.yaml")
+	if err := os.WriteFile(f, []byte(`apiVersion: v1
+kind: Service
+metadata: {name: mixed, namespace: lab}
+spec:
+  clusterIP: 10.96.0.70
+  ports:
+  - {name: http, port: 80, protocol: TCP}
+  - {name: assoc, port: 9999, protocol: SCTP}
+`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	st, skipped, err := LoadManifests(f, "node")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Ports) != 1 || st.Ports[ServicePortName{"lab", "mixed", "http"}] == nil {
+		t.Fatalf("ports %v, want lab/mixed:http only", st.Ports)
+	}
+	if len(skipped) != 1 || !skipped[0].Warning || skipped[0].Object != "Service lab/mixed" || !strings.Contains(skipped[0].Reason, "assoc 9999/SCTP") {
+		t.Fatalf("skipped %+v, want one warning for Service lab/mixed naming assoc 9999/SCTP", skipped)
+	}
+}

@@ -115,7 +115,12 @@ func (m *ManifestSource) load() (map[string]fileSig, error) {
 		return sig, err
 	}
 	for _, s := range skipped {
-		m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason}).Info("Not proxied")
+		entry := m.Log.WithFields(logrus.Fields{"object": s.Object, "reason": s.Reason})
+		if s.Warning {
+			entry.Warn("Ports not proxied")
+		} else {
+			entry.Info("Not proxied")
+		}
 	}
 	st = m.handOn(st, sig)
 	ReuseUnchanged(st, m.last)

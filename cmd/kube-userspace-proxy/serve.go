@@ -96,7 +96,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	defer stopProxier()
 	proxierDone := make(chan struct{})
 	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
-	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, o.configSync, log)
+	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, o.configSync, events, log)
 	if err != nil {
 		stopProxier()
 		<-proxierDone
@@ -199,26 +199,30 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	return r, r, nil
 }
 
-// eventRecorder turns a Service's conflicts (a NodePort another process or
-// Service holds) into Events on the Service, where its owner looks; none
-// without an API client.
-func eventRecorder(ctx context.Context, client kubernetes.Interface, node string) (events func(sp *config.ServicePort, reason, message string), stop func()) {
+// eventRecorder turns a Service's problems (a NodePort another process or
+// Service holds, ports it asks for that are not proxied) into Warning
+// Events on the Service, where its owner looks; none without an API client.
+func eventRecorder(ctx context.Context, client kubernetes.Interface, node string) (events func(svc config.ServiceName, reason, message string), stop func()) {
 	if client == nil {
 		return nil, func() {}
 	}
 	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 	recorder := broadcaster.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kube-userspace-proxy", Host: node})
-	return func(sp *config.ServicePort, reason, message string) {
-		recorder.Event(&v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: sp.Name.Namespace, Name: sp.Name.Name},
+	return func(svc config.ServiceName, reason, message string) {
+		recorder.Event(&v1.ObjectReference{Kind: "Service", APIVersion: "v1", Namespace: svc.Namespace, Name: svc.Name},
 			v1.EventTypeWarning, reason, message)
 	}, broadcaster.Shutdown
 }
 
 // newProxier makes the proxier of the flags.
-func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(sp *config.ServicePort, reason, message string), log *logrus.Logger) *proxy.Proxier {
+func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), log *logrus.Logger) *proxy.Proxier {
+	var portEvents func(sp *config.ServicePort, reason, message string)
+	if events != nil {
+		portEvents = func(sp *config.ServicePort, reason, message string) { events(sp.Name.Service(), reason, message) }
+	}
 	return proxy.New(proxy.Config{
-		Events:              events,
+		Events:              portEvents,
 		ServiceHealth:       hc,
 		Rules:               rules,
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
@@ -239,7 +243,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 
 // startSource starts the manifests source (already checked) or the cluster
 // source, feeding p.
-func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, minSyncPeriod, resync time.Duration, log *logrus.Logger) (<-chan struct{}, error) {
+func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, minSyncPeriod, resync time.Duration, events func(svc config.ServiceName, reason, message string), log *logrus.Logger) (<-chan struct{}, error) {
 	if manifests != nil {
 		manifests.Sink = p
 		done, err := manifests.Start(ctx)
@@ -250,6 +254,9 @@ func startSource(ctx context.Context, manifests *config.ManifestSource, node str
 	}
 	src := &config.ClusterSource{Client: client, Node: node, Sink: p, Log: log.WithField("component", "cluster"),
 		BuildInterval: minSyncPeriod / 4, Resync: resync}
+	if events != nil {
+		src.Unserved = func(svc config.ServiceName, message string) { events(svc, "ProtocolNotProxied", message) }
+	}
 	return src.Start(ctx)
 }
 

@@ -454,6 +454,29 @@ func TestClusterSource(t *testing.T) {
 			return strings.HasPrefix(cl.Curl("ext", "http://192.168.50.1:31677/"), "pod")
 		})
 	})
+	t.Run("SCTP port: a Warning Event and a log line, the TCP port served", func(t *testing.T) {
+		svc := webService("mixed", "10.96.1.60")
+		svc.Spec.Selector = map[string]string{"app": "web"}
+		svc.Spec.Ports[0].Name = "http"
+		svc.Spec.Ports = append(svc.Spec.Ports, v1.ServicePort{Name: "assoc", Port: 9999, Protocol: v1.ProtocolSCTP})
+		cl.service(t, svc)
+		waitFor(t, "the TCP port served", func() bool { return strings.HasPrefix(cl.Curl("client", "http://10.96.1.60/"), "pod") })
+		waitFor(t, "a ProtocolNotProxied Event naming the SCTP port", func() bool {
+			evs, err := cl.admin.CoreV1().Events("lab").List(cl.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=mixed"})
+			if err != nil {
+				return false
+			}
+			for _, e := range evs.Items {
+				if e.Reason == "ProtocolNotProxied" && e.Type == v1.EventTypeWarning && strings.Contains(e.Message, "assoc 9999/SCTP") {
+					return true
+				}
+			}
+			return false
+		})
+		if !strings.Contains(cl.daemon.Output(), "service=lab/mixed") || strings.Count(cl.daemon.Output(), "SCTP is not proxied") != 1 {
+			t.Errorf("want one warning line naming lab/mixed:\n%s", cl.daemon.Output())
+		}
+	})
 	// Checked before the outage: a restarting kube-apiserver answers
 	// "forbidden" for a moment until its RBAC caches have synced.
 	if strings.Contains(cl.daemon.Output(), "forbidden") {
