@@ -158,12 +158,13 @@ func (p *Proxier) syncPending(verify bool) bool {
 	return true
 }
 
-// shutdown stops accepting — the rules still point at the closed ports, so a
-// new connection is refused at once instead of timing out — lets open
-// connections drain for up to grace, and removes the rules last. Removing
-// them first would break the draining connections: on Linux 6.18 with
-// nf_tables, deleting the last REDIRECT rule stops the NAT of flows already
-// redirected (measured in the netns tests).
+// shutdown stops accepting and lets open connections drain for up to
+// grace. The rules stay, as kube-proxy leaves its own: they point at the
+// closed ports, so a new connection is refused at once (instead of leaving
+// by the default route) until the next start takes the Services back and
+// rewrites them; only --cleanup removes them. Removing them would also cut
+// the draining connections: on Linux 6.18 with nf_tables, deleting the
+// last REDIRECT rule stops the NAT of flows already redirected.
 func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
 	for _, w := range p.writer.stop(ctx.Err()) {
 		p.rec.written(w)
@@ -171,7 +172,6 @@ func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
 	p.rec.closeAll()
 	p.dp.closeListeners()
 	p.dp.conns.drain(grace)
-	p.writer.removeAll()
 	p.dp.stop()
 }
 

@@ -266,23 +266,6 @@ func (rw *ruleWriter) status() (lastUpdated time.Time, lastErr error, unwrittenA
 	return rw.lastUpdated, rw.lastErr, unwrittenAt
 }
 
-// removeAll removes every rule (at shutdown), bounded by removeRulesTimeout.
-func (rw *ruleWriter) removeAll() {
-	if rw.rules == nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), removeRulesTimeout)
-	defer cancel()
-	if err := rw.rules.Sync(ctx, nil, false); err != nil {
-		rw.log.WithError(err).Warn("Removing rules at shutdown failed; the next start (or --cleanup) removes them")
-	}
-}
-
-// removeRulesTimeout bounds the removal of the rules at shutdown (~1 s at
-// 10k service ports): a rule command that hangs must not keep the daemon
-// from exiting. Rules left behind redirect to closed ports, which refuse.
-const removeRulesTimeout = 10 * time.Second
-
 // activity counts the syncs and rule writes under way, for Proxier.Quiet.
 type activity struct {
 	busy      atomic.Int32

@@ -473,8 +473,8 @@ func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
 	})
 }
 
-// heldRules holds every write of frontends until its context ends; the
-// removal of every rule at shutdown (no frontends) goes through.
+// heldRules holds every write of frontends until its context ends (a
+// write of none goes through).
 type heldRules struct{ calls atomic.Int32 }
 
 func (r *heldRules) Sync(ctx context.Context, frontends []config.Frontend, _ bool) error {

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // httpIn is an HTTP client whose connections are made in a lab namespace.
@@ -312,8 +313,12 @@ endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
 	}
 }
 
-func TestSIGTERMDrainsAndRemovesRules(t *testing.T) {
-	l, d, _ := startWeb(t, webManifest(), "--shutdown-grace", "20s")
+// SIGTERM: listeners close, open connections drain, and the rules stay (as
+// kube-proxy's): ClusterIP traffic is refused on this node, never sent out
+// by the default route, until the next start serves again within 3 s;
+// --cleanup removes them.
+func TestSIGTERMDrainsAndKeepsRules(t *testing.T) {
+	l, d, m := startWeb(t, webManifest(), "--shutdown-grace", "20s")
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	// A keep-alive connection open through the ClusterIP: one transport
 	// connection, reused because every body is read to the end.
@@ -363,8 +368,26 @@ func TestSIGTERMDrainsAndRemovesRules(t *testing.T) {
 	if time.Since(start) > 19*time.Second {
 		t.Error("the daemon waited the whole grace period although its connection closed")
 	}
-	if n := countRules(t, l, `lab/web`); n != 0 {
-		t.Fatalf("%d rules left after exit", n)
+	if countRules(t, l, `lab/web`) == 0 {
+		t.Fatal("the rules went with the daemon")
+	}
+	if ok, out := l.tcpRefused("client", "10.96.0.10", "80"); !ok {
+		t.Errorf("the ClusterIP with no daemon: %s, want connection refused", out)
+	}
+	// The next start serves within 3 s with the rules already in place.
+	restart := time.Now()
+	d2 := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	testutil.WaitFor(t, "the next start serving", 3*time.Second, 20*time.Millisecond, func() bool {
+		return strings.HasPrefix(l.Curl("client", "http://10.96.0.10:80/"), "pod")
+	})
+	t.Logf("served again %v after the start", time.Since(restart).Round(time.Millisecond))
+	_ = d2.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = d2.Cmd.Wait()
+	if out, err := l.Exec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup"); err != nil {
+		t.Fatalf("--cleanup: %v\n%s", err, out)
+	}
+	if n := countRules(t, l, `KUBE-`); n != 0 {
+		t.Fatalf("%d rules of ours left after --cleanup", n)
 	}
 }
 
