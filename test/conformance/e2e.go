@@ -45,19 +45,12 @@ type ginkgoReport []struct {
 	}
 }
 
-// e2eArgs are the upstream e2e binary's flags for a run in the lab.
-func e2eArgs(cp *controlPlane, focus, skip, report string) []string {
-	return []string{
-		"--kubeconfig", cp.kubeconfig, "--kubectl-path", filepath.Join(cp.b.k8s, "kubectl"),
-		"--provider", "skeleton", "--allowed-not-ready-nodes", "0", "--dump-logs-on-failure=false",
-		"--ginkgo.focus", focus, "--ginkgo.skip", skip, "--ginkgo.json-report", report,
-		"--ginkgo.timeout", "4h", "--ginkgo.no-color", "--ginkgo.v",
-	}
-}
-
-// runE2E runs the upstream e2e binary in kupc-net and reads its report.
-func runE2E(ctx context.Context, l *lab, cp *controlPlane, focus string, skips []skip, log io.Writer) ([]result, error) {
-	report := filepath.Join(l.dir, "e2e-report.json")
+// runE2E runs the upstream e2e binary in kupc-net under the Ginkgo CLI
+// with procs parallel processes (the [Serial] specs run alone at the end,
+// as upstream's jobs run them) and reads its report. An interrupt reaches
+// Ginkgo as SIGINT, so the specs run so far are still reported.
+func runE2E(ctx context.Context, l *lab, cp *controlPlane, focus string, skips []skip, procs int, log io.Writer) ([]result, error) {
+	const report = "e2e-report.json"
 	var pats []string
 	for _, s := range skips {
 		pats = append(pats, s.pattern)
@@ -66,20 +59,27 @@ func runE2E(ctx context.Context, l *lab, cp *controlPlane, focus string, skips [
 	if skipRE == "" {
 		skipRE = "^$"
 	}
-	args := append([]string{"--net=/run/netns/" + netNS, "--", filepath.Join(cp.b.k8s, "e2e.test")},
-		e2eArgs(cp, focus, skipRE, report)...)
+	args := []string{"--net=/run/netns/" + netNS, "--", filepath.Join(cp.b.k8s, "ginkgo"),
+		fmt.Sprintf("--procs=%d", procs), "--focus", focus, "--skip", skipRE,
+		"--json-report", report, "--output-dir", l.dir, "--timeout", "4h", "--no-color", "-v",
+		filepath.Join(cp.b.k8s, "e2e.test"), "--",
+		"--kubeconfig", cp.kubeconfig, "--kubectl-path", filepath.Join(cp.b.k8s, "kubectl"),
+		"--provider", "skeleton", "--allowed-not-ready-nodes", "0", "--dump-logs-on-failure=false",
+	}
 	cmd := exec.CommandContext(ctx, "nsenter", args...)
+	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+	cmd.WaitDelay = 2 * time.Minute
 	logf, err := os.Create(filepath.Join(l.dir, "logs", "e2e.log"))
 	if err != nil {
 		return nil, err
 	}
 	defer logf.Close()
-	cmd.Stdout, cmd.Stderr = io.MultiWriter(logf, progress{log}), logf
+	cmd.Stdout, cmd.Stderr = io.MultiWriter(logf, progress{log, new(bool)}), logf
 	cmd.Dir = l.dir
 	start := time.Now()
 	runErr := cmd.Run()
 	fmt.Fprintf(log, "e2e finished in %s (%v); log: %s\n", time.Since(start).Round(time.Second), runErr, logf.Name())
-	data, err := os.ReadFile(report)
+	data, err := os.ReadFile(filepath.Join(l.dir, report))
 	if err != nil {
 		return nil, fmt.Errorf("e2e wrote no report (%v): %w", runErr, err)
 	}
@@ -90,15 +90,24 @@ func runE2E(ctx context.Context, l *lab, cp *controlPlane, focus string, skips [
 	return parseReport(data, focusRE, skips)
 }
 
-// progress passes on only the e2e binary's one-line verdicts.
-type progress struct{ w io.Writer }
+// progress passes on only the e2e binary's verdicts, each with the line
+// after it (the spec's name).
+type progress struct {
+	w    io.Writer
+	name *bool // the next line names the spec of the verdict just passed on
+}
 
 var verdict = regexp.MustCompile(`^(• \[(FAILED|PANICKED)\]|S \[SKIPPED\]|• \[[0-9.]+ seconds\]|Ran \d+ of|FAIL|PASS)`)
 
 func (p progress) Write(b []byte) (int, error) {
 	for _, line := range strings.Split(string(b), "\n") {
-		if verdict.MatchString(line) {
+		switch {
+		case verdict.MatchString(line):
 			fmt.Fprintln(p.w, "  e2e:", line)
+			*p.name = true
+		case *p.name && strings.TrimSpace(line) != "":
+			fmt.Fprintln(p.w, "       ", strings.TrimSpace(line))
+			*p.name = false
 		}
 	}
 	return len(b), nil

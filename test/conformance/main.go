@@ -50,6 +50,7 @@ func main() {
 	short := flag.Bool("short", false, "run the few-minute subset (make test) and write no docs")
 	focus := flag.String("focus", "", "a Ginkgo focus regexp instead of the suite's proxy part")
 	nodes := flag.Int("nodes", 2, "kubelet nodes")
+	procs := flag.Int("procs", 3, "parallel e2e processes (Ginkgo -p; [Serial] specs run alone)")
 	keep := flag.Bool("keep", false, "leave the last lab's folder (logs, configs) in "+labDir)
 	flag.Parse()
 	if os.Geteuid() != 0 {
@@ -94,7 +95,7 @@ func main() {
 			fatal(fmt.Errorf("unknown proxy %q (want %s, %s or %s)", p, proxyOurs, proxyKubeNftables, proxyKubeIptables))
 		}
 		fmt.Printf("== %s: a %d-node cluster, then the e2e suite (%s)\n", p, *nodes, f)
-		res, err := runOne(ctx, repo, b, tars, p, *nodes, f, skips, *keep)
+		res, err := runOne(ctx, repo, b, tars, p, *nodes, f, skips, *procs, *keep)
 		if err != nil {
 			fatal(fmt.Errorf("%s: %w", p, err))
 		}
@@ -115,7 +116,7 @@ func main() {
 
 // runOne brings a lab up with proxy as the Service proxy, runs the suite
 // and takes the lab down again, whatever happened.
-func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy string, nodes int, focus string, skips []skip, keep bool) ([]result, error) {
+func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy string, nodes int, focus string, skips []skip, procs int, keep bool) ([]result, error) {
 	sweep(labDir, false)
 	l := &lab{dir: labDir, log: os.Stdout, nodes: nodes}
 	defer l.close(keep)
@@ -144,7 +145,7 @@ func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy 
 		return nil, err
 	}
 	fmt.Printf("   cluster up (%d nodes, %s serving, CoreDNS answering)\n", nodes, proxy)
-	return runE2E(ctx, l, cp, focus, skips, os.Stdout)
+	return runE2E(ctx, l, cp, focus, skips, procs, os.Stdout)
 }
 
 // build returns the cached programs, building what the cache lacks
@@ -162,12 +163,13 @@ func build(repo string) (*binaries, error) {
 		cmd.Env = append(os.Environ(), env...)
 		return cmd.Run()
 	}
-	k8sProgs := []string{"kubelet", "kube-scheduler", "kube-proxy", "kubectl", "agnhost", "regression-issue-74839", "mkimage", "e2e.test"}
+	k8sProgs := []string{"kubelet", "kube-scheduler", "kube-proxy", "kubectl", "agnhost", "regression-issue-74839", "mkimage", "ginkgo", "e2e.test"}
 	if b.k8s, err = cluster.Cached("conformance-k8s", mod("k8s"), k8sProgs, os.Stderr,
 		"kubelet, kube-proxy, agnhost and the e2e suite (first time only: ~8 minutes)", func(out string) error {
 			if err := goBuild(mod("k8s"), nil, "build", "-o", out+"/", "k8s.io/kubernetes/cmd/kubelet",
 				"k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kube-proxy", "k8s.io/kubernetes/cmd/kubectl",
-				"k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes/test/images/regression-issue-74839", "./cmd/mkimage"); err != nil {
+				"k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes/test/images/regression-issue-74839", "./cmd/mkimage",
+				"github.com/onsi/ginkgo/v2/ginkgo"); err != nil {
 				return err
 			}
 			return goBuild(mod("k8s"), nil, "test", "-c", "-o", filepath.Join(out, "e2e.test"), "k8s.io/kubernetes/test/e2e")
