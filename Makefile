@@ -21,13 +21,15 @@ demo: setup-demo build
 	BIN=$(BIN) KEEP=$(KEEP) ./test/demo.sh
 
 # The whole suite: formatting, vet, every test with the race detector, a short
-# fuzz run of the manifests parser, and the demo.
+# fuzz run of the manifests parser, the demo, the benchmarks' smoke runs and
+# the few-minute subset of Kubernetes' own e2e suite (docs/conformance.md).
 test: setup-test fmt-check vet build image-check
 	$(GO) test -race -count=1 -timeout 40m $(PKGS)
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
 	BIN=$(BIN) ./test/demo.sh
 	$(MAKE) bench-smoke
 	$(MAKE) bench-cluster-smoke
+	$(MAKE) conformance-short
 
 # Installs what a job lacks on Debian (packages; Go when missing or too old),
 # saying what: test/setup.sh demo|test|bench.
