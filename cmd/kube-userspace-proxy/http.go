@@ -35,7 +35,11 @@ func proxyHealthy(h proxy.Health, syncPeriod time.Duration, now time.Time) bool 
 // JSON body. Both fail (503) when the proxy is unhealthy; /healthz also
 // while the node is being deleted or tainted for removal, so that load
 // balancers stop sending to it before it goes (kube-proxy's nodeEligible).
-func healthHandler(p *proxy.Proxier, syncPeriod time.Duration, node bool) http.Handler {
+//
+// detail adds the last sync error (iptables' stderr, Service names): only
+// on the metrics address, never on the health address, which the network
+// reaches; the error is in the log either way.
+func healthHandler(p *proxy.Proxier, syncPeriod time.Duration, node, detail bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		h := p.Health()
 		now := time.Now()
@@ -46,7 +50,7 @@ func healthHandler(p *proxy.Proxier, syncPeriod time.Duration, node bool) http.H
 			healthy = healthy && !h.NodeDeleting
 		}
 		body["healthy"] = healthy
-		if h.LastErr != nil {
+		if h.LastErr != nil && detail {
 			body["lastError"] = h.LastErr.Error()
 		}
 		if h.OutOfFiles {
@@ -74,6 +78,10 @@ type debugServer struct {
 	log   *recentLog      // the latest connection log lines, for the page
 	// conf is the effective configuration, for /configz.
 	conf map[string]any
+	// health is /healthz with the last error in the body (local only).
+	health http.Handler
+	// audit logs every change made through these pages, with who asked.
+	audit logrus.FieldLogger
 }
 
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
@@ -86,6 +94,9 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/explain", d.explainHTTP)
 	mux.HandleFunc("/debug/log", d.connLog)
 	mux.HandleFunc("/proxyMode", proxyMode)
+	if d.health != nil {
+		mux.Handle("/healthz", d.health)
+	}
 	mux.HandleFunc("/configz", configzHandler(d.conf))
 	mux.HandleFunc("/", page)
 	if profiling {
@@ -359,7 +370,7 @@ func (d *debugServer) showRules(w http.ResponseWriter, r *http.Request) {
 // logged and the bind retried every retry until it succeeds, as
 // kube-proxy does, so that a daemon started beside a running one takes
 // the address over once the other is gone.
-func startHTTP(ctx context.Context, addr string, h http.Handler, hardFail bool, retry time.Duration, log logrus.FieldLogger) (<-chan struct{}, error) {
+func startHTTP(ctx context.Context, addr string, h http.Handler, limits serverLimits, hardFail bool, retry time.Duration, log logrus.FieldLogger) (<-chan struct{}, error) {
 	done := make(chan struct{})
 	if addr == "" {
 		close(done)
@@ -372,7 +383,7 @@ func startHTTP(ctx context.Context, addr string, h http.Handler, hardFail bool, 
 	if err != nil {
 		log.WithError(err).WithField("address", addr).Error("Cannot serve HTTP yet; retrying")
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	srv := limits.server(guardHost(bindOf(addr), h))
 	go func() {
 		<-ctx.Done()
 		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
@@ -392,7 +403,7 @@ func startHTTP(ctx context.Context, addr string, h http.Handler, hardFail bool, 
 			}
 		}
 		log.WithField("address", ln.Addr().String()).Info("Serving HTTP")
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := srv.Serve(limits.listener(ln)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.WithError(err).Error("HTTP server failed")
 		}
 	}()
@@ -449,6 +460,10 @@ func (d *debugServer) drain(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusNotFound)
 		return
+	}
+	if d.audit != nil {
+		d.audit.WithFields(logrus.Fields{"service": name.String(), "endpoint": ep.String(), "drained": drained,
+			"peer": r.RemoteAddr, "userAgent": r.UserAgent()}).Warn("Drain changed through the debug pages")
 	}
 	writeJSON(w, map[string]any{"service": name.String(), "endpoint": ep.String(), "drained": drained, "active": active})
 }

@@ -78,11 +78,11 @@ func TestHTTPBindRetriesUnlessHardFail(t *testing.T) {
 	log.SetOutput(io.Discard)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if _, err := startHTTP(ctx, addr, http.NotFoundHandler(), true, 10*time.Millisecond, log); err == nil {
+	if _, err := startHTTP(ctx, addr, http.NotFoundHandler(), metricsLimits, true, 10*time.Millisecond, log); err == nil {
 		t.Fatal("hard fail: a taken address was not an error")
 	}
 	done, err := startHTTP(ctx, addr, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "mine") }),
-		false, 20*time.Millisecond, log)
+		metricsLimits, false, 20*time.Millisecond, log)
 	if err != nil {
 		t.Fatalf("soft fail: %v", err)
 	}

@@ -74,14 +74,15 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()
-	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), o.bindHardFail, httpBindRetry, log.WithField("component", "healthz"))
+	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), healthLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "healthz"))
 	if err != nil {
 		return err
 	}
 	recent := newRecentLog(200)
 	log.AddHook(recent)
-	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node)}
-	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
+	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node),
+		health: healthHandler(p, o.syncPeriod, true, true), audit: log.WithField("component", "debug")}
+	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), metricsLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()
 		<-healthDone
@@ -291,8 +292,8 @@ func showRules(o *options, node string, w io.Writer) error {
 
 func healthMux(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/healthz", healthHandler(p, syncPeriod, true))
-	mux.Handle("/livez", healthHandler(p, syncPeriod, false))
+	mux.Handle("/healthz", healthHandler(p, syncPeriod, true, false))
+	mux.Handle("/livez", healthHandler(p, syncPeriod, false, false))
 	return mux
 }
 
