@@ -10,6 +10,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 // Labels kube-proxy uses to decide what it proxies.
@@ -95,6 +96,11 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 		if p.NodePort < 0 || p.NodePort > 65535 {
 			return nil, fmt.Errorf("%s.nodePort: %d is outside 1..65535", field, p.NodePort)
 		}
+		if p.Name != "" {
+			if err := validName(field+".name", p.Name, validation.IsValidPortName); err != nil {
+				return nil, err
+			}
+		}
 		if len(svc.Spec.Ports) > 1 && p.Name == "" {
 			return nil, fmt.Errorf("%s.name: required when a Service has more than one port", field)
 		}
@@ -121,6 +127,9 @@ func serviceFields(svc *v1.Service) (*ServicePort, error) {
 		Created:          svc.CreationTimestamp.Time,
 
 		HealthCheckNodePort: int(svc.Spec.HealthCheckNodePort),
+	}
+	if h := svc.Spec.HealthCheckNodePort; h < 0 || h > 65535 {
+		return nil, fmt.Errorf("spec.healthCheckNodePort: %d is outside 1..65535", h)
 	}
 	var err error
 	if sp.ClusterIPs, sp.ExternalIPs, sp.LoadBalancerIPs, err = serviceAddrs(svc); err != nil {
@@ -195,6 +204,11 @@ func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) 
 		name := ""
 		if p.Name != nil {
 			name = *p.Name
+		}
+		if name != "" {
+			if err := validName(fmt.Sprintf("ports[%d].name", pi), name, validation.IsValidPortName); err != nil {
+				return nil, err
+			}
 		}
 		for ei, ep := range es.Endpoints {
 			ready := ep.Conditions.Ready == nil || *ep.Conditions.Ready
@@ -298,6 +312,14 @@ func convertService(svc *v1.Service) (key ServiceName, sps []*ServicePort, skip 
 	if svc.Name == "" {
 		return key, nil, "", errors.New("metadata.name: required")
 	}
+	// As the API server validates: a name it would refuse also makes rule
+	// comments that iptables-nft rewrites, which would never match ours.
+	if err := validName("metadata.name", svc.Name, validation.IsDNS1035Label); err != nil {
+		return key, nil, "", err
+	}
+	if err := validName("metadata.namespace", svc.Namespace, validation.IsDNS1123Label); err != nil {
+		return key, nil, "", err
+	}
 	sps, err = ServicePorts(svc)
 	return ServiceName{svc.Namespace, svc.Name}, sps, "", err
 }
@@ -329,6 +351,12 @@ func (b *Builder) AddSlice(es *discovery.EndpointSlice) (skip string, err error)
 func convertSlice(es *discovery.EndpointSlice) (key ServiceName, eps map[string][]Endpoint, skip string, err error) {
 	if skip := SkipSlice(es); skip != "" {
 		return key, nil, skip, nil
+	}
+	if err := validName("metadata.namespace", es.Namespace, validation.IsDNS1123Label); err != nil {
+		return key, nil, "", err
+	}
+	if err := validName("metadata.labels["+LabelServiceName+"]", es.Labels[LabelServiceName], validation.IsDNS1035Label); err != nil {
+		return key, nil, "", err
 	}
 	eps, err = SliceEndpoints(es)
 	return ServiceName{es.Namespace, es.Labels[LabelServiceName]}, eps, "", err
@@ -383,10 +411,22 @@ func dedupEndpoints(eps []Endpoint) []Endpoint {
 
 func parseAddr(field, s string) (netip.Addr, error) {
 	ip, err := netip.ParseAddr(s)
-	if err != nil {
-		return netip.Addr{}, fmt.Errorf("%s: %q is not an IP address", field, s)
+	if err != nil || ip.Zone() != "" {
+		return netip.Addr{}, fmt.Errorf("%s: %q is not an IP address (without a zone)", field, s)
 	}
 	return ip.Unmap(), nil
+}
+
+// validName applies one of apimachinery's name validations.
+func validName(field, name string, check func(string) []string) error {
+	if errs := check(name); len(errs) > 0 {
+		shown := name
+		if len(shown) > 70 {
+			shown = shown[:67] + "..."
+		}
+		return fmt.Errorf("%s: %q: %s", field, shown, strings.Join(errs, "; "))
+	}
+	return nil
 }
 
 func parseAddrs(field string, ss []string) ([]netip.Addr, error) {

@@ -532,3 +532,27 @@ spec:
 		t.Fatalf("skipped %+v, want one warning for Service lab/mixed naming assoc 9999/SCTP", skipped)
 	}
 }
+
+// Names, addresses and ports the API server would refuse are refused here
+// too, naming the field: such a name made iptables-nft rewrite the rule
+// comment, so the installed rules never matched ours.
+func TestManifestsValidatedAsTheAPIServer(t *testing.T) {
+	svc := func(meta, spec string) string {
+		return "apiVersion: v1\nkind: Service\nmetadata: {" + meta + "}\nspec: {clusterIP: 10.96.0.70, " + spec + "}\n"
+	}
+	ports := "ports: [{name: http, port: 80}]"
+	for _, tc := range []struct{ doc, want string }{
+		{svc("name: "+strings.Repeat("a", 250)+", namespace: lab", ports), "metadata.name"},
+		{svc(`name: web, namespace: "la\"b\u0007"`, ports), "metadata.namespace"},
+		{svc("name: Web, namespace: lab", ports), "metadata.name"},
+		{svc("name: web, namespace: lab", `externalIPs: ["fe80::1%eth0"], `+ports), "spec.externalIPs[0]"},
+		{svc("name: web, namespace: lab", "healthCheckNodePort: 70000, "+ports), "spec.healthCheckNodePort"},
+		{svc("name: web, namespace: lab", "ports: [{name: \"http port\", port: 80}]"), "spec.ports[0].name"},
+		{"apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s, namespace: lab, labels: {kubernetes.io/service-name: \"we b\"}}\naddressType: IPv4\nendpoints: []\n", "kubernetes.io/service-name"},
+	} {
+		_, err := ParseManifests("m.yaml", []byte(tc.doc), "node")
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%.60q: %v, want an error naming %s", tc.doc, err, tc.want)
+		}
+	}
+}
