@@ -51,7 +51,7 @@ func (b *imageBuilder) images() []image {
 			return run("", "gcc", "-Os", "-static", "-o", filepath.Join(dir, "pause"), src)
 		}},
 		{ref: agnhostImage, entrypoint: "/agnhost", cmd: "pause", fill: func(b *imageBuilder, dir string) error {
-			if err := copyFile(filepath.Join(b.k8sBin, "agnhost"), filepath.Join(dir, "agnhost")); err != nil {
+			if err := addProgram(dir, filepath.Join(b.k8sBin, "agnhost"), "agnhost"); err != nil {
 				return err
 			}
 			if err := os.Symlink("agnhost", filepath.Join(dir, "agnhost-2")); err != nil {
@@ -85,13 +85,13 @@ func (b *imageBuilder) images() []image {
 			return busyboxApplets(dir)
 		}},
 		{ref: regressionImg, entrypoint: "/regression-issue-74839", fill: func(b *imageBuilder, dir string) error {
-			return copyFile(filepath.Join(b.k8sBin, "regression-issue-74839"), filepath.Join(dir, "regression-issue-74839"))
+			return addProgram(dir, filepath.Join(b.k8sBin, "regression-issue-74839"), "regression-issue-74839")
 		}},
 		{ref: corednsImage, entrypoint: "/coredns", fill: func(b *imageBuilder, dir string) error {
-			return copyFile(filepath.Join(b.dnsBin, "coredns"), filepath.Join(dir, "coredns"))
+			return addProgram(dir, filepath.Join(b.dnsBin, "coredns"), "coredns")
 		}},
 		{ref: ourImage, entrypoint: "/usr/local/bin/kube-userspace-proxy", fill: func(b *imageBuilder, dir string) error {
-			if err := copyFile(b.ourBin, filepath.Join(dir, "usr/local/bin/kube-userspace-proxy")); err != nil {
+			if err := addProgram(dir, b.ourBin, "usr/local/bin/kube-userspace-proxy"); err != nil {
 				return err
 			}
 			return hostFiles(dir, iptablesFiles()...)
@@ -137,6 +137,20 @@ func (b *imageBuilder) build(img image, work, out string) error {
 	}
 	return run("", filepath.Join(b.k8sBin, "mkimage"), "-dir", dir, "-tag", img.ref,
 		"-entrypoint", img.entrypoint, "-cmd", img.cmd, "-o", out)
+}
+
+// addProgram copies a built program to dst in the root file system with
+// the shared libraries it links (a Go program that uses cgo's resolver
+// needs libc and the loader).
+func addProgram(root, src, dst string) error {
+	if err := copyFile(src, filepath.Join(root, dst)); err != nil {
+		return err
+	}
+	libs, err := sharedLibs(src)
+	if err != nil {
+		return err
+	}
+	return hostFiles(root, libs...)
 }
 
 // hostFiles copies host files into the root file system at the same

@@ -105,7 +105,7 @@ func main() {
 			fatal(fmt.Errorf("%s: %w", p, err))
 		}
 		rr := runResults{Proxy: p, Date: time.Now().UTC().Format("2006-01-02"), Command: command, Nodes: *nodes, Focus: f, Specs: res}
-		if err := saveResults(conf, rr, *short); err != nil {
+		if err := saveResults(conf, rr, *short, *focus != ""); err != nil {
 			fatal(err)
 		}
 		printSummary(rr)

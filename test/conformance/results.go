@@ -21,8 +21,34 @@ func resultsPath(conf, proxy string, short bool) string {
 	return filepath.Join(conf, "results", name)
 }
 
-func saveResults(conf string, rr runResults, short bool) error {
+// saveResults records a run. A run of part of the suite (-focus) updates
+// the specs it ran in the record of the last full run.
+func saveResults(conf string, rr runResults, short, partial bool) error {
 	p := resultsPath(conf, rr.Proxy, short)
+	if partial && !short {
+		old, err := loadResults(conf, rr.Proxy, false)
+		if err != nil {
+			return err
+		}
+		if old != nil {
+			ran := map[string]result{}
+			for _, s := range rr.Specs {
+				ran[s.Name] = s
+			}
+			for i, s := range old.Specs {
+				if n, ok := ran[s.Name]; ok {
+					old.Specs[i] = n
+					delete(ran, s.Name)
+				}
+			}
+			for _, s := range ran {
+				old.Specs = append(old.Specs, s)
+			}
+			sort.Slice(old.Specs, func(i, j int) bool { return old.Specs[i].Name < old.Specs[j].Name })
+			old.Date = rr.Date
+			rr = *old
+		}
+	}
 	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 		return err
 	}
