@@ -73,10 +73,14 @@ func (k frontendKey) localOnly(sp *config.ServicePort) bool {
 // allocating when keys has room: one per family, or two when internal and
 // external traffic policies differ (they select different endpoints, and a
 // UDP datagram cannot tell which address it was sent to once redirected).
-// It is the one enumeration of a Service port's frontends.
-func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort) []frontendKey {
+// It is the one enumeration of a Service port's frontends; serves says
+// which families may open (nil: every one).
+func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort, serves func(int) bool) []frontendKey {
 	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
 	for _, fam := range sp.Families() {
+		if serves != nil && !serves(fam) {
+			continue
+		}
 		if split {
 			keys = append(keys, frontendKey{Name: name, Kind: config.KindInternal, Family: fam}, frontendKey{Name: name, Kind: config.KindExternal, Family: fam})
 		} else {

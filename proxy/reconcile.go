@@ -120,7 +120,7 @@ func (r *reconciler) apply(d config.Delta, verify bool) *ruleWrite {
 	}
 	released := append(c.released, c.gone...)
 	for _, name := range c.closed {
-		if sp := st.Ports[name]; sp == nil || len(frontendKeys(nil, name, sp)) == 0 {
+		if sp := st.Ports[name]; sp == nil || len(frontendKeys(nil, name, sp, r.cfg.serves)) == 0 {
 			deleteServiceMetrics(name.String()) // else churn would grow /metrics forever
 		}
 	}
@@ -175,7 +175,7 @@ func (c *closing) visit(key frontendKey, fe *frontend) {
 	}
 	removed := sp == nil
 	if !removed {
-		c.keys = frontendKeys(c.keys[:0], key.Name, sp)
+		c.keys = frontendKeys(c.keys[:0], key.Name, sp, r.cfg.serves)
 		removed = !slices.Contains(c.keys, key)
 	}
 	r.forget(key)
@@ -245,7 +245,7 @@ func (r *reconciler) serveAll(view []config.Frontend, st *config.State, ports []
 			claims = append(claims, sp)
 			continue
 		}
-		keys = frontendKeys(keys[:0], sp.Name, sp)
+		keys = frontendKeys(keys[:0], sp.Name, sp, r.cfg.serves)
 		if r.needsListener(keys) {
 			opening = append(opening, sp)
 			continue
@@ -255,7 +255,7 @@ func (r *reconciler) serveAll(view []config.Frontend, st *config.State, ports []
 	sort.Slice(claims, func(i, j int) bool { return claimsFirst(claims[i], claims[j]) })
 	slices.SortFunc(opening, func(a, b *config.ServicePort) int { return a.Name.Compare(b.Name) })
 	for _, sp := range slices.Concat(claims, opening) {
-		keys = frontendKeys(keys[:0], sp.Name, sp)
+		keys = frontendKeys(keys[:0], sp.Name, sp, r.cfg.serves)
 		view = r.serve(view, st, sp, keys, retaken, rezone)
 	}
 	return view

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -18,6 +19,11 @@ type Config struct {
 	// used for frontends of its family.
 	BindAddress netip.Addr
 	PortRange   config.PortRange
+	// Families are the address families frontends open for: those whose
+	// rules (and guard of the proxy port range) are in place. Nil: both.
+	// A family without its guard must not open listeners, which other
+	// hosts could then reach directly.
+	Families []int
 
 	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
@@ -91,6 +97,11 @@ func (c *Config) logConn(protocol config.Protocol, cause Cause) bool {
 // keeps the high-water mark (100 ms: 6-7 KiB a connection at 1 000 opened
 // at once, 25 ms: 3 KiB).
 const DefaultParkIdleAfter = 25 * time.Millisecond
+
+// serves says whether frontends of family fam open.
+func (c *Config) serves(fam int) bool {
+	return c.Families == nil || slices.Contains(c.Families, fam)
+}
 
 func (c *Config) parkIdleAfter() time.Duration {
 	switch {

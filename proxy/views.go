@@ -124,7 +124,7 @@ func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []config.
 	var out []config.Frontend
 	var keys []frontendKey
 	for name, sp := range st.Ports {
-		for _, key := range frontendKeys(keys[:0], name, sp) {
+		for _, key := range frontendKeys(keys[:0], name, sp, nil) {
 			port := 0
 			if sp.NodePort != 0 && key.Kind != config.KindInternal && !nodePortsRestricted {
 				port = sp.NodePort

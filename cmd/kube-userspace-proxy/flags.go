@@ -53,6 +53,9 @@ type options struct {
 	api              apiSettings
 	bindHardFail     bool
 	nodePortPrimary  bool // --nodeport-addresses primary: the node's own addresses
+	// families are those with rules and their guard (set at start; nil
+	// without --iptables: listeners of both).
+	families []int
 	// configWarnings are the --config file's fields that do not apply here,
 	// logged once the logger exists.
 	configWarnings []string

@@ -27,6 +27,10 @@ import (
 )
 
 // serve runs the daemon until ctx ends.
+// guardTimeout bounds the guard's installation at start (a held xtables
+// lock is waited for that long).
+const guardTimeout = 60 * time.Second
+
 // httpBindRetry is kube-proxy's pause between binds of its HTTP addresses.
 const httpBindRetry = 5 * time.Second
 
@@ -187,6 +191,22 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	if err != nil {
 		return nil, nil, err
 	}
+	// The guard first: no listener may open before it, nor for a family
+	// without it (other hosts would reach ClusterIP-only listeners).
+	gctx, cancel := context.WithTimeout(context.Background(), guardTimeout)
+	failed := r.InstallGuards(gctx)
+	cancel()
+	o.families = nil
+	for _, fam := range r.Families() {
+		if err, bad := failed[fam]; bad {
+			if fam == 4 {
+				return nil, nil, fmt.Errorf("installing the guard of the proxy port range: %w", err)
+			}
+			log.WithError(err).Warn("IPv6 disabled: its guard could not be installed, so no IPv6 listener opens")
+			continue
+		}
+		o.families = append(o.families, fam)
+	}
 	// Only once iptables is known to work: a daemon that cannot start
 	// leaves the node's settings alone.
 	if changed, err := proxy.ReservePorts(o.portRange); err != nil {
@@ -228,6 +248,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		Rules:               rules,
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
 		BindAddress:         o.bindAddress,
+		Families:            o.families,
 		PortRange:           o.portRange,
 		TCPIdleTimeout:      o.tcpIdleTimeout,
 		ParkIdleAfter:       parkIdleAfter(o.parkIdleAfter),

@@ -648,3 +648,45 @@ func TestSourceRangesIPv6(t *testing.T) {
 		t.Fatalf("no IPv6 drop:\n%s", save)
 	}
 }
+
+// The guard of the proxy port range is in place before the first listener
+// opens: while its write is held (here an iptables-restore that waits, as
+// one would behind a held xtables lock), nothing listens in the range and
+// no rule of a Service is written; once it is in, the Services serve.
+func TestGuardBeforeFirstListener(t *testing.T) {
+	dir := t.TempDir()
+	gate, held := filepath.Join(dir, "gate"), filepath.Join(dir, "held")
+	script := filepath.Join(dir, "restore.sh")
+	// The guard's write (the only one naming the guard chain without a
+	// Service's rules) waits for the gate.
+	os.WriteFile(script, []byte(fmt.Sprintf(`#!/bin/sh
+in=$(mktemp); cat > "$in"
+if grep -q '^:KUBE-PORTALS-GUARD' "$in" && ! grep -q 'lab/' "$in" && [ ! -e %[1]s ]; then
+  touch %[2]s
+  while [ ! -e %[1]s ]; do sleep 0.05; done
+fi
+iptables-restore "$@" < "$in"; rc=$?; rm -f "$in"; exit $rc
+`, gate, held)), 0o755)
+	l, d, _ := startWeb(t, webManifest(), "--iptables-restore-command", script)
+	waitFor(t, "the guard's write held", func() bool { _, err := os.Stat(held); return err == nil })
+	// Held for a while: still nothing listens in the proxy range.
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		out := l.MustExec("node", "ss", "-Htlnu", "sport >= :45000 and sport <= :59999")
+		if strings.TrimSpace(out) != "" {
+			t.Fatalf("listening in the proxy range before the guard is in:\n%s", out)
+		}
+		if strings.Contains(d.Output(), "msg=Listening") {
+			t.Fatalf("a listener opened before the guard:\n%s", d.Output())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if n := countRules(t, l, `lab/web`); n != 0 {
+		t.Fatalf("%d Service rules written before the guard", n)
+	}
+	os.WriteFile(gate, nil, 0o644)
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	if !strings.Contains(l.MustExec("node", "iptables-save", "-t", "filter"), "-j KUBE-PORTALS-GUARD") {
+		t.Fatal("no jump to the guard")
+	}
+}
