@@ -3,9 +3,11 @@ package proxy
 import (
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"golang.org/x/time/rate"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
@@ -27,10 +29,47 @@ type endLine struct {
 	dialErrors  []string      // TCP: "failure endpoint" of each failed dial
 }
 
-// logEnd writes l's line, if --connection-log wants it.
+// connLogLimit is the rate limit of the connection log.
+type connLogLimit struct {
+	limiter *rate.Limiter // nil: unbounded
+	dropped atomic.Int64  // lines over the limit since the last one written
+}
+
+func newConnLogLimit(perSecond float64) *connLogLimit {
+	switch {
+	case perSecond < 0:
+		return &connLogLimit{}
+	case perSecond == 0:
+		perSecond = DefaultConnLogRate
+	}
+	return &connLogLimit{limiter: rate.NewLimiter(rate.Limit(perSecond), int(2*perSecond)+1)}
+}
+
+// pass says whether a line may be written now, and how many were dropped
+// before it (to be said with it).
+func (c *connLogLimit) pass() (bool, int64) {
+	if c.limiter == nil {
+		return true, 0
+	}
+	if !c.limiter.Allow() {
+		c.dropped.Add(1)
+		return false, 0
+	}
+	return true, c.dropped.Swap(0)
+}
+
+// logEnd writes l's line, if --connection-log wants it and its rate
+// limit lets it.
 func (f *frontend) logEnd(l endLine) {
 	if !f.dp.cfg.logConn(l.protocol, l.cause) {
 		return
+	}
+	ok, dropped := f.dp.connLogLimit.pass()
+	if !ok {
+		return
+	}
+	if dropped > 0 {
+		f.dp.cfg.connLog().WithField("dropped", dropped).Warn("Connection log lines dropped over the rate limit (--connection-log-rate)")
 	}
 	fields := logrus.Fields{
 		"service":   f.key.Name.String(),

@@ -42,6 +42,8 @@ type dataplane struct {
 	// ctx ends when the daemon shuts down: dials and UDP read loops
 	// stop with it. Set by start, before any frontend opens.
 	ctx context.Context
+	// connLogLimit bounds the connection log (connlog.go).
+	connLogLimit *connLogLimit
 
 	mu  sync.Mutex     // guards acc
 	acc *sock.Acceptor // made for the first TCP listener, closed by closeListeners
@@ -59,6 +61,8 @@ func newDataplane(cfg *Config) *dataplane {
 		workers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
 		copiers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
 		ctx:     context.Background(),
+
+		connLogLimit: newConnLogLimit(cfg.ConnLogRate),
 	}
 }
 

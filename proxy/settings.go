@@ -65,7 +65,16 @@ type Config struct {
 	// ConnLogMode says which connections get their line (at info level):
 	// ConnLogErrors (the zero value), ConnLogAll or ConnLogNone.
 	ConnLogMode ConnLogMode
+	// ConnLogRate bounds the connection log lines per second (a burst of
+	// twice as many passes): a flood of resets or spoofed datagrams must
+	// not become a log flood. The lines over it are counted and the count
+	// logged with the next line that passes. 0: DefaultConnLogRate;
+	// negative: unbounded.
+	ConnLogRate float64
 }
+
+// DefaultConnLogRate is ConnLogRate's default (lines per second).
+const DefaultConnLogRate = 100
 
 // ConnLogMode selects the per-connection log lines.
 type ConnLogMode string

@@ -97,7 +97,8 @@ type fileConfig struct {
 		BaseEjectionTime    *string `json:"baseEjectionTime,omitempty"`
 		MaxEjectionTime     *string `json:"maxEjectionTime,omitempty"`
 	} `json:"outlierDetection,omitempty"`
-	ConnectionLog *string `json:"connectionLog,omitempty"`
+	ConnectionLog     *string  `json:"connectionLog,omitempty"`
+	ConnectionLogRate *float64 `json:"connectionLogRate,omitempty"`
 	// SchedulingPolicy is --scheduling-policy.
 	SchedulingPolicy *string `json:"schedulingPolicy,omitempty"`
 	LogLevel         *string `json:"logLevel,omitempty"`
@@ -229,6 +230,7 @@ func (fc *fileConfig) settings() []setting {
 		ptr("outlierDetection.maxEjectionTime", "outlier-max-ejection-time", o.MaxEjectionTime)
 	}
 	ptr("connectionLog", "connection-log", fc.ConnectionLog)
+	ptr("connectionLogRate", "connection-log-rate", fc.ConnectionLogRate)
 	ptr("schedulingPolicy", "scheduling-policy", fc.SchedulingPolicy)
 	ptr("logLevel", "log-level", fc.LogLevel)
 	ptr("logFormat", "log-format", fc.LogFormat)

@@ -56,7 +56,7 @@ func (o *options) configz(node string) map[string]any {
 				"consecutiveFailures": o.outlier.ConsecutiveFailures,
 				"baseEjectionTime":    d(o.outlier.BaseEjectionTime), "maxEjectionTime": d(o.outlier.MaxEjectionTime),
 			},
-			"connectionLog": o.connLog, "schedulingPolicy": o.schedPolicy, "logLevel": o.logLevel, "logFormat": o.logFormat,
+			"connectionLog": o.connLog, "connectionLogRate": o.connLogRate, "schedulingPolicy": o.schedPolicy, "logLevel": o.logLevel, "logFormat": o.logFormat,
 			"iptables": o.iptables,
 		},
 	}

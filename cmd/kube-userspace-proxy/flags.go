@@ -45,6 +45,7 @@ type options struct {
 	metricsAddr      string
 	profiling        bool
 	connLog          string
+	connLogRate      float64
 	schedPolicy      string
 	configFile       string
 	conntrack        conntrackSettings
@@ -162,6 +163,7 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
 	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
+	fs.Float64Var(&o.connLogRate, "connection-log-rate", proxy.DefaultConnLogRate, "The most connection log lines per second (twice as many in a burst); those over it are counted and the count logged. 0: no limit (with --connection-log all on a busy node, raise it or expect counts).")
 	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
 	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (the connection lines of --connection-log are info).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")

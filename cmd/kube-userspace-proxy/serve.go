@@ -27,6 +27,14 @@ import (
 )
 
 // serve runs the daemon until ctx ends.
+// connLogRate maps --connection-log-rate (0: no limit) to proxy.Config's.
+func connLogRate(flag float64) float64 {
+	if flag <= 0 {
+		return -1
+	}
+	return flag
+}
+
 // guardTimeout bounds the guard's installation at start (a held xtables
 // lock is waited for that long).
 const guardTimeout = 60 * time.Second
@@ -260,6 +268,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		Log:                 log.WithField("component", "proxier"),
 		ConnLog:             log.WithField("component", "conn"),
 		ConnLogMode:         proxy.ConnLogMode(o.connLog),
+		ConnLogRate:         connLogRate(o.connLogRate),
 	})
 }
 
