@@ -65,6 +65,7 @@ func runE2E(ctx context.Context, l *lab, cp *controlPlane, focus string, skips [
 		filepath.Join(cp.b.k8s, "e2e.test"), "--",
 		"--kubeconfig", cp.kubeconfig, "--kubectl-path", filepath.Join(cp.b.k8s, "kubectl"),
 		"--provider", "skeleton", "--allowed-not-ready-nodes", "0", "--dump-logs-on-failure=false",
+		fmt.Sprintf("--num-nodes=%d", l.nodes),
 	}
 	cmd := exec.CommandContext(ctx, "nsenter", args...)
 	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }

@@ -1,6 +1,6 @@
 // Command conformance (make conformance) judges a Service proxy by
 // Kubernetes' own e2e suite on a real cluster built on this machine: etcd,
-// kube-apiserver, kube-controller-manager and kube-scheduler, two nodes
+// kube-apiserver, kube-controller-manager and kube-scheduler, three nodes
 // each with containerd, runc, the CNI bridge and a kubelet, CoreDNS, and
 // the proxy under test, every piece in network namespaces of its own.
 // kube-userspace-proxy runs as the DaemonSet of docs/deploy; upstream
@@ -49,7 +49,7 @@ func main() {
 	proxies := flag.String("proxies", proxyOurs+","+proxyKubeNftables+","+proxyKubeIptables, "the proxies to judge, in order")
 	short := flag.Bool("short", false, "run the few-minute subset (make test) and write no docs")
 	focus := flag.String("focus", "", "a Ginkgo focus regexp instead of the suite's proxy part")
-	nodes := flag.Int("nodes", 2, "kubelet nodes")
+	nodes := flag.Int("nodes", 3, "kubelet nodes (three: the HealthCheckNodePort spec needs as many, the multi-node ones two)")
 	procs := flag.Int("procs", 3, "parallel e2e processes (Ginkgo -p; [Serial] specs run alone)")
 	keep := flag.Bool("keep", false, "leave the last lab's folder (logs, configs) in "+labDir)
 	flag.Parse()
