@@ -6,7 +6,8 @@ package proxy
 // after which accepts, the rule check's iptables-save and the API watch
 // failed alike. So UDP flows, across all service ports, may hold at most a
 // share of RLIMIT_NOFILE, and a reserve is never theirs: past the share a
-// new flow evicts the least recently used flow of any Service.
+// new flow evicts the least recently used flow of the service port holding
+// the most, so that a flood over one Service leaves the others' flows.
 
 import (
 	"sync"
@@ -73,10 +74,12 @@ func (b *descriptorBudget) flowClosed() {
 	b.udpFlows.Add(-1)
 }
 
-// evictOldest ends the least recently used flow of any UDP frontend. Two
-// flows opened at once may pick the same victim: the one that finds it gone
-// picks again, so that every flow over the share evicts one.
-func (b *descriptorBudget) evictOldest() {
+// evictForNew ends a flow to make room for a new one past the daemon's
+// UDP share: the least recently used flow of the UDP frontend holding the
+// most (evictOne). Two flows opened at once may pick the same victim: the
+// one that finds it gone picks again, so that every flow over the share
+// evicts one.
+func (b *descriptorBudget) evictForNew() {
 	for try := 0; try < 8 && b.udpFlows.Load() > int64(b.udpCap); try++ {
 		if b.evictOne() {
 			return
@@ -86,14 +89,30 @@ func (b *descriptorBudget) evictOldest() {
 
 func (b *descriptorBudget) evictOne() bool {
 	b.mu.Lock()
-	var victim *udpFlow
 	var owner *udpServer
+	var most int
+	var oldestSeen int64
 	for u := range b.udp {
-		if fl := u.oldest(); fl != nil && (victim == nil || fl.lastSeen.Load() < victim.lastSeen.Load()) {
-			victim, owner = fl, u
+		n, _ := u.counts()
+		if n == 0 || n < most {
+			continue
+		}
+		fl := u.oldest()
+		if fl == nil {
+			continue
+		}
+		// The Service port with the most flows gives one up (its least
+		// recently used): a flood on one leaves the others' flows in
+		// place. Between equals, the one with the older flow.
+		if seen := fl.lastSeen.Load(); n > most || seen < oldestSeen {
+			owner, most, oldestSeen = u, n, seen
 		}
 	}
 	b.mu.Unlock()
+	if owner == nil {
+		return true
+	}
+	victim := owner.oldest()
 	return victim == nil || owner.evict(victim)
 }
 

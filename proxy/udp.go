@@ -266,7 +266,7 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 	case victim != nil:
 		u.evict(victim) // this service port's table is full
 	case overBudget:
-		t.budget.evictOldest() // the daemon's UDP share is: the oldest flow of any Service
+		t.budget.evictForNew() // the daemon's UDP share is: a flow of the fullest service port
 	}
 	go u.replies(fl, fl.backend)
 	return fl

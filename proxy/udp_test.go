@@ -195,25 +195,33 @@ func TestUDPEmptyDatagram(t *testing.T) {
 }
 
 // The daemon's UDP flows together stay within their share of the descriptor
-// budget: past it a new flow evicts the least recently used flow of any
-// Service, here the older Service's.
+// budget: past it a new flow evicts the least recently used flow of the
+// Service port holding the most, so that a flood on one Service (many
+// source ports) leaves the other's flows in place, and two busy ones end
+// with a fair share each.
 func TestUDPFlowsShareOneBudget(t *testing.T) {
 	h := startProxier(t, Config{FileLimit: 200}) // reserve 64, UDP share 68
-	h.apply(svc("old", config.UDP, udpBackend(t, "a")), svc("new", config.UDP, udpBackend(t, "b")))
+	h.apply(svc("quiet", config.UDP, udpBackend(t, "a")), svc("flood", config.UDP, udpBackend(t, "b")))
 	share := h.p.dp.budget.udpCap
-	for _, name := range []string{"old", "new"} {
-		for i := 0; i < 50; i++ {
+	open := func(name string, n int) {
+		for i := 0; i < n; i++ {
 			c := dialUDP(t, h.addr(name))
 			udpExchange(t, c, []byte("q"))
 		}
 	}
-	oldFlows, oldEvicted := h.p.UDPFlows(h.frontend("old"))
-	newFlows, _ := h.p.UDPFlows(h.frontend("new"))
-	if oldFlows+newFlows > share {
-		t.Fatalf("%d + %d flows open, over the UDP share of %d", oldFlows, newFlows, share)
+	open("quiet", 10)
+	open("flood", 3*share)
+	quiet, quietEvicted := h.p.UDPFlows(h.frontend("quiet"))
+	flood, _ := h.p.UDPFlows(h.frontend("flood"))
+	if quiet != 10 || quietEvicted != 0 || flood != share-10 {
+		t.Fatalf("quiet %d (evicted %d), flood %d: want the flood to evict only its own flows", quiet, quietEvicted, flood)
 	}
-	if newFlows != 50 || oldFlows != share-50 || oldEvicted != uint64(100-share) {
-		t.Fatalf("old %d (evicted %d), new %d: want the older Service's flows evicted first", oldFlows, oldEvicted, newFlows)
+	// Both busy: each ends with about half.
+	open("quiet", share)
+	quiet, _ = h.p.UDPFlows(h.frontend("quiet"))
+	flood, _ = h.p.UDPFlows(h.frontend("flood"))
+	if quiet+flood != share || quiet-flood > 1 || flood-quiet > 1 {
+		t.Fatalf("quiet %d, flood %d of a share of %d: want a fair share each", quiet, flood, share)
 	}
 	if got := h.p.dp.budget.udpFlows.Load(); got != int64(share) {
 		t.Fatalf("budget counts %d flows, want %d", got, share)
