@@ -37,6 +37,7 @@ type options struct {
 	logFormat        string
 	nodePortCIDRs    []netip.Prefix
 	cleanup          bool
+	sysctlsOnly      bool
 	showRules        bool
 	iptables         bool
 	iptablesBasic    bool
@@ -152,6 +153,7 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.StringVar(&o.api.contentType, "kube-api-content-type", "application/vnd.kubernetes.protobuf", "As kube-proxy's: the content type of requests to the API server.")
 	fs.StringVar(&o.api.acceptContentTypes, "kube-api-accept-content-types", "application/vnd.kubernetes.protobuf,application/json", "The content types accepted from the API server (clientConnection.acceptContentTypes).")
 	fs.BoolVar(&o.bindHardFail, "bind-address-hard-fail", false, "As kube-proxy's: exit when the healthz or metrics address cannot be bound; otherwise log it and retry every 5 s (a daemon started beside a running one then serves them once it is gone).")
+	fs.BoolVar(&o.sysctlsOnly, "sysctls-only", false, "Set the node's settings the daemon needs (the proxy port range in ip_local_reserved_ports, the conntrack sysctls) and exit: for a privileged init container, so that the daemon itself runs unprivileged (docs/deploy).")
 	fs.BoolVar(&o.cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
 	fs.BoolVar(&o.showRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
 	fs.BoolVar(&o.iptables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
@@ -244,7 +246,7 @@ func (o *options) check(raw *rawFlags) error {
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
 	}
-	if o.cleanup {
+	if o.cleanup || o.sysctlsOnly {
 		return nil
 	}
 	if o.showRules && o.manifests == "" {

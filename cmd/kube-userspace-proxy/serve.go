@@ -47,6 +47,8 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	switch {
 	case o.cleanup:
 		return cleanup(o, log)
+	case o.sysctlsOnly:
+		return setSysctls(o, log)
 	case o.showRules:
 		return showRules(o, node, stdout)
 	}
@@ -123,6 +125,19 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	stopSource()
 	<-watching
 	log.Info("Stopped")
+	return nil
+}
+
+// setSysctls sets what a daemon without privilege cannot (--sysctls-only):
+// /proc/sys is read-only in an unprivileged container. The daemon then
+// finds them set and writes nothing. A refusal here is an error: this
+// container exists to make these settings.
+func setSysctls(o *options, log *logrus.Logger) error {
+	if _, err := proxy.ReservePorts(o.portRange); err != nil {
+		return fmt.Errorf("reserving the proxy port range %s in net.ipv4.ip_local_reserved_ports: %w", o.portRange, err)
+	}
+	log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+	o.conntrack.apply(log.WithField("component", "conntrack"))
 	return nil
 }
 

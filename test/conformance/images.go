@@ -33,7 +33,7 @@ const (
 	regressionImg  = "registry.k8s.io/e2e-test-images/regression-issue-74839:1.5"
 	corednsImage   = "registry.k8s.io/coredns/coredns:v1.15.0"
 	ourImage       = "ghcr.io/kube-userspace-proxy/kube-userspace-proxy:conformance"
-	daemonImageTag = "ghcr.io/kube-userspace-proxy/kube-userspace-proxy:latest" // what docs/deploy names
+	daemonImageTag = "ghcr.io/kube-userspace-proxy/kube-userspace-proxy:v0.3.0" // what docs/deploy names
 )
 
 // imageBuilder knows where the built programs are.

@@ -690,3 +690,23 @@ iptables-restore "$@" < "$in"; rc=$?; rm -f "$in"; exit $rc
 		t.Fatal("no jump to the guard")
 	}
 }
+
+// --sysctls-only (the DaemonSet's privileged init container) makes the
+// node settings and exits, touching no rule: the unprivileged daemon then
+// finds them made.
+func TestSysctlsOnly(t *testing.T) {
+	l := NewLab(t)
+	out, err := l.Exec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--sysctls-only", "--proxy-port-range", "47000-47999")
+	if err != nil {
+		t.Fatalf("--sysctls-only: %v\n%s", err, out)
+	}
+	if r := l.MustExec("node", "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"); !strings.Contains(r, "47000-47999") {
+		t.Errorf("ip_local_reserved_ports %q lacks 47000-47999", r)
+	}
+	if cw := strings.TrimSpace(l.MustExec("node", "cat", "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_close_wait")); cw != "3600" {
+		t.Errorf("close_wait timeout %s, want 3600", cw)
+	}
+	if n := countRules(t, l, `KUBE-`); n != 0 {
+		t.Errorf("--sysctls-only wrote %d rules", n)
+	}
+}
