@@ -30,7 +30,7 @@ bindAddress: 10.0.0.5
 healthzBindAddress: 0.0.0.0:12256
 metricsBindAddress: 127.0.0.1:12249
 nodePortAddresses: [192.168.0.0/16]
-portRange: 30000-30100
+portRange: 40000-40100
 iptables: {syncPeriod: 45s, minSyncPeriod: 2s}
 udpIdleTimeout: 10s
 tcpIdleTimeout: 1h
@@ -43,7 +43,7 @@ outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTim
 		t.Fatal(err)
 	}
 	if o.kubeconfig != "/etc/kube/config" || o.bindAddress.String() != "10.0.0.5" || o.healthzAddr != "0.0.0.0:12256" ||
-		o.metricsAddr != "127.0.0.1:12249" || o.portRange.String() != "30000-30100" || len(o.nodePortCIDRs) != 1 ||
+		o.metricsAddr != "127.0.0.1:12249" || o.portRange.String() != "40000-40100" || len(o.nodePortCIDRs) != 1 ||
 		o.minSyncPeriod != 2*time.Second || o.udpTimeout != 10*time.Second || o.tcpIdleTimeout != time.Hour || o.shutdownGrace != 9*time.Second ||
 		o.parkIdleAfter != 250*time.Millisecond {
 		t.Fatalf("file values not applied: %+v", o)
@@ -237,5 +237,24 @@ conntrack: {maxPerCore: 0, tcpCloseWaitTimeout: 0s}
 		o.logLevel != "debug" || o.oomScoreAdj != -500 || o.configSync != time.Hour || !o.nodePortPrimary ||
 		o.syncPeriod != time.Minute || o.conntrack.maxPerCore != 0 || o.conntrack.tcpCloseWait != 0 {
 		t.Errorf("fields not applied: %+v", o)
+	}
+}
+
+// A proxy port range over the daemon's own ports, a node's servers or the
+// NodePort range is refused with what it overlaps.
+func TestProxyPortRangeOverlapsRefused(t *testing.T) {
+	for _, tc := range []struct{ args, want string }{
+		{"--proxy-port-range 10250-10251", "the kubelet's API (10250)"},
+		{"--proxy-port-range 31000-31999", "the NodePort range (30000-32767)"},
+		{"--proxy-port-range 40000-40999 --metrics-bind-address 127.0.0.1:40500", "this daemon's own --metrics-bind-address (40500)"},
+		{"--proxy-port-range 2000+500", "etcd (2379)"},
+	} {
+		_, err := parseFlags(append([]string{"--manifests", "m.yaml"}, strings.Fields(tc.args)...), &bytes.Buffer{})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error naming %s", tc.args, err, tc.want)
+		}
+	}
+	if _, err := parseFlags([]string{"--manifests", "m.yaml", "--proxy-port-range", "45000-59999"}, &bytes.Buffer{}); err != nil {
+		t.Errorf("the default range refused: %v", err)
 	}
 }

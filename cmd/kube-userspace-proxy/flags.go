@@ -226,6 +226,9 @@ func (o *options) check(raw *rawFlags) error {
 			return fmt.Errorf("%s: %q is not ip:port", o.name(a.flag), a.v)
 		}
 	}
+	if reason := o.portRangeConflict(); reason != "" {
+		return fmt.Errorf("%s %s overlaps %s: the guard would drop their connections from other hosts; choose a range clear of them", o.name("proxy-port-range"), o.portRange, reason)
+	}
 	if o.oomScoreAdj < -1000 || o.oomScoreAdj > 1000 {
 		return fmt.Errorf("%s: %d is outside [-1000, 1000]", o.name("oom-score-adj"), o.oomScoreAdj)
 	}
@@ -260,6 +263,41 @@ func (o *options) check(raw *rawFlags) error {
 		return errors.New("no source: give --manifests PATH, or --kubeconfig/--master for a cluster (in a pod the service account is used)")
 	}
 	return nil
+}
+
+// wellKnownNodePorts are servers a node runs whose ports the proxy range
+// must keep clear of: the guard drops connections to the range that did
+// not come through a redirect.
+var wellKnownNodePorts = []struct {
+	port int
+	what string
+}{
+	{10250, "the kubelet's API (10250)"}, {10248, "the kubelet's healthz (10248)"}, {10255, "the kubelet's read-only port (10255)"},
+	{10257, "kube-controller-manager (10257)"}, {10259, "kube-scheduler (10259)"}, {2379, "etcd (2379)"}, {2380, "etcd's peers (2380)"},
+	{6443, "the API server (6443)"},
+}
+
+// portRangeConflict names what the proxy port range overlaps: the
+// daemon's own HTTP ports, a node's well-known servers, or the NodePort
+// range (kube-apiserver's default 30000-32767, where NodePort listeners
+// sit). "" when it is clear.
+func (o *options) portRangeConflict() string {
+	r := o.portRange
+	in := func(p int) bool { return p >= r.Base && p < r.Base+r.Size }
+	for _, a := range []struct{ flag, v string }{{"healthz-bind-address", o.healthzAddr}, {"metrics-bind-address", o.metricsAddr}} {
+		if ap, err := netip.ParseAddrPort(a.v); err == nil && in(int(ap.Port())) {
+			return fmt.Sprintf("this daemon's own %s (%d)", o.name(a.flag), ap.Port())
+		}
+	}
+	for _, w := range wellKnownNodePorts {
+		if in(w.port) {
+			return w.what
+		}
+	}
+	if r.Base <= 32767 && r.Base+r.Size-1 >= 30000 {
+		return "the NodePort range (30000-32767)"
+	}
+	return ""
 }
 
 // nodeName is --hostname-override, else $NODE_NAME, else the hostname.
