@@ -1,11 +1,13 @@
 package main
 
 import (
+	"bytes"
 	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/net/netutil"
@@ -81,4 +83,77 @@ func bindOf(addr string) netip.Addr {
 		return netip.Addr{}
 	}
 	return ap.Addr()
+}
+
+// sharedAnswers computes a costly read at most once per interval for the
+// same route and query, however many ask: concurrent callers wait for the
+// one computing and get the same bytes. A page polling every second on a
+// node with 10 000 service ports then costs one answer a second, not one
+// per tab, and four iptables-save runs are never started twice at once.
+type sharedAnswers struct {
+	interval time.Duration
+	mu       sync.Mutex // guards byKey; one answer computed at a time
+	byKey    map[string]*sharedAnswer
+}
+
+type sharedAnswer struct {
+	at     time.Time
+	status int
+	header http.Header
+	body   []byte
+}
+
+func newSharedAnswers(interval time.Duration) *sharedAnswers {
+	return &sharedAnswers{interval: interval, byKey: map[string]*sharedAnswer{}}
+}
+
+// wrap serves h's answers through the cache.
+func (s *sharedAnswers) wrap(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet && r.Method != http.MethodHead {
+			h(w, r)
+			return
+		}
+		key := r.URL.Path + "?" + r.URL.RawQuery + "\x00" + r.Header.Get("Accept")
+		s.mu.Lock()
+		a := s.byKey[key]
+		if a == nil || time.Since(a.at) >= s.interval {
+			rec := &recorder{header: http.Header{}, status: http.StatusOK}
+			h(rec, r)
+			a = &sharedAnswer{at: time.Now(), status: rec.status, header: rec.header, body: rec.body.Bytes()}
+			for k, old := range s.byKey { // forget what nobody asked for lately
+				if time.Since(old.at) > 10*s.interval {
+					delete(s.byKey, k)
+				}
+			}
+			s.byKey[key] = a
+		}
+		s.mu.Unlock()
+		for k, v := range a.header {
+			w.Header()[k] = v
+		}
+		w.WriteHeader(a.status)
+		_, _ = w.Write(a.body)
+	}
+}
+
+// recorder keeps a handler's answer.
+type recorder struct {
+	header http.Header
+	status int
+	body   bytes.Buffer
+}
+
+func (r *recorder) Header() http.Header         { return r.header }
+func (r *recorder) WriteHeader(status int)      { r.status = status }
+func (r *recorder) Write(b []byte) (int, error) { return r.body.Write(b) }
+
+// oneAtATime runs h for one request at a time; the others wait their turn.
+func oneAtATime(h http.HandlerFunc) http.HandlerFunc {
+	var mu sync.Mutex
+	return func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		h(w, r)
+	}
 }

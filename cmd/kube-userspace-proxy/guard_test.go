@@ -5,8 +5,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/netip"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -152,5 +155,43 @@ func TestServerClosesIdleConnections(t *testing.T) {
 	line, _ := io.ReadAll(io.LimitReader(c, 64))
 	if !strings.Contains(string(line), "431") {
 		t.Errorf("a 64 KiB header: %q, want 431", line)
+	}
+}
+
+// A costly read is computed once per interval for the same query, however
+// many ask at once; another query, or a later one, computes again.
+func TestSharedAnswers(t *testing.T) {
+	var calls atomic.Int32
+	s := newSharedAnswers(time.Hour)
+	h := s.wrap(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		time.Sleep(20 * time.Millisecond) // long enough for the others to queue
+		w.Header().Set("X-Q", r.URL.RawQuery)
+		io.WriteString(w, "answer "+r.URL.RawQuery)
+	})
+	var wg sync.WaitGroup
+	for i := 0; i < 20; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rec := httptest.NewRecorder()
+			h(rec, httptest.NewRequest(http.MethodGet, "/debug/services?a=1", nil))
+			if rec.Body.String() != "answer a=1" || rec.Header().Get("X-Q") != "a=1" {
+				t.Errorf("answer %q %v", rec.Body.String(), rec.Header())
+			}
+		}()
+	}
+	wg.Wait()
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("computed %d times for 20 requests at once, want 1", n)
+	}
+	h(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/debug/services?a=2", nil))
+	if n := calls.Load(); n != 2 {
+		t.Fatalf("another query: computed %d times in all, want 2", n)
+	}
+	s.interval = 0
+	h(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/debug/services?a=1", nil))
+	if n := calls.Load(); n != 3 {
+		t.Fatalf("after the interval: computed %d times in all, want 3", n)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -87,11 +88,14 @@ type debugServer struct {
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/debug/connections", d.connections)
-	mux.HandleFunc("/debug/services", d.services)
-	mux.HandleFunc("/debug/rules", d.showRules)
+	shared := newSharedAnswers(time.Second)
+	mux.HandleFunc("/debug/connections", shared.wrap(d.connections))
+	mux.HandleFunc("/debug/services", shared.wrap(d.services))
+	mux.HandleFunc("/debug/rules", shared.wrap(d.showRules))
 	mux.HandleFunc("/debug/drain", d.drain)
-	mux.HandleFunc("/debug/explain", d.explainHTTP)
+	// An explanation predicts the next connection from the state of now:
+	// never an old answer, but one at a time (each reads every table).
+	mux.HandleFunc("/debug/explain", oneAtATime(d.explainHTTP))
 	mux.HandleFunc("/debug/log", d.connLog)
 	mux.HandleFunc("/proxyMode", proxyMode)
 	if d.health != nil {
@@ -129,8 +133,27 @@ func writeJSON(w http.ResponseWriter, v any) {
 }
 
 // connections is the live TCP connection table: JSON, or ?format=text.
+// ?limit=N (default 1000) and ?offset=M page it; X-Total-Count says how
+// many there are (at 100 000 connections the whole table is ~35 MB).
 func (d *debugServer) connections(w http.ResponseWriter, r *http.Request) {
+	limit, offset := 1000, 0
+	for _, q := range []struct {
+		name string
+		v    *int
+	}{{"limit", &limit}, {"offset", &offset}} {
+		if s := r.URL.Query().Get(q.name); s != "" {
+			n, err := strconv.Atoi(s)
+			if err != nil || n < 0 {
+				http.Error(w, q.name+": want a number ≥ 0", http.StatusBadRequest)
+				return
+			}
+			*q.v = n
+		}
+	}
 	conns := d.p.Connections()
+	w.Header().Set("X-Total-Count", strconv.Itoa(len(conns)))
+	conns = conns[min(offset, len(conns)):]
+	conns = conns[:min(limit, len(conns))]
 	if !wantsText(r) {
 		if conns == nil {
 			conns = []proxy.ConnInfo{}

@@ -58,7 +58,9 @@ func stuckService(l *Lab) string {
 func pushStuck(t *testing.T, l *Lab) {
 	t.Helper()
 	l.Start("client", "socat", "-u", "/dev/zero", "TCP:10.96.0.20:80")
-	testutil.WaitStalled(t, "the pushed connection to stall", 30*time.Second, 300*time.Millisecond, func() int64 {
+	// Polled further apart than a second: the debug pages compute a new
+	// answer at most once a second.
+	testutil.WaitStalled(t, "the pushed connection to stall", 30*time.Second, 1200*time.Millisecond, func() int64 {
 		_, body := l.get("node", "http://127.0.0.1:10249/debug/connections")
 		var conns []struct {
 			Service string `json:"service"`
