@@ -38,6 +38,8 @@ type options struct {
 	nodePortCIDRs    []netip.Prefix
 	cleanup          bool
 	sysctlsOnly      bool
+	adminSocket      string
+	drainOnMetrics   bool
 	showRules        bool
 	iptables         bool
 	iptablesBasic    bool
@@ -163,6 +165,8 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	_ = fs.MarkHidden("iptables-restore-command") // tests inject failures with it
 	fs.StringVar(&o.healthzAddr, "healthz-bind-address", "0.0.0.0:10256", "Where /healthz and /livez are served (empty: off).")
 	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
+	fs.StringVar(&o.adminSocket, "admin-socket", "/run/kube-userspace-proxy/admin.sock", "The unix socket for what changes the daemon's state (/debug/drain): its folder root-only, its peers checked (SO_PEERCRED). Empty: none.")
+	fs.BoolVar(&o.drainOnMetrics, "drain-on-metrics-address", false, "Also serve /debug/drain on the metrics address, as before the admin socket: any local process (and any hostNetwork pod) that reaches that address can then drain endpoints.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
 	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
 	fs.Float64Var(&o.connLogRate, "connection-log-rate", proxy.DefaultConnLogRate, "The most connection log lines per second (twice as many in a burst); those over it are counted and the count logged. 0: no limit (with --connection-log all on a busy node, raise it or expect counts).")

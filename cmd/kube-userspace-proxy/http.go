@@ -71,6 +71,13 @@ func healthHandler(p *proxy.Proxier, syncPeriod time.Duration, node, detail bool
 	})
 }
 
+// adminRoutes are what changes state, for the admin socket.
+func (d *debugServer) adminRoutes() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/drain", d.drain)
+	return mux
+}
+
 // debugServer serves /metrics and the /debug pages.
 type debugServer struct {
 	p     *proxy.Proxier
@@ -83,6 +90,10 @@ type debugServer struct {
 	health http.Handler
 	// audit logs every change made through these pages, with who asked.
 	audit logrus.FieldLogger
+	// drainOnMetrics serves /debug/drain on the metrics address too (the
+	// old behaviour); adminSocket is where it is served otherwise.
+	drainOnMetrics bool
+	adminSocket    string
 }
 
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {
@@ -92,7 +103,14 @@ func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.Ser
 	mux.HandleFunc("/debug/connections", shared.wrap(d.connections))
 	mux.HandleFunc("/debug/services", shared.wrap(d.services))
 	mux.HandleFunc("/debug/rules", shared.wrap(d.showRules))
-	mux.HandleFunc("/debug/drain", d.drain)
+	if d.drainOnMetrics {
+		mux.HandleFunc("/debug/drain", d.drain)
+	} else {
+		mux.HandleFunc("/debug/drain", func(w http.ResponseWriter, r *http.Request) {
+			http.Error(w, "drains are made on the admin socket (curl --unix-socket "+d.adminSocket+
+				" http://localhost/debug/drain?...); --drain-on-metrics-address allows them here", http.StatusForbidden)
+		})
+	}
 	// An explanation predicts the next connection from the state of now:
 	// never an old answer, but one at a time (each reads every table).
 	mux.HandleFunc("/debug/explain", oneAtATime(d.explainHTTP))
@@ -486,7 +504,7 @@ func (d *debugServer) drain(w http.ResponseWriter, r *http.Request) {
 	}
 	if d.audit != nil {
 		d.audit.WithFields(logrus.Fields{"service": name.String(), "endpoint": ep.String(), "drained": drained,
-			"peer": r.RemoteAddr, "userAgent": r.UserAgent()}).Warn("Drain changed through the debug pages")
+			"peer": who(r), "userAgent": r.UserAgent()}).Warn("Drain changed")
 	}
 	writeJSON(w, map[string]any{"service": name.String(), "endpoint": ep.String(), "drained": drained, "active": active})
 }

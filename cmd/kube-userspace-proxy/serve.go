@@ -95,14 +95,26 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	recent := newRecentLog(200)
 	log.AddHook(recent)
 	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node),
-		health: healthHandler(p, o.syncPeriod, true, true), audit: log.WithField("component", "debug")}
+		health: healthHandler(p, o.syncPeriod, true, true), audit: log.WithField("component", "debug"),
+		drainOnMetrics: o.drainOnMetrics, adminSocket: o.adminSocket}
 	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), metricsLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()
 		<-healthDone
 		return err
 	}
-	defer func() { stopHTTP(); <-healthDone; <-metricsDone }()
+	closed := make(chan struct{})
+	close(closed)
+	var adminDone <-chan struct{} = closed
+	if o.adminSocket != "" {
+		// Without it the daemon still serves; only drains are unavailable.
+		if ln, err := listenAdmin(o.adminSocket); err != nil {
+			log.WithError(err).Warn("No admin socket: drains cannot be made")
+		} else {
+			adminDone = serveAdmin(httpCtx, ln, dbg.adminRoutes(), log.WithField("component", "admin"))
+		}
+	}
+	defer func() { stopHTTP(); <-healthDone; <-metricsDone; <-adminDone }()
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
 	// The proxier's sync goroutine starts first: a source hands it the first

@@ -68,6 +68,9 @@ type Lab struct {
 	t      *testing.T
 	prefix string
 
+	// AdminSocket is the last daemon's admin socket.
+	AdminSocket string
+
 	mu    sync.Mutex
 	procs []*exec.Cmd
 }
@@ -174,10 +177,13 @@ func (l *Lab) Backends() {
 	}
 }
 
-// Daemon runs kube-userspace-proxy in the node namespace.
+// Daemon runs kube-userspace-proxy in the node namespace, its admin socket
+// in the test's own folder (the default path is the machine's).
 func (l *Lab) Daemon(args ...string) *Proc {
 	l.t.Helper()
-	return l.Start("node", append([]string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug"}, args...)...)
+	l.AdminSocket = filepath.Join(l.t.TempDir(), "admin.sock")
+	return l.Start("node", append([]string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug",
+		"--admin-socket", l.AdminSocket}, args...)...)
 }
 
 // Curl fetches url from a namespace and returns the body, or "" on failure.

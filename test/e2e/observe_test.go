@@ -425,31 +425,53 @@ func TestConntrackSysctlsAndProxyMode(t *testing.T) {
 	}
 }
 
-// A drain through the debug pages: refused for a request under a foreign
-// Host (what a DNS-rebinding page sends), accepted from the operator's curl
-// and logged with who asked.
-func TestDrainGuardedAndAudited(t *testing.T) {
+// A drain is made on the root-only admin socket, and logged with the
+// peer's credentials. On the metrics address it is refused (any local
+// process reaches that), as is a rebinding-shaped request there, and a
+// process that is not root cannot use the socket.
+func TestDrainOnTheAdminSocket(t *testing.T) {
 	l, d, _ := startWeb(t, webManifest())
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
-	const url = "http://127.0.0.1:10249/debug/drain?service=lab/web:http&endpoint=10.251.19.12:8080"
-	out, _ := l.Exec("node", "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
-		"-H", "Host: evil.example:10249", "-H", "Origin: http://evil.example:10249", "-H", "X-Kube-Userspace-Proxy: drain", url)
-	if out != "421" {
-		t.Errorf("a rebinding-shaped drain: %q, want 421", out)
+	const path = "/debug/drain?service=lab/web:http&endpoint=10.251.19.12:8080"
+	tcp := func(headers ...string) string {
+		args := []string{"-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", "-H", "X-Kube-Userspace-Proxy: drain"}
+		for _, h := range headers {
+			args = append(args, "-H", h)
+		}
+		out, _ := l.Exec("node", append(append([]string{"curl"}, args...), "http://127.0.0.1:10249"+path)...)
+		return out
+	}
+	if got := tcp(); got != "403" {
+		t.Errorf("a drain on the metrics address: %q, want 403", got)
+	}
+	if got := tcp("Host: evil.example:10249", "Origin: http://evil.example:10249"); got != "421" {
+		t.Errorf("a rebinding-shaped drain: %q, want 421", got)
+	}
+	socket := []string{"curl", "-s", "-w", " %{http_code}", "--unix-socket", l.AdminSocket, "-X", "POST",
+		"-H", "X-Kube-Userspace-Proxy: drain", "http://localhost" + path}
+	out, _ := l.Exec("node", append([]string{"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"}, socket...)...)
+	if strings.Contains(out, `"drained"`) {
+		t.Fatalf("a user other than root drained: %q", out)
 	}
 	if strings.Contains(d.Output(), "Drain changed") {
 		t.Fatalf("a refused drain was applied:\n%s", d.Output())
 	}
-	out, _ = l.Exec("node", "curl", "-s", "-w", " %{http_code}", "-X", "POST", "-H", "X-Kube-Userspace-Proxy: drain", url)
+	out, _ = l.Exec("node", socket...)
 	if !strings.HasSuffix(out, " 200") || !strings.Contains(out, `"drained": true`) {
-		t.Fatalf("the operator's drain: %q", out)
+		t.Fatalf("root's drain on the admin socket: %q", out)
 	}
 	waitFor(t, "the drain logged with its peer", func() bool {
 		for _, line := range strings.Split(d.Output(), "\n") {
-			if strings.Contains(line, "Drain changed") && strings.Contains(line, "peer=\"127.0.0.1:") && strings.Contains(line, "endpoint=\"10.251.19.12:8080\"") {
+			if strings.Contains(line, "Drain changed") && strings.Contains(line, `peer="uid 0 pid `) && strings.Contains(line, `endpoint="10.251.19.12:8080"`) {
 				return true
 			}
 		}
 		return false
 	})
+	// Drained: new connections go to the other pod only.
+	for i := 0; i < 4; i++ {
+		if got := l.Curl("client", "http://10.96.0.10:80/"); !strings.HasPrefix(got, "pod2") {
+			t.Fatalf("connection %d after the drain reached %q, want pod2", i, got)
+		}
+	}
 }
