@@ -47,6 +47,9 @@ type lab struct {
 	log   io.Writer
 	procs []*proc
 	nodes int
+	// keepLogs is where close copies the logs (e2e, daemons, kubelets)
+	// before the lab's folder goes.
+	keepLogs string
 }
 
 // start runs bin inside the network namespace ns (nsenter enters only the
@@ -179,6 +182,13 @@ func (l *lab) close(keep bool) {
 	killLeftovers(l.dir)
 	for i := len(l.procs) - 1; i >= 0; i-- {
 		stopProc(l.procs[i], 10*time.Second)
+	}
+	if l.keepLogs != "" {
+		os.RemoveAll(l.keepLogs)
+		_ = os.MkdirAll(filepath.Dir(l.keepLogs), 0o755)
+		if err := os.Rename(filepath.Join(l.dir, "logs"), l.keepLogs); err == nil {
+			fmt.Fprintf(l.log, "   logs kept in %s\n", l.keepLogs)
+		}
 	}
 	sweep(l.dir, keep)
 }

@@ -123,7 +123,7 @@ func main() {
 // and takes the lab down again, whatever happened.
 func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy string, nodes int, focus string, skips []skip, procs int, keep bool) ([]result, error) {
 	sweep(labDir, false)
-	l := &lab{dir: labDir, log: os.Stdout, nodes: nodes}
+	l := &lab{dir: labDir, log: os.Stdout, nodes: nodes, keepLogs: filepath.Join(os.TempDir(), "kup-conformance-logs", proxy)}
 	defer l.close(keep)
 	if err := os.MkdirAll(l.dir, 0o755); err != nil {
 		return nil, err
