@@ -86,7 +86,7 @@ func credentials(c net.Conn) (peer, error) {
 // user) only: any other peer is answered 403 before h sees the request.
 func serveAdmin(ctx context.Context, ln *net.UnixListener, h http.Handler, log logrus.FieldLogger) <-chan struct{} {
 	self := int32(os.Geteuid())
-	srv := metricsLimits.server(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := adminLimits.server(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p, ok := peerOf(r)
 		if !ok || (p.uid != 0 && p.uid != self) {
 			log.WithField("peer", p.String()).Warn("Admin request from a user other than root refused")
@@ -111,12 +111,16 @@ func serveAdmin(ctx context.Context, ln *net.UnixListener, h http.Handler, log l
 	go func() {
 		defer close(done)
 		log.WithField("socket", ln.Addr().String()).Info("Serving the admin socket")
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := srv.Serve(adminLimits.listener(ln)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.WithError(err).Error("Admin socket failed")
 		}
 	}()
 	return done
 }
+
+// adminLimits: root's curl, one at a time or so.
+var adminLimits = serverLimits{readHeader: 5 * time.Second, read: 10 * time.Second, write: 10 * time.Second,
+	idle: 30 * time.Second, maxHeaderBytes: 8 << 10, maxConns: 16}
 
 // who names the author of a change for the log: the admin socket's peer,
 // or the address of a TCP client.
