@@ -527,3 +527,55 @@ func TestManifestRewrittenInPlaceInTheLab(t *testing.T) {
 		t.Fatalf("listener moved from %s to %s", before, after)
 	}
 }
+
+// A UDP flood over one Service — 20 000 source ports, each a new flow,
+// the daemon's UDP share of descriptors small — evicts that Service's own
+// flows, not another's: a client of the other Service on one fixed port
+// keeps its flow and its answers. The connection log stays bounded: the
+// lines over its rate are counted, not written.
+func TestUDPFloodStaysWithItsService(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	other := service("other", "ClusterIP", "10.96.0.30", "", `{name: dns, port: 53, targetPort: 8080, protocol: UDP}`) +
+		slices("other", `{name: dns, port: 8080, protocol: UDP}`, false)
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, webManifest()+"---\n"+other)
+	// 2 000 descriptors: a UDP share of about 930 flows for all Services.
+	d := l.Start("node", "prlimit", "--nofile=2000:2000", filepath.Join(binDir, "kube-userspace-proxy"),
+		"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
+		"--admin-socket", filepath.Join(t.TempDir(), "admin.sock"))
+	udpReaches(t, l, "client", "10.96.0.30", "53")
+	steady := func() string { return l.UDPFrom(12345, "10.96.0.30", "53", "steady") }
+	var first string
+	waitFor(t, "the steady client answered", func() bool { first = steady(); return strings.HasSuffix(first, ":steady") })
+	flood := `import socket
+for i in range(20000):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("10.251.19.20", 20000 + i))
+    s.sendto(b"x", ("10.96.0.10", 53))
+    s.close()
+`
+	if out, err := l.Exec("client", "python3", "-c", flood); err != nil {
+		t.Fatalf("flood: %v\n%s", err, out)
+	}
+	waitFor(t, "the flood's evictions", func() bool { return strings.Contains(d.Output(), "cause=evicted") })
+	for i := 0; i < 5; i++ {
+		if got := steady(); got != first {
+			t.Fatalf("the other Service's steady client after the flood: %q, want %q from its flow's endpoint", got, first)
+		}
+	}
+	out := d.Output()
+	for _, line := range strings.Split(out, "\n") {
+		if strings.Contains(line, "cause=evicted") && strings.Contains(line, `service="lab/other:dns"`) {
+			t.Errorf("the flood evicted the other Service's flow: %s", line)
+		}
+	}
+	lines := strings.Count(out, "UDP flow closed")
+	if lines > 2000 {
+		t.Errorf("%d connection log lines for a flood of 20 000 flows: the log is not bounded", lines)
+	}
+	if !strings.Contains(out, "Connection log lines dropped") {
+		t.Errorf("no line counts the dropped connection log lines (%d written)", lines)
+	}
+	t.Logf("%d connection log lines written for 20 000 flows", lines)
+}
