@@ -195,3 +195,29 @@ func TestSharedAnswers(t *testing.T) {
 		t.Fatalf("after the interval: computed %d times in all, want 3", n)
 	}
 }
+
+// A client that asks for a big answer and never reads it holds only its
+// own connection: the same answer is served to the next client at once.
+func TestSlowReaderDoesNotHoldTheServer(t *testing.T) {
+	big := strings.Repeat("x", 16<<20)
+	shared := newSharedAnswers(time.Second)
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/connections", shared.wrap(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, big) }))
+	addr := startTestHTTP(t, mux, metricsLimits)
+	slow, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer slow.Close()
+	io.WriteString(slow, "GET /debug/connections HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") // and never read
+	client := &http.Client{Timeout: 10 * time.Second}
+	resp, err := client.Get("http://" + addr + "/debug/connections")
+	if err != nil {
+		t.Fatalf("a second reader while the first does not read: %v", err)
+	}
+	n, _ := io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if n != int64(len(big)) {
+		t.Fatalf("read %d bytes, want %d", n, len(big))
+	}
+}
