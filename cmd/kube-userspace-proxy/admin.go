@@ -102,12 +102,7 @@ func serveAdmin(ctx context.Context, ln *net.UnixListener, h http.Handler, log l
 		return ctx
 	}
 	done := make(chan struct{})
-	go func() {
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(sctx)
-	}()
+	go shutdownWith(ctx, srv)
 	go func() {
 		defer close(done)
 		log.WithField("socket", ln.Addr().String()).Info("Serving the admin socket")

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -72,6 +73,14 @@ var (
 func (l serverLimits) server(h http.Handler) *http.Server {
 	return &http.Server{Handler: h, ReadHeaderTimeout: l.readHeader, ReadTimeout: l.read, WriteTimeout: l.write,
 		IdleTimeout: l.idle, MaxHeaderBytes: l.maxHeaderBytes}
+}
+
+// shutdownWith shuts srv down when ctx ends, giving its requests 2 s.
+func shutdownWith(ctx context.Context, srv *http.Server) {
+	<-ctx.Done()
+	sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(sctx)
 }
 
 func (l serverLimits) listener(ln net.Listener) net.Listener {

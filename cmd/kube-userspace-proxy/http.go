@@ -425,12 +425,7 @@ func startHTTP(ctx context.Context, addr string, h http.Handler, limits serverLi
 		log.WithError(err).WithField("address", addr).Error("Cannot serve HTTP yet; retrying")
 	}
 	srv := limits.server(guardHost(bindOf(addr), h))
-	go func() {
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(sctx)
-	}()
+	go shutdownWith(ctx, srv)
 	go func() {
 		defer close(done)
 		for ln == nil {

@@ -239,20 +239,25 @@ func (cp *ControlPlane) Stop() {
 }
 
 func stop(p *proc) {
-	if p == nil {
-		return
+	if p != nil {
+		StopProcess(p.cmd, p.done, 10*time.Second)
 	}
+}
+
+// StopProcess ends a started process: SIGTERM, then SIGKILL after grace;
+// done is closed once it has been waited for.
+func StopProcess(cmd *exec.Cmd, done <-chan struct{}, grace time.Duration) {
 	select {
-	case <-p.done:
+	case <-done:
 		return
 	default:
 	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	_ = cmd.Process.Signal(syscall.SIGTERM)
 	select {
-	case <-p.done:
-	case <-time.After(10 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-p.done
+	case <-done:
+	case <-time.After(grace):
+		_ = cmd.Process.Kill()
+		<-done
 	}
 }
 

@@ -14,6 +14,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // controlPlane is etcd, kube-apiserver, kube-controller-manager (every
@@ -33,22 +35,6 @@ func token() string {
 	b := make([]byte, 16)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
-}
-
-func kubeconfig(server, tok string) string {
-	return fmt.Sprintf(`apiVersion: v1
-kind: Config
-clusters:
-- name: lab
-  cluster: {server: %q, insecure-skip-tls-verify: true}
-users:
-- name: user
-  user: {token: %q}
-contexts:
-- name: lab
-  context: {cluster: lab, user: user}
-current-context: lab
-`, server, tok)
 }
 
 func (l *lab) startControlPlane(ctx context.Context, b *binaries) (*controlPlane, error) {
@@ -72,12 +58,14 @@ func (l *lab) startControlPlane(ctx context.Context, b *binaries) (*controlPlane
 	files := map[string][]byte{
 		saKey:                               pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}),
 		filepath.Join(cp.dir, "tokens.csv"): []byte(tokens),
-		cp.kubeconfig:                       []byte(kubeconfig(apiServer, cp.adminToken)),
 	}
 	for f, data := range files {
 		if err := os.WriteFile(f, data, 0o600); err != nil {
 			return nil, err
 		}
+	}
+	if err := cluster.WriteKubeconfig(cp.kubeconfig, apiServer, cp.adminToken); err != nil {
+		return nil, err
 	}
 	etcd := "http://127.0.0.1:2379"
 	if _, err := l.start("etcd", netNS, nil, filepath.Join(b.controlPlane, "etcd"),

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // The lab's network, all of it in namespaces this program makes and
@@ -78,21 +80,7 @@ func (l *lab) start(name, ns string, env []string, bin string, args ...string) (
 	return p, nil
 }
 
-// stopProc sends SIGTERM, then SIGKILL after grace.
-func stopProc(p *proc, grace time.Duration) {
-	select {
-	case <-p.done:
-		return
-	default:
-	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(grace):
-		_ = p.cmd.Process.Kill()
-		<-p.done
-	}
-}
+func stopProc(p *proc, grace time.Duration) { cluster.StopProcess(p.cmd, p.done, grace) }
 
 // ip runs `ip` inside ns ("" for this namespace).
 func ip(ns string, args ...string) error {

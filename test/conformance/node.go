@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // nodeDirs are the per-node folders: containerd's root and state, the
@@ -126,15 +128,17 @@ func (l *lab) startNode(ctx context.Context, i int, b *binaries, cp *controlPlan
 		}
 	}
 	files := map[string]string{
-		"containerd.toml":    containerdConfig(d),
-		"kubelet.yaml":       kubeletConfig(i, d),
-		"resolv.conf":        "",
-		"kubelet.kubeconfig": kubeconfig(apiServer, cp.nodeTokens[i-1]),
+		"containerd.toml": containerdConfig(d),
+		"kubelet.yaml":    kubeletConfig(i, d),
+		"resolv.conf":     "",
 	}
 	for name, data := range files {
 		if err := os.WriteFile(d.path(name), []byte(data), 0o600); err != nil {
 			return err
 		}
+	}
+	if err := cluster.WriteKubeconfig(d.path("kubelet.kubeconfig"), apiServer, cp.nodeTokens[i-1]); err != nil {
+		return err
 	}
 	if err := makeCgroupRoot(nodeName(i)); err != nil {
 		return err
