@@ -97,7 +97,7 @@ func ServicePorts(svc *v1.Service) ([]*ServicePort, error) {
 			return nil, fmt.Errorf("%s.nodePort: %d is outside 1..65535", field, p.NodePort)
 		}
 		if p.Name != "" {
-			if err := validName(field+".name", p.Name, validation.IsValidPortName); err != nil {
+			if err := validName(field+".name", p.Name, validation.IsDNS1123Label); err != nil {
 				return nil, err
 			}
 		}
@@ -206,7 +206,7 @@ func SliceEndpoints(es *discovery.EndpointSlice) (map[string][]Endpoint, error) 
 			name = *p.Name
 		}
 		if name != "" {
-			if err := validName(fmt.Sprintf("ports[%d].name", pi), name, validation.IsValidPortName); err != nil {
+			if err := validName(fmt.Sprintf("ports[%d].name", pi), name, validation.IsDNS1123Label); err != nil {
 				return nil, err
 			}
 		}

@@ -555,4 +555,9 @@ func TestManifestsValidatedAsTheAPIServer(t *testing.T) {
 			t.Errorf("%.60q: %v, want an error naming %s", tc.doc, err, tc.want)
 		}
 	}
+	// What the API server accepts is accepted: a service port's name is a
+	// DNS label (up to 63 characters), not a container port's 15.
+	if _, err := ParseManifests("m.yaml", []byte(svc("name: web, namespace: lab", "ports: [{name: mutable-named-port, port: 8001}]")), "node"); err != nil {
+		t.Errorf("an 18-character port name: %v", err)
+	}
 }

@@ -710,3 +710,44 @@ func TestSysctlsOnly(t *testing.T) {
 		t.Errorf("--sysctls-only wrote %d rules", n)
 	}
 }
+
+// Upstream's "should support named targetPorts that resolve to different
+// ports on different endpoints", in the lab: one service port (its name 18
+// characters, as a DNS label may be) whose endpoints sit on different port
+// numbers in two slices, then all moved to the new number; each step
+// reaches every endpoint on its own port.
+func TestNamedPortOnDifferentNumbers(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	l.Start("pod1", filepath.Join(binDir, "backend"), "--name", "pod1b", "--tcp", ":8000", "--udp", "")
+	l.Start("pod2", filepath.Join(binDir, "backend"), "--name", "pod2b", "--tcp", ":8000", "--udp", "")
+	svc := service("mp", "ClusterIP", "10.96.0.40", "", `{name: mutable-named-port, port: 8001, protocol: TCP}`)
+	slice := func(name, port, eps string) string {
+		return "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: " + name + ", namespace: lab, labels: {kubernetes.io/service-name: mp}}\naddressType: IPv4\nports: [{name: mutable-named-port, port: " + port + ", protocol: TCP}]\nendpoints: [" + eps + "]\n"
+	}
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, svc+slice("a", "8080", "{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}"))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	defer func() {
+		if t.Failed() {
+			t.Logf("%s", d.Output())
+		}
+	}()
+	both := func(want ...string) {
+		seen := map[string]bool{}
+		waitFor(t, "both of "+strings.Join(want, ","), func() bool {
+			seen[strings.Fields(l.Curl("client", "http://10.96.0.40:8001/")+" -")[0]] = true
+			for _, w := range want {
+				if !seen[w] {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	both("pod1", "pod2")
+	writeManifest(t, m, svc+slice("a", "8080", "{addresses: [10.251.19.8]}")+slice("b", "8000", "{addresses: [10.251.19.12]}"))
+	both("pod1b", "pod2")
+	writeManifest(t, m, svc+slice("b", "8000", "{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}"))
+	both("pod1b", "pod2b")
+}
