@@ -736,7 +736,7 @@ func TestNamedPortOnDifferentNumbers(t *testing.T) {
 	both := func(want ...string) {
 		seen := map[string]bool{}
 		waitFor(t, "both of "+strings.Join(want, ","), func() bool {
-			seen[strings.Fields(l.Curl("client", "http://10.96.0.40:8001/")+" -")[0]] = true
+			seen[strings.Fields(l.Curl("client", "http://10.96.0.40:8001/") + " -")[0]] = true
 			for _, w := range want {
 				if !seen[w] {
 					return false
