@@ -116,12 +116,12 @@ bench-smoke: bench-tools
 	SMOKE=1 BIN=$(BIN) ./test/bench/bench.sh
 
 # Kubernetes' own e2e suite (test/e2e/network: Services, Conntrack,
-# Networking, KubeProxy, EndpointSlice) on a two-node cluster built here —
+# Networking, KubeProxy, EndpointSlice) on a three-node cluster built here —
 # kubelets, containerd, CoreDNS — with our DaemonSet from docs/deploy, then
 # with kube-proxy (nftables, iptables) in its place; writes the table in
 # docs/conformance.md and fails on a spec kube-proxy passes and we fail
 # unless test/conformance/known-differences.txt lists it (root; first run
-# builds for ~20 minutes, a full run takes ~2 hours). PROXIES=... picks.
+# builds for ~20 minutes, a full run of the three takes ~50). PROXIES=... picks.
 conformance: setup-conformance
 	$(GO) run ./test/conformance $(if $(PROXIES),-proxies $(PROXIES))
 
