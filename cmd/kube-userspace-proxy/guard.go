@@ -50,9 +50,10 @@ func guardHost(bind netip.Addr, h http.Handler) http.Handler {
 // serverLimits bound what one client can hold of an HTTP server: how long
 // it may take to send its request and read the answer, how long an idle
 // keep-alive connection stays, the header size, and how many connections
-// are open at once (beyond that, new ones wait in the accept queue). All
-// servers together hold at most 64 descriptors: the descriptor budget's
-// reserve (at least 64) keeps that many out of the proxy's reach.
+// are open at once (beyond that, new ones wait in the accept queue). The
+// idle timeouts are short: keep-alive clients that go quiet (a browser, a
+// scraper, a test's client) would otherwise fill the limit and make
+// everyone else wait. The descriptors stay inside the budget's reserve.
 type serverLimits struct {
 	readHeader, read, write, idle time.Duration
 	maxHeaderBytes, maxConns      int
@@ -62,12 +63,12 @@ var (
 	// The health address is probed by load balancers across the network:
 	// small answers, short timeouts.
 	healthLimits = serverLimits{readHeader: 5 * time.Second, read: 10 * time.Second, write: 10 * time.Second,
-		idle: 30 * time.Second, maxHeaderBytes: 8 << 10, maxConns: 32}
+		idle: 10 * time.Second, maxHeaderBytes: 8 << 10, maxConns: 64}
 	// The metrics address (local by default) also serves the debug pages:
 	// a CPU profile writes for its duration, a big connection table for a
 	// while.
 	metricsLimits = serverLimits{readHeader: 5 * time.Second, read: 30 * time.Second, write: 2 * time.Minute,
-		idle: 60 * time.Second, maxHeaderBytes: 16 << 10, maxConns: 16}
+		idle: 5 * time.Second, maxHeaderBytes: 16 << 10, maxConns: 64}
 )
 
 func (l serverLimits) server(h http.Handler) *http.Server {
