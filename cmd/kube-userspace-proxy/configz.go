@@ -14,10 +14,9 @@ func (o *options) configz(node string) map[string]any {
 	d := func(v time.Duration) string { return v.String() }
 	nodePorts := []string{}
 	if o.nodePortPrimary {
-		nodePorts = append(nodePorts, "primary")
-	}
-	for _, p := range o.nodePortCIDRs {
-		if !o.nodePortPrimary {
+		nodePorts = append(nodePorts, "primary") // as given: the addresses are resolved at start
+	} else {
+		for _, p := range o.nodePortCIDRs {
 			nodePorts = append(nodePorts, p.String())
 		}
 	}

@@ -140,6 +140,21 @@ func (w testWriter) Write(p []byte) (int, error) {
 
 func ptr[T any](v T) *T { return &v }
 
+// hasWarningEvent says whether the Service lab/name has a Warning Event of
+// reason whose message contains text.
+func (cl *clusterLab) hasWarningEvent(name, reason, text string) bool {
+	evs, err := cl.admin.CoreV1().Events("lab").List(cl.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
+	if err != nil {
+		return false
+	}
+	for _, e := range evs.Items {
+		if e.Reason == reason && e.Type == v1.EventTypeWarning && e.InvolvedObject.Kind == "Service" && strings.Contains(e.Message, text) {
+			return true
+		}
+	}
+	return false
+}
+
 // applyDeployManifests creates the RBAC objects of docs/deploy for real and
 // the DaemonSet with a server-side dry run: all must be valid.
 func (cl *clusterLab) applyDeployManifests(t *testing.T) {
@@ -435,19 +450,7 @@ func TestClusterSource(t *testing.T) {
 		svc.Spec.Ports[0].NodePort = 31677
 		cl.service(t, svc)
 		waitFor(t, "the ClusterIP served", func() bool { return strings.HasPrefix(cl.Curl("client", "http://10.96.1.50/"), "pod") })
-		waitFor(t, "a NodePortConflict Event on the Service", func() bool {
-			evs, err := cl.admin.CoreV1().Events("lab").List(cl.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=conflict"})
-			if err != nil {
-				return false
-			}
-			for _, e := range evs.Items {
-				if e.Reason == "NodePortConflict" && e.Type == v1.EventTypeWarning && e.InvolvedObject.Kind == "Service" &&
-					strings.Contains(e.Message, "31677") {
-					return true
-				}
-			}
-			return false
-		})
+		waitFor(t, "a NodePortConflict Event on the Service", func() bool { return cl.hasWarningEvent("conflict", "NodePortConflict", "31677") })
 		_ = holder.Cmd.Process.Kill()
 		_ = holder.Cmd.Wait()
 		testutil.WaitFor(t, "the NodePort taken back", 40*time.Second, 100*time.Millisecond, func() bool {
@@ -462,16 +465,7 @@ func TestClusterSource(t *testing.T) {
 		cl.service(t, svc)
 		waitFor(t, "the TCP port served", func() bool { return strings.HasPrefix(cl.Curl("client", "http://10.96.1.60/"), "pod") })
 		waitFor(t, "a ProtocolNotProxied Event naming the SCTP port", func() bool {
-			evs, err := cl.admin.CoreV1().Events("lab").List(cl.ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=mixed"})
-			if err != nil {
-				return false
-			}
-			for _, e := range evs.Items {
-				if e.Reason == "ProtocolNotProxied" && e.Type == v1.EventTypeWarning && strings.Contains(e.Message, "assoc 9999/SCTP") {
-					return true
-				}
-			}
-			return false
+			return cl.hasWarningEvent("mixed", "ProtocolNotProxied", "assoc 9999/SCTP")
 		})
 		if !strings.Contains(cl.daemon.Output(), "service=lab/mixed") || strings.Count(cl.daemon.Output(), "SCTP is not proxied") != 1 {
 			t.Errorf("want one warning line naming lab/mixed:\n%s", cl.daemon.Output())
