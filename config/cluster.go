@@ -385,10 +385,12 @@ func (c *ClusterSource) same(st *State) bool {
 	return true
 }
 
-// setNode sets st's zone and NodeDeleting from this node's Node object.
+// setNode sets st's zone, NodeDeleting and PodCIDRs from this node's Node
+// object.
 func (c *ClusterSource) setNode(inf *informerSet, st *State) {
 	if n, err := inf.nodes.Get(c.Node); err == nil {
 		st.Zone, st.NodeDeleting = NodeState(n)
+		st.PodCIDRs, _ = NodePodCIDRs(n) // the API server validates them
 	} else if c.last == nil {
 		c.Log.WithField("node", c.Node).Warn("No Node object of this name: topology hints and the node's deletion are not seen (set --hostname-override to the node's name)")
 	}

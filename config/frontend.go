@@ -21,10 +21,37 @@ const (
 	KindInternal Kind = "internal"
 	// KindExternal: NodePort, externalIPs and LoadBalancer IPs only.
 	KindExternal Kind = "external"
+	// KindLocalClients: the external addresses of an
+	// externalTrafficPolicy: Local Service for clients on this node (the
+	// node itself, its pods), with every endpoint of the cluster, as
+	// kube-proxy's short-circuit. Only when no other frontend of the
+	// Service selects every endpoint (internalTrafficPolicy is Local too);
+	// otherwise the internal frontend serves these clients.
+	KindLocalClients Kind = "local-clients"
 )
 
+// ClusterIPs reports whether a frontend of kind k answers on the ClusterIPs.
+func (k Kind) ClusterIPs() bool { return k == KindAll || k == KindInternal }
+
+// External reports whether a frontend of kind k answers on the external
+// addresses (NodePort, externalIPs, LoadBalancer IPs) for every client, and
+// so holds the NodePort.
+func (k Kind) External() bool { return k == KindAll || k == KindExternal }
+
 // Kinds lists every Kind.
-var Kinds = [...]Kind{KindAll, KindInternal, KindExternal}
+var Kinds = [...]Kind{KindAll, KindInternal, KindExternal, KindLocalClients}
+
+// ServesLocalClients reports whether f is the frontend clients on this node
+// reach the external addresses of its Service with (kube-proxy's
+// short-circuit for externalTrafficPolicy: Local): the one of its frontends
+// that selects every endpoint.
+func (f Frontend) ServesLocalClients() bool {
+	sp := f.Service
+	if !sp.ExternalLocal || !sp.HasExternal() {
+		return false
+	}
+	return f.Kind == KindLocalClients || (f.Kind == KindInternal && !sp.InternalLocal)
+}
 
 // Frontend is one listener and what it answers on, as plain data: Rules
 // receive these. The live listener behind it is the proxier's.

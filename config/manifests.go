@@ -3,6 +3,7 @@ package config
 import (
 	"crypto/sha256"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sort"
@@ -283,6 +284,7 @@ type parsedNode struct {
 	name     string
 	zone     string
 	deleting bool
+	podCIDRs []netip.Prefix
 }
 
 // applyNode sets st's zone and NodeDeleting from the Node object of st's
@@ -291,7 +293,7 @@ func applyNode(st *State, results []*fileResult) {
 	for _, fr := range results {
 		for _, n := range fr.nodes {
 			if n.name == st.Node {
-				st.Zone, st.NodeDeleting = n.zone, n.deleting
+				st.Zone, st.NodeDeleting, st.PodCIDRs = n.zone, n.deleting, n.podCIDRs
 			}
 		}
 	}

@@ -124,7 +124,11 @@ func (fr *fileResult) parseObject(js []byte, at where) error {
 			return err
 		}
 		zone, deleting := NodeState(&n)
-		fr.nodes = append(fr.nodes, parsedNode{name: n.Name, zone: zone, deleting: deleting})
+		cidrs, err := NodePodCIDRs(&n)
+		if err != nil {
+			return at.err(err)
+		}
+		fr.nodes = append(fr.nodes, parsedNode{name: n.Name, zone: zone, deleting: deleting, podCIDRs: cidrs})
 		return nil
 	case tm.APIVersion == "v1" && tm.Kind == "Endpoints":
 		return fr.parseEndpoints(js, at)

@@ -325,6 +325,9 @@ type State struct {
 	// then fails, so that load balancers move traffic away first (/livez
 	// does not).
 	NodeDeleting bool
+	// PodCIDRs are this node's Node's spec.podCIDRs (--detect-local-mode
+	// NodeCIDR reads them at start).
+	PodCIDRs []netip.Prefix
 
 	// Seq numbers the States a source hands on (0: not numbered). When
 	// Since is the Seq of the State this one was made from, Changed lists

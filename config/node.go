@@ -1,6 +1,12 @@
 package config
 
-import v1 "k8s.io/api/core/v1"
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	v1 "k8s.io/api/core/v1"
+)
 
 // TaintToBeDeleted is the cluster autoscaler's taint on a node it is about
 // to remove.
@@ -19,4 +25,18 @@ func NodeState(n *v1.Node) (zone string, deleting bool) {
 		}
 	}
 	return zone, deleting
+}
+
+// NodePodCIDRs reads the Node's spec.podCIDRs (spec.podCIDR when only that
+// is set), for --detect-local-mode NodeCIDR.
+func NodePodCIDRs(n *v1.Node) ([]netip.Prefix, error) {
+	cidrs := n.Spec.PodCIDRs
+	if len(cidrs) == 0 && n.Spec.PodCIDR != "" {
+		cidrs = []string{n.Spec.PodCIDR}
+	}
+	out, err := ParseCIDRs(strings.Join(cidrs, ","))
+	if err != nil {
+		return nil, fmt.Errorf("Node %s: spec.podCIDRs: %w", n.Name, err)
+	}
+	return out, nil
 }

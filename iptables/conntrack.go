@@ -28,10 +28,14 @@ import (
 )
 
 // udpTarget is a UDP address clients send to: a service address and port, or
-// (addr invalid) a NodePort on any node address.
+// (addr invalid) a NodePort on any node address. local marks the target of
+// clients on this node where it differs (the short-circuit of
+// externalTrafficPolicy: Local): a change of either deletes the address's
+// entries.
 type udpTarget struct {
-	addr netip.Addr
-	port uint16
+	addr  netip.Addr
+	port  uint16
+	local bool
 }
 
 // conntrackCleaner deletes the conntrack entries of UDP service addresses
@@ -67,14 +71,26 @@ func udpTargets(frontends []config.Frontend) map[udpTarget]uint16 {
 		add := func(addrs []netip.Addr) {
 			for _, a := range addrs {
 				if config.Family(a) == fe.Family {
-					out[udpTarget{a, uint16(sp.Port)}] = port
+					out[udpTarget{addr: a, port: uint16(sp.Port)}] = port
 				}
 			}
 		}
-		if fe.Kind != config.KindExternal {
+		if fe.ServesLocalClients() {
+			for _, addrs := range [][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs} {
+				for _, a := range addrs {
+					if config.Family(a) == fe.Family {
+						out[udpTarget{addr: a, port: uint16(sp.Port), local: true}] = port
+					}
+				}
+			}
+			if sp.NodePort != 0 {
+				out[udpTarget{port: uint16(sp.NodePort), local: true}] = port
+			}
+		}
+		if fe.Kind.ClusterIPs() {
 			add(sp.ClusterIPs)
 		}
-		if fe.Kind != config.KindInternal {
+		if fe.Kind.External() {
 			add(sp.ExternalIPs)
 			add(sp.LoadBalancerIPs)
 			if sp.NodePort != 0 {

@@ -29,7 +29,15 @@ const (
 	ChainPortalsHost       = "KUBE-PORTALS-HOST"       // nat OUTPUT: from the node itself
 	ChainNodePortContainer = "KUBE-NODEPORT-CONTAINER" // nat PREROUTING, last
 	ChainNodePortHost      = "KUBE-NODEPORT-HOST"      // nat OUTPUT, last
-	ChainGuard             = "KUBE-PORTALS-GUARD"      // filter INPUT: proxy ports only via a redirect
+	// ChainLocalPortals and ChainLocalNodePorts send clients on this node
+	// (the node itself, pods the local-traffic detection finds) to the
+	// frontend with every endpoint when they reach the external addresses
+	// of an externalTrafficPolicy: Local Service: kube-proxy's
+	// short-circuit. Jumped to first from the chains above, for such
+	// clients only; they exist while they have rules.
+	ChainLocalPortals   = "KUBE-PORTALS-LOCAL"
+	ChainLocalNodePorts = "KUBE-NODEPORT-LOCAL"
+	ChainGuard          = "KUBE-PORTALS-GUARD" // filter INPUT: proxy ports only via a redirect
 	// ChainSourceRanges drops what reaches a LoadBalancer IP with
 	// loadBalancerSourceRanges without having been redirected: the clients
 	// outside the ranges (filter INPUT, FORWARD and OUTPUT).
@@ -44,6 +52,9 @@ const (
 	chainPortalTree   = "KUBE-PT-" // + the address prefix in hex
 	chainRangeTree    = "KUBE-SR-" // + the address prefix in hex (source ranges)
 	chainNodePortTree = "KUBE-NP-" // + TCP-/UDP- + the port prefix in hex
+	// The trees of the short-circuit for clients on this node.
+	chainLocalPortalTree   = "KUBE-LPT-" // + the address prefix in hex
+	chainLocalNodePortTree = "KUBE-LNP-" // + TCP-/UDP- + the port prefix in hex
 )
 
 // isOurs reports whether a chain of table is one the daemon creates, this
@@ -52,7 +63,9 @@ const (
 func isOurs(table, name string) bool {
 	switch table {
 	case "nat":
-		if name == chainProbe || strings.HasPrefix(name, chainPortalTree) || strings.HasPrefix(name, chainNodePortTree) {
+		if name == chainProbe || name == ChainLocalPortals || name == ChainLocalNodePorts ||
+			strings.HasPrefix(name, chainPortalTree) || strings.HasPrefix(name, chainNodePortTree) ||
+			strings.HasPrefix(name, chainLocalPortalTree) || strings.HasPrefix(name, chainLocalNodePortTree) {
 			return true
 		}
 		for _, c := range natChains {
@@ -201,6 +214,9 @@ type RenderOptions struct {
 	// from (--proxy-port-range): the guard drops new connections to it from
 	// other hosts that were not redirected, with one rule per protocol.
 	ProxyPorts config.PortRange
+	// LocalTraffic tells this node's pods among the packets arriving from
+	// outside its own stack (--detect-local-mode), for the short-circuit.
+	LocalTraffic config.LocalTraffic
 }
 
 // Render returns our chains' rules for the frontends of one family.
@@ -224,6 +240,10 @@ const (
 	treeNodePorts    = "nodeports/"   // + tcp or udp
 	treeGuard        = "guard"        // exceptions to the guard, before its drops
 	treeSourceRanges = "sourceranges" // drops of LoadBalancer IPs with source ranges
+	// The short-circuit for clients on this node: external addresses and
+	// NodePorts of externalTrafficPolicy: Local Services.
+	treeLocalPortals   = "localportals"
+	treeLocalNodePorts = "localnodeports/" // + tcp or udp
 )
 
 // guardedProtocols are the protocols whose proxy ports the guard covers.
@@ -252,14 +272,20 @@ func sortedTrees(leaves []leafRule) map[string][]treeItem {
 func assembleTrees(byTree map[string][]treeItem, o RenderOptions) *Ruleset {
 	rs := &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
 	portals := buildTree(portalTree(o.Family), byTree[treePortals], rs.Nat)
-	rs.Nat[ChainPortalsContainer] = portals
-	rs.Nat[ChainPortalsHost] = append([]string(nil), portals...)
-	var nodePorts []string
+	localPortals := buildTree(localPortalTree(o.Family), byTree[treeLocalPortals], rs.Nat)
+	if len(localPortals) > 0 {
+		rs.Nat[ChainLocalPortals] = localPortals
+	}
+	rs.Nat[ChainPortalsContainer], rs.Nat[ChainPortalsHost] = localFirst(portals, len(localPortals) > 0, ChainLocalPortals, o)
+	var nodePorts, localNodePorts []string
 	for _, proto := range guardedProtocols {
 		nodePorts = append(nodePorts, buildTree(nodePortTree(proto), byTree[treeNodePorts+proto], rs.Nat)...)
+		localNodePorts = append(localNodePorts, buildTree(localNodePortTree(proto), byTree[treeLocalNodePorts+proto], rs.Nat)...)
 	}
-	rs.Nat[ChainNodePortContainer] = nodePorts
-	rs.Nat[ChainNodePortHost] = append([]string(nil), nodePorts...)
+	if len(localNodePorts) > 0 {
+		rs.Nat[ChainLocalNodePorts] = localNodePorts
+	}
+	rs.Nat[ChainNodePortContainer], rs.Nat[ChainNodePortHost] = localFirst(nodePorts, len(localNodePorts) > 0, ChainLocalNodePorts, o)
 	if o.Features.Conntrack {
 		guard := itemRules(byTree[treeGuard])
 		if o.ProxyPorts.Size > 0 {
@@ -282,6 +308,22 @@ func assembleTrees(byTree map[string][]treeItem, o RenderOptions) *Ruleset {
 		}
 	}
 	return rs
+}
+
+// localFirst returns the content of an entry chain pair, container
+// (PREROUTING) and host (OUTPUT): rules, after a jump into local (while it has
+// rules) for the clients on this node — every packet of the host chain, the
+// detected pods' in the container chain.
+func localFirst(rules []string, hasLocal bool, local string, o RenderOptions) (container, host []string) {
+	if !hasLocal {
+		return rules, append([]string(nil), rules...)
+	}
+	for _, m := range o.LocalTraffic.Matches(o.Family) {
+		container = append(container, m+" -j "+local)
+	}
+	container = append(container, rules...)
+	host = append([]string{"-j " + local}, rules...)
+	return container, host
 }
 
 func dedupItems(items []treeItem) []treeItem {
@@ -334,14 +376,14 @@ func renderFrontend(fe config.Frontend, o RenderOptions) []leafRule {
 		}
 		out = append(out, leafRule{treeSourceRanges, addrKey(ip), ruleTo(netip.Prefix{}, ip, sp.Port, "-j DROP")})
 	}
-	if fe.Kind != config.KindExternal {
+	if fe.Kind.ClusterIPs() {
 		for _, ip := range sp.ClusterIPs {
 			if config.Family(ip) == o.Family {
 				portal(ip)
 			}
 		}
 	}
-	if fe.Kind != config.KindInternal {
+	if fe.Kind.External() {
 		for _, ip := range sp.ExternalIPs {
 			if config.Family(ip) == o.Family {
 				portal(ip)
@@ -367,11 +409,53 @@ func renderFrontend(fe config.Frontend, o RenderOptions) []leafRule {
 			}
 		}
 	}
+	if fe.ServesLocalClients() {
+		out = append(out, localClientRules(fe, o, ruleTo, target)...)
+	}
 	// A listener on its NodePort is meant to be reachable from anywhere:
 	// where the NodePort falls inside the guarded range it is let through.
 	if o.Features.Conntrack && fe.OnNodePort() && o.ProxyPorts.Contains(int(fe.Listen.Port())) {
 		out = append(out, leafRule{treeGuard, portKey(int(fe.Listen.Port())),
 			fmt.Sprintf("-p %s -m %s --dport %d -j RETURN", proto, proto, fe.Listen.Port())})
+	}
+	return out
+}
+
+// localClientRules are the short-circuit's rules of fe, the frontend with
+// every endpoint of an externalTrafficPolicy: Local Service: its external
+// addresses and NodePort lead there for clients on this node. A
+// LoadBalancer IP with source ranges does so only for clients inside them,
+// as for everyone else.
+func localClientRules(fe config.Frontend, o RenderOptions, ruleTo func(netip.Prefix, netip.Addr, int, string) string, target string) []leafRule {
+	sp := fe.Service
+	var out []leafRule
+	for _, ip := range sp.ExternalIPs {
+		if config.Family(ip) == o.Family {
+			out = append(out, leafRule{treeLocalPortals, addrKey(ip), ruleTo(netip.Prefix{}, ip, sp.Port, target)})
+		}
+	}
+	for _, ip := range sp.LoadBalancerIPs {
+		if config.Family(ip) != o.Family {
+			continue
+		}
+		if len(sp.SourceRanges) == 0 {
+			out = append(out, leafRule{treeLocalPortals, addrKey(ip), ruleTo(netip.Prefix{}, ip, sp.Port, target)})
+		}
+		for _, r := range sp.SourceRanges {
+			if r.Addr().Is4() == (o.Family == 4) {
+				out = append(out, leafRule{treeLocalPortals, addrKey(ip), ruleTo(r, ip, sp.Port, target)})
+			}
+		}
+	}
+	if sp.NodePort != 0 {
+		tree, key := treeLocalNodePorts+strings.ToLower(string(fe.Protocol)), portKey(sp.NodePort)
+		if o.AllLocal {
+			out = append(out, leafRule{tree, key, ruleTo(netip.Prefix{}, netip.Addr{}, sp.NodePort, target)})
+		} else {
+			for _, ip := range o.NodePortAddresses {
+				out = append(out, leafRule{tree, key, ruleTo(netip.Prefix{}, ip, sp.NodePort, target)})
+			}
+		}
 	}
 	return out
 }

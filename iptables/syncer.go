@@ -30,6 +30,11 @@ type Config struct {
 	// is in it, so that one rule per protocol keeps them off-node. Required
 	// where the kernel has the conntrack match.
 	ProxyPorts config.PortRange
+	// LocalTraffic is --detect-local-mode and its values: the pods of this
+	// node whose traffic to the external addresses of an
+	// externalTrafficPolicy: Local Service is short-circuited to every
+	// endpoint, as the node's own is.
+	LocalTraffic config.LocalTraffic
 	// BasicOnly ignores the optional matches even where the kernel has them,
 	// to run (and test) the rules a kernel without netfilter extras gets.
 	BasicOnly bool
@@ -93,7 +98,7 @@ func (r *Rules) sync(ctx context.Context, frontends []config.Frontend, verify bo
 	var errs *multierror.Error
 	for _, f := range r.families {
 		mine := ofFamily(frontends, f.fam)
-		opts := f.renderOptions(r.cfg.NodePortAddresses, r.cfg.ProxyPorts)
+		opts := f.renderOptions(r.cfg)
 		r.mu.Lock()
 		r.writes[f.fam]++ // odd: writing
 		r.mu.Unlock()
@@ -181,13 +186,13 @@ func (r *Rules) Counts() map[string]int {
 
 // renderOptions returns the options of the next sync; a change of options
 // (node addresses) renders every frontend again.
-func (f *family) renderOptions(cidrs []netip.Prefix, ports config.PortRange) RenderOptions {
-	o := RenderOptions{Family: f.fam, Features: f.features, ProxyPorts: ports}
-	if len(cidrs) == 0 && f.features.Addrtype {
+func (f *family) renderOptions(cfg Config) RenderOptions {
+	o := RenderOptions{Family: f.fam, Features: f.features, ProxyPorts: cfg.ProxyPorts, LocalTraffic: cfg.LocalTraffic}
+	if len(cfg.NodePortAddresses) == 0 && f.features.Addrtype {
 		o.AllLocal = true
 		return o
 	}
-	o.NodePortAddresses = LocalAddrs(f.fam, cidrs)
+	o.NodePortAddresses = LocalAddrs(f.fam, cfg.NodePortAddresses)
 	return o
 }
 

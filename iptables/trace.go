@@ -22,6 +22,10 @@ type Packet struct {
 	FromNode bool
 	// DstLocal: Dst is one of the node's addresses (-m addrtype --dst-type LOCAL).
 	DstLocal bool
+	// InInterface is the interface a packet from a pod or another host
+	// arrives on ("": unknown, matching no -i but lo's negation), for the
+	// local-traffic detection by interface.
+	InInterface string
 }
 
 // Counter is a rule's packet and byte counts, as iptables-save -c prints them.
@@ -263,7 +267,13 @@ func (t *tracer) matches(args []string, dnat bool) (bool, string) {
 			}
 			ok = p.Port >= lo && p.Port <= hi
 		case "-i":
-			ok = (val == "lo") == p.FromNode // the node's own packets to itself come in on lo
+			if val == "lo" {
+				ok = p.FromNode // the node's own packets to itself come in on lo
+			} else if prefix, isPrefix := strings.CutSuffix(val, "+"); isPrefix {
+				ok = !p.FromNode && p.InInterface != "" && strings.HasPrefix(p.InInterface, prefix)
+			} else {
+				ok = !p.FromNode && p.InInterface == val
+			}
 		case "--dst-type":
 			ok = val == "LOCAL" && p.DstLocal
 		case "--ctstate":

@@ -99,6 +99,18 @@ func rangeTree(family int) treeSpec {
 	return s
 }
 
+func localPortalTree(family int) treeSpec {
+	s := portalTree(family)
+	s.chainPrefix = chainLocalPortalTree
+	return s
+}
+
+func localNodePortTree(proto string) treeSpec {
+	s := nodePortTree(proto)
+	s.chainPrefix = chainLocalNodePortTree + strings.ToUpper(proto) + "-"
+	return s
+}
+
 func nodePortTree(proto string) treeSpec {
 	return treeSpec{bits: 16, chainPrefix: chainNodePortTree + strings.ToUpper(proto) + "-", match: func(k treeKey, plen int) string {
 		lo := int(binary.BigEndian.Uint16(k[:2])) &^ (1<<(16-plen) - 1)

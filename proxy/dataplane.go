@@ -138,7 +138,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 	var nodePortErr error
 	release := func() {}
 	var hold *sock.Hold
-	if sp.NodePort != 0 && key.Kind != config.KindInternal {
+	if sp.NodePort != 0 && key.Kind.External() {
 		var err error
 		if d.cfg.NodePortsRestricted {
 			hold, err = sock.HoldPort(sp.Protocol == config.UDP, netip.AddrPortFrom(bind, uint16(sp.NodePort)))

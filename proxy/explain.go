@@ -32,10 +32,10 @@ func Match(frontends []config.Frontend, dst netip.AddrPort, protocol config.Prot
 		if fe.Family != fam || fe.Protocol != protocol || sp.Port != port {
 			continue
 		}
-		if fe.Kind != config.KindExternal && slices.Contains(sp.ClusterIPs, addr) {
+		if fe.Kind.ClusterIPs() && slices.Contains(sp.ClusterIPs, addr) {
 			return fe, AsClusterIP, true
 		}
-		if fe.Kind != config.KindInternal {
+		if fe.Kind.External() {
 			if slices.Contains(sp.ExternalIPs, addr) {
 				return fe, AsExternalIP, true
 			}
@@ -46,7 +46,7 @@ func Match(frontends []config.Frontend, dst netip.AddrPort, protocol config.Prot
 	}
 	if dstLocal {
 		for _, fe := range frontends {
-			if fe.Family == fam && fe.Protocol == protocol && fe.Kind != config.KindInternal && fe.Service.NodePort == port {
+			if fe.Family == fam && fe.Protocol == protocol && fe.Kind.External() && fe.Service.NodePort == port {
 				return fe, AsNodePort, true
 			}
 		}

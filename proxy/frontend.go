@@ -65,6 +65,8 @@ func (k frontendKey) localOnly(sp *config.ServicePort) bool {
 		return sp.InternalLocal
 	case config.KindExternal:
 		return sp.ExternalLocal
+	case config.KindLocalClients:
+		return false // kube-proxy's short-circuit: every endpoint
 	}
 	return sp.InternalLocal // KindAll: both policies agree
 }
@@ -72,11 +74,14 @@ func (k frontendKey) localOnly(sp *config.ServicePort) bool {
 // frontendKeys appends the keys of the listeners sp needs to keys, without
 // allocating when keys has room: one per family, or two when internal and
 // external traffic policies differ (they select different endpoints, and a
-// UDP datagram cannot tell which address it was sent to once redirected).
+// UDP datagram cannot tell which address it was sent to once redirected),
+// and a third for clients on this node when both policies are Local (the
+// short-circuit needs every endpoint; see config.KindLocalClients).
 // It is the one enumeration of a Service port's frontends; serves says
 // which families may open (nil: every one).
 func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort, serves func(int) bool) []frontendKey {
 	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
+	localClients := sp.HasExternal() && sp.InternalLocal && sp.ExternalLocal
 	for _, fam := range sp.Families() {
 		if serves != nil && !serves(fam) {
 			continue
@@ -85,6 +90,9 @@ func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.Se
 			keys = append(keys, frontendKey{Name: name, Kind: config.KindInternal, Family: fam}, frontendKey{Name: name, Kind: config.KindExternal, Family: fam})
 		} else {
 			keys = append(keys, frontendKey{Name: name, Kind: config.KindAll, Family: fam})
+		}
+		if localClients {
+			keys = append(keys, frontendKey{Name: name, Kind: config.KindLocalClients, Family: fam})
 		}
 	}
 	return keys

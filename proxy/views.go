@@ -126,7 +126,7 @@ func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []config.
 	for name, sp := range st.Ports {
 		for _, key := range frontendKeys(keys[:0], name, sp, nil) {
 			port := 0
-			if sp.NodePort != 0 && key.Kind != config.KindInternal && !nodePortsRestricted {
+			if sp.NodePort != 0 && key.Kind.External() && !nodePortsRestricted {
 				port = sp.NodePort
 			}
 			out = append(out, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,

@@ -200,6 +200,12 @@ func (fc *fileConfig) settings() []setting {
 		dur("iptables.syncPeriod", "sync-period", t.SyncPeriod)
 		dur("iptables.minSyncPeriod", "min-sync-period", t.MinSyncPeriod)
 	}
+	text("detectLocalMode", "detect-local-mode", fc.DetectLocalMode)
+	text("clusterCIDR", "cluster-cidr", fc.ClusterCIDR)
+	if d := fc.DetectLocal; d != nil {
+		text("detectLocal.bridgeInterface", "pod-bridge-interface", d.BridgeInterface)
+		text("detectLocal.interfaceNamePrefix", "pod-interface-name-prefix", d.InterfaceNamePrefix)
+	}
 	if len(fc.NodePortAddresses) > 0 {
 		text("nodePortAddresses", "nodeport-addresses", strings.Join(fc.NodePortAddresses, ","))
 	}
@@ -289,9 +295,6 @@ func (fc *fileConfig) notApplied() []string {
 	}
 	if l := fc.Logging; l != nil && len(l.VModule) > 0 && string(l.VModule) != "null" && string(l.VModule) != "[]" && string(l.VModule) != `""` {
 		out = append(out, "logging.vmodule: per-file verbosity does not exist here (use logLevel)")
-	}
-	if fc.DetectLocalMode != "" || fc.ClusterCIDR != "" || (fc.DetectLocal != nil && (fc.DetectLocal.BridgeInterface != "" || fc.DetectLocal.InterfaceNamePrefix != "")) {
-		out = append(out, "detectLocalMode, detectLocal, clusterCIDR: local-traffic detection is not used by this daemon yet (docs/differences.md)")
 	}
 	if fc.WindowsRunAsService != nil && *fc.WindowsRunAsService {
 		out = append(out, "windowsRunAsService: this daemon runs on Linux only")

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"net/http"
+	"strings"
 	"time"
 )
 
@@ -19,6 +20,10 @@ func (o *options) configz(node string) map[string]any {
 		for _, p := range o.nodePortCIDRs {
 			nodePorts = append(nodePorts, p.String())
 		}
+	}
+	clusterCIDRs := []string{}
+	for _, p := range o.clusterCIDRs {
+		clusterCIDRs = append(clusterCIDRs, p.String())
 	}
 	return map[string]any{
 		"kubeproxy.config.k8s.io": map[string]any{
@@ -38,6 +43,9 @@ func (o *options) configz(node string) map[string]any {
 			"iptables":            map[string]any{"syncPeriod": d(o.syncPeriod), "minSyncPeriod": d(o.minSyncPeriod)},
 			"nodePortAddresses":   nodePorts,
 			"oomScoreAdj":         o.oomScoreAdj,
+			"detectLocalMode":     string(o.local.Mode),
+			"clusterCIDR":         strings.Join(clusterCIDRs, ","),
+			"detectLocal":         map[string]any{"bridgeInterface": o.podBridge, "interfaceNamePrefix": o.podIfPrefix},
 			"conntrack": map[string]any{
 				"maxPerCore": o.conntrack.maxPerCore, "min": o.conntrack.min,
 				"tcpEstablishedTimeout": d(o.conntrack.tcpEstablished), "tcpCloseWaitTimeout": d(o.conntrack.tcpCloseWait),
@@ -56,7 +64,8 @@ func (o *options) configz(node string) map[string]any {
 				"baseEjectionTime":    d(o.outlier.BaseEjectionTime), "maxEjectionTime": d(o.outlier.MaxEjectionTime),
 			},
 			"connectionLog": o.connLog, "connectionLogRate": o.connLogRate, "schedulingPolicy": o.schedPolicy, "logLevel": o.logLevel, "logFormat": o.logFormat,
-			"iptables": o.iptables,
+			"iptables":     o.iptables,
+			"localTraffic": o.local.Describe(),
 		},
 	}
 }

@@ -57,6 +57,12 @@ type options struct {
 	api              apiSettings
 	bindHardFail     bool
 	nodePortPrimary  bool // --nodeport-addresses primary: the node's own addresses
+	// local is --detect-local-mode with its values; NodeCIDR's CIDRs come
+	// from the Node at start.
+	local        config.LocalTraffic
+	clusterCIDRs []netip.Prefix // --cluster-cidr, as given
+	podBridge    string
+	podIfPrefix  string
 	// families are those with rules and their guard (set at start; nil
 	// without --iptables: listeners of both).
 	families []int
@@ -118,6 +124,10 @@ type apiSettings struct {
 type rawFlags struct {
 	bind, portRange string
 	nodePortAddrs   []string
+	detectLocalMode string
+	clusterCIDR     string
+	podBridge       string
+	podIfPrefix     string
 }
 
 // define defines the flags on fs, into o and the returned raw values.
@@ -140,6 +150,10 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules under churn (changes meanwhile merge into one sync); a lone change, or two in a row such as a Service and its EndpointSlice, is synced at once.")
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")
+	fs.StringVar(&raw.detectLocalMode, "detect-local-mode", "ClusterCIDR", "As kube-proxy's: how this node's pods are told from other clients — ClusterCIDR (--cluster-cidr), NodeCIDR (the Node's spec.podCIDRs), BridgeInterface (--pod-bridge-interface) or InterfaceNamePrefix (--pod-interface-name-prefix). The node and its pods reach the external addresses of an externalTrafficPolicy: Local Service with every endpoint; other clients with this node's only.")
+	fs.StringVar(&raw.clusterCIDR, "cluster-cidr", "", "As kube-proxy's: the pods' CIDR range(s) in the cluster, one per IP family, comma-separated (for --detect-local-mode ClusterCIDR; none: only the node's own traffic counts as local).")
+	fs.StringVar(&raw.podBridge, "pod-bridge-interface", "", "As kube-proxy's: the bridge this node's pods are on (for --detect-local-mode BridgeInterface).")
+	fs.StringVar(&raw.podIfPrefix, "pod-interface-name-prefix", "", "As kube-proxy's: the name prefix of this node's pods' interfaces (for --detect-local-mode InterfaceNamePrefix).")
 	fs.StringSliceVar(&raw.nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated), or on the node's primary addresses (primary: the Node's InternalIPs, with --manifests the addresses of the default routes); default: every local address.")
 	fs.IntVar(&o.conntrack.maxPerCore, "conntrack-max-per-core", 32768, "As kube-proxy's: conntrack entries per CPU for nf_conntrack_max (raised, never lowered; host-wide, so only from the host's network namespace). 0 leaves the limit alone.")
 	fs.IntVar(&o.conntrack.min, "conntrack-min", 131072, "As kube-proxy's: the least nf_conntrack_max, whatever the CPUs.")
@@ -253,6 +267,9 @@ func (o *options) check(raw *rawFlags) error {
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
 	}
+	if err := o.checkLocal(raw); err != nil {
+		return err
+	}
 	if o.cleanup || o.sysctlsOnly {
 		return nil
 	}
@@ -265,6 +282,56 @@ func (o *options) check(raw *rawFlags) error {
 		return errors.New("give one source: --manifests PATH, or --kubeconfig/--master for a cluster, not both")
 	case o.manifests == "" && !cluster && os.Getenv("KUBERNETES_SERVICE_HOST") == "":
 		return errors.New("no source: give --manifests PATH, or --kubeconfig/--master for a cluster (in a pod the service account is used)")
+	}
+	return nil
+}
+
+// checkLocal reads --detect-local-mode and the flag of its mode, as
+// kube-proxy validates them: a mode's own value is required, except
+// ClusterCIDR's (without one, only the node's own traffic is local, as
+// kube-proxy's no-op detector).
+func (o *options) checkLocal(raw *rawFlags) error {
+	mode, err := config.ParseLocalMode(raw.detectLocalMode)
+	if err != nil {
+		return fmt.Errorf("%s: %w", o.name("detect-local-mode"), err)
+	}
+	o.local = config.LocalTraffic{Mode: mode}
+	if o.clusterCIDRs, err = config.ParseCIDRs(raw.clusterCIDR); err != nil {
+		return fmt.Errorf("%s: %w", o.name("cluster-cidr"), err)
+	}
+	o.podBridge, o.podIfPrefix = raw.podBridge, raw.podIfPrefix
+	switch mode {
+	case config.LocalModeClusterCIDR:
+		o.local.CIDRs = o.clusterCIDRs
+	case config.LocalModeNodeCIDR:
+		// The Node's, at start.
+	case config.LocalModeBridgeInterface, config.LocalModeInterfaceNamePrefix:
+		flag, field, v := "pod-bridge-interface", "detectLocal.bridgeInterface", raw.podBridge
+		if mode == config.LocalModeInterfaceNamePrefix {
+			flag, field, v = "pod-interface-name-prefix", "detectLocal.interfaceNamePrefix", raw.podIfPrefix
+		}
+		if err := checkInterfaceName(v); err != nil {
+			name := o.name(flag)
+			if _, fromFile := o.origin[flag]; !fromFile {
+				name = "--" + flag + " (" + field + " in --config)"
+			}
+			return fmt.Errorf("%s %s needs %s: %w", o.name("detect-local-mode"), mode, name, err)
+		}
+		o.local.Interface = v
+	}
+	return nil
+}
+
+// checkInterfaceName refuses what the kernel would not take as an interface
+// name (IFNAMSIZ; no slash, blank or colon).
+func checkInterfaceName(v string) error {
+	switch {
+	case v == "":
+		return errors.New("it is empty")
+	case len(v) > 15:
+		return fmt.Errorf("%q is longer than 15 characters", v)
+	case strings.ContainsAny(v, "/: \t\n+") || v == "." || v == "..":
+		return fmt.Errorf("%q is not an interface name", v)
 	}
 	return nil
 }

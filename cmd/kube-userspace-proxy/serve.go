@@ -72,6 +72,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		}
 		log.WithField("addresses", fmt.Sprint(o.nodePortCIDRs)).Info("NodePorts on the node's primary addresses")
 	}
+	if err := resolveLocal(ctx, o, client, node, log); err != nil {
+		return err
+	}
 	setUpProcess(o, log)
 	rules, ipt, err := newRules(o, log)
 	if err != nil {
@@ -221,7 +224,7 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 		return nil, nil, fmt.Errorf("programming iptables needs CAP_NET_ADMIN: run as root or grant the capability " +
 			"(--iptables=false runs the listeners only)")
 	}
-	r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, BasicOnly: o.iptablesBasic,
+	r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, LocalTraffic: o.local, BasicOnly: o.iptablesBasic,
 		ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
 	if err != nil {
 		return nil, nil, err
@@ -326,6 +329,10 @@ func showRules(o *options, node string, w io.Writer) error {
 		return err
 	}
 	frontends := proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
+	local := o.local
+	if local.Mode == config.LocalModeNodeCIDR {
+		local.CIDRs = st.PodCIDRs
+	}
 	for _, fam := range []int{4, 6} {
 		ro := iptables.RenderOptions{
 			Family:       fam,
@@ -333,6 +340,7 @@ func showRules(o *options, node string, w io.Writer) error {
 			AllLocal:     len(o.nodePortCIDRs) == 0,
 			Placeholders: true,
 			ProxyPorts:   o.portRange,
+			LocalTraffic: local,
 		}
 		if !ro.AllLocal {
 			ro.NodePortAddresses = iptables.LocalAddrs(fam, o.nodePortCIDRs)

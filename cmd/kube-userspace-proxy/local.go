@@ -1,0 +1,78 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// podCIDRWait is how long a start with --detect-local-mode NodeCIDR waits
+// for the Node's spec.podCIDRs, as kube-proxy does (the controller manager
+// allocates them once the node registers).
+const podCIDRWait = 5 * time.Minute
+
+// resolveLocal completes --detect-local-mode NodeCIDR with this node's pod
+// CIDRs (the Node object, or the Node of --manifests) and says which
+// clients count as this node's. kube-proxy reads them once too.
+func resolveLocal(ctx context.Context, o *options, client kubernetes.Interface, node string, log logrus.FieldLogger) error {
+	if o.local.Mode == config.LocalModeNodeCIDR {
+		var err error
+		if o.local.CIDRs, err = nodePodCIDRs(ctx, client, o.manifests, node, podCIDRWait, log); err != nil {
+			return err
+		}
+	}
+	l := log.WithFields(logrus.Fields{"mode": o.local.Mode, "local": o.local.Describe()})
+	if len(o.local.Matches(4)) == 0 && len(o.local.Matches(6)) == 0 {
+		l.Warn("Local-traffic detection finds no pod: only the node's own clients reach the external addresses of externalTrafficPolicy: Local Services with every endpoint (set --cluster-cidr, or another --detect-local-mode)")
+		return nil
+	}
+	l.Info("Local-traffic detection")
+	return nil
+}
+
+// nodePodCIDRs returns this node's spec.podCIDRs: from the API server,
+// waiting up to wait for the controller manager to allocate them, or from
+// the Node document of the manifests.
+func nodePodCIDRs(ctx context.Context, client kubernetes.Interface, manifests, node string, wait time.Duration, log logrus.FieldLogger) ([]netip.Prefix, error) {
+	if client == nil {
+		st, _, err := config.LoadManifests(manifests, node)
+		if err != nil {
+			return nil, fmt.Errorf("--detect-local-mode NodeCIDR: %w", err)
+		}
+		if len(st.PodCIDRs) == 0 {
+			return nil, fmt.Errorf("--detect-local-mode NodeCIDR: %s has no Node named %q with spec.podCIDRs", manifests, node)
+		}
+		return st.PodCIDRs, nil
+	}
+	deadline := time.Now().Add(wait)
+	for logged := false; ; {
+		n, err := client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		if err == nil {
+			var cidrs []netip.Prefix
+			if cidrs, err = config.NodePodCIDRs(n); err == nil && len(cidrs) > 0 {
+				return cidrs, nil
+			} else if err == nil {
+				err = fmt.Errorf("Node %s has no spec.podCIDRs yet", node)
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("--detect-local-mode NodeCIDR: waited %v: %w", wait, err)
+		}
+		if !logged {
+			log.WithError(err).Info("Waiting for this node's pod CIDRs (--detect-local-mode NodeCIDR)")
+			logged = true
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+}

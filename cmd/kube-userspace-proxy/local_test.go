@@ -1,0 +1,63 @@
+package main
+
+import (
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+)
+
+// --detect-local-mode and its values, as flags and as kube-proxy's config
+// fields; each refusal names the setting.
+func TestLocalDetectionSettings(t *testing.T) {
+	for _, tc := range []struct {
+		args  []string
+		want  string // Describe(), or the error's text
+		isErr bool
+	}{
+		{nil, "the node itself and no pod detected (ClusterCIDR without a value)", false},
+		{[]string{"--cluster-cidr", "10.244.0.0/16,fd00:10::/56"}, "pods by ClusterCIDR (-s 10.244.0.0/16, -s fd00:10::/56)", false},
+		{[]string{"--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cni0"}, "pods by BridgeInterface (-i cni0, -i cni0)", false},
+		{[]string{"--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"}, "(-i veth+, -i veth+)", false},
+		{[]string{"--detect-local-mode", "NodeCIDR", "--cluster-cidr", "10.244.0.0/16"}, "no pod detected (NodeCIDR without a value)", false},
+		{[]string{"--detect-local-mode", "Bridge"}, `--detect-local-mode: "Bridge" is not a mode`, true},
+		{[]string{"--detect-local-mode", "BridgeInterface"}, "--detect-local-mode BridgeInterface needs --pod-bridge-interface (detectLocal.bridgeInterface in --config): it is empty", true},
+		{[]string{"--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "a/b"}, `"a/b" is not an interface name`, true},
+		{[]string{"--cluster-cidr", "10.244.0.0/16,10.245.0.0/16"}, "at most one CIDR per IP family", true},
+		{[]string{"--cluster-cidr", "10.244.0.1/16"}, "has host bits set", true},
+	} {
+		o, err := parseFlags(append([]string{"--manifests", "m.yaml"}, tc.args...), io.Discard)
+		switch {
+		case tc.isErr && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%v: error %v, want one saying %q", tc.args, err, tc.want)
+		case !tc.isErr && err != nil:
+			t.Errorf("%v: %v", tc.args, err)
+		case !tc.isErr && !strings.Contains(o.local.Describe(), tc.want):
+			t.Errorf("%v: %q, want %q", tc.args, o.local.Describe(), tc.want)
+		}
+	}
+
+	// kube-proxy's fields set the same, and a bad one is named by its field.
+	dir := t.TempDir()
+	file := filepath.Join(dir, "c.yaml")
+	write := func(body string) {
+		if err := os.WriteFile(file, []byte("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"+body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  bridgeInterface: \"\"\n  interfaceNamePrefix: cali\nclusterCIDR: 10.244.0.0/16\n")
+	o, err := parseFlags([]string{"--manifests", "m.yaml", "--config", file}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.local.Mode != config.LocalModeInterfaceNamePrefix || o.local.Interface != "cali" || len(o.configWarnings) != 0 {
+		t.Fatalf("from the file: %+v, warnings %v", o.local, o.configWarnings)
+	}
+	write("detectLocalMode: BridgeInterface\n")
+	if _, err := parseFlags([]string{"--manifests", "m.yaml", "--config", file}, io.Discard); err == nil || !strings.Contains(err.Error(), "detectLocal.bridgeInterface") {
+		t.Fatalf("a BridgeInterface mode without its bridge: %v", err)
+	}
+}
