@@ -140,6 +140,7 @@ func (c *conntrackCleaner) sync(frontends []config.Frontend, log logrus.FieldLog
 			"UDP clients that keep one source port may reach an old listener until their entry expires. Not said again")
 	case err == nil && n > 0:
 		conntrackDeleted.Add(float64(n))
+		conntrackReconcilerDeleted.WithLabelValues(familyName(c.fam)).Add(float64(n))
 		log.WithFields(logrus.Fields{"family": c.fam, "entries": n, "addresses": len(filter.addrs) + len(filter.ports)}).
 			Debug("Deleted stale UDP conntrack entries")
 	}

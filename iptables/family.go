@@ -177,7 +177,7 @@ func (f *family) run(ctx context.Context, bin string, args []string, stdin strin
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
 		if bin == f.restore {
-			restoreFailures.Inc()
+			restoreFailures.WithLabelValues(familyName(f.fam)).Inc()
 		}
 		return f.commandError(ctx, bin, args, err, stderr.String())
 	}
@@ -208,6 +208,7 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 		if nat, filter, err = f.commit(ctx, f.plan(f.installed, want, writeDiff), log, start); err == nil {
 			return nat, filter, nil
 		}
+		partialRestoreFailures.WithLabelValues(familyName(f.fam)).Inc()
 		log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
 	}
 	if live == nil {
@@ -321,6 +322,7 @@ func (f *family) commit(ctx context.Context, p writePlan, log logrus.FieldLogger
 		}
 	}
 	f.installed = p.want
+	countWritten(f.fam, p.input)
 	if full {
 		if err := f.ensureJumps(); err != nil {
 			return 0, 0, err

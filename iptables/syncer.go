@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	"github.com/hashicorp/go-multierror"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
@@ -86,6 +87,12 @@ func New(cfg Config) (*Rules, error) {
 			r.families = append(r.families, v6)
 		}
 	}
+	// The failure counters exist from the start, at zero, as kube-proxy's.
+	for _, f := range r.families {
+		for _, c := range []*prometheus.CounterVec{restoreFailures, partialRestoreFailures, conntrackReconcilerDeleted} {
+			c.WithLabelValues(familyName(f.fam))
+		}
+	}
 	return r, nil
 }
 
@@ -114,8 +121,8 @@ func (r *Rules) sync(ctx context.Context, frontends []config.Frontend, verify bo
 		if f.conntrack != nil {
 			f.conntrack.sync(mine, r.log)
 		}
-		ruleCount.WithLabelValues("nat", fmt.Sprint(f.fam)).Set(float64(nat))
-		ruleCount.WithLabelValues("filter", fmt.Sprint(f.fam)).Set(float64(filter))
+		ruleCount.WithLabelValues("nat", familyName(f.fam)).Set(float64(nat))
+		ruleCount.WithLabelValues("filter", familyName(f.fam)).Set(float64(filter))
 		r.mu.Lock()
 		r.writes[f.fam]++ // even: done
 		r.shown[f.fam] = f.installed

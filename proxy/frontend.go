@@ -50,6 +50,32 @@ type frontend struct {
 	// goroutine's; refused tells other goroutines.
 	refusing *sock.Hold
 	refused  atomic.Bool
+	// noLocal says which Local policies of the port find no endpoint on
+	// this node while the cluster has some (noLocalInternal,
+	// noLocalExternal), for kube-proxy's metric; set by the sync goroutine.
+	noLocal atomic.Uint32
+}
+
+const (
+	noLocalInternal = 1 << iota
+	noLocalExternal
+)
+
+// noLocalPolicies are the Local policies of sp that key's frontend serves
+// without a local endpoint (usable: its endpoints) while the cluster has
+// some, as kube-proxy counts them.
+func noLocalPolicies(key frontendKey, sp *config.ServicePort, usable int, node, zone string) uint32 {
+	if !key.localOnly(sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
+		return 0
+	}
+	var m uint32
+	if key.Kind.ClusterIPs() && sp.InternalLocal {
+		m |= noLocalInternal
+	}
+	if key.Kind.External() && sp.ExternalLocal && sp.HasExternal() {
+		m |= noLocalExternal
+	}
+	return m
 }
 
 // tcpServer is a frontend's TCP listener; the accept loop is the

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -8,22 +9,34 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
-// Sync metrics keep kube-proxy's names, so existing dashboards work.
+// Sync metrics keep kube-proxy's names and labels, so existing dashboards
+// work. kube-proxy runs one proxier per IP family; one sync here serves
+// both, so each is observed under every family served (ip_family: IPv4,
+// IPv6). Full syncs visit every service port, partial ones the changed only.
 var (
-	syncDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+	familyLabel  = []string{"ip_family"}
+	syncDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kubeproxy_sync_proxy_rules_duration_seconds", Help: "How long one sync of listeners and rules took.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
-	})
-	syncLast = prometheus.NewGauge(prometheus.GaugeOpts{
+	}, familyLabel)
+	syncFullDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kubeproxy_sync_full_proxy_rules_duration_seconds", Help: "How long one sync that visited every service port took.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
+	}, familyLabel)
+	syncPartialDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kubeproxy_sync_partial_proxy_rules_duration_seconds", Help: "How long one sync of the changed service ports took.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 15),
+	}, familyLabel)
+	syncLast = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "kubeproxy_sync_proxy_rules_last_timestamp_seconds", Help: "When the last successful sync ended.",
-	})
-	syncLastQueued = prometheus.NewGauge(prometheus.GaugeOpts{
+	}, familyLabel)
+	syncLastQueued = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", Help: "When the last change was queued for a sync.",
-	})
-	programmingDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+	}, familyLabel)
+	programmingDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kubeproxy_network_programming_duration_seconds", Help: "From a change reaching the proxy to it being served.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),
-	})
+	}, familyLabel)
 	serviceChangesPending = prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "kubeproxy_sync_proxy_rules_service_changes_pending", Help: "Service ports changed but not yet synced.",
 	})
@@ -37,6 +50,18 @@ var (
 		Name: "kubeproxy_sync_proxy_rules_endpoint_changes_total", Help: "Service ports whose endpoints changed.",
 	})
 )
+
+// familyNames are the ip_family label values of the families served.
+func familyNames(families []int) []string {
+	if families == nil {
+		families = []int{4, 6}
+	}
+	out := make([]string, 0, len(families))
+	for _, f := range families {
+		out = append(out, fmt.Sprintf("IPv%d", f))
+	}
+	return out
+}
 
 // Traffic metrics, per service port ("namespace/name:port"). They are counted
 // from the copy results, never by wrapping connections, so splice stays.
@@ -121,7 +146,7 @@ var (
 
 // RegisterMetrics adds the proxier's metrics to reg.
 func RegisterMetrics(reg prometheus.Registerer) {
-	reg.MustRegister(syncDuration, syncLast, syncLastQueued, programmingDuration,
+	reg.MustRegister(syncDuration, syncFullDuration, syncPartialDuration, syncLast, syncLastQueued, programmingDuration, noLocal,
 		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration,
@@ -240,6 +265,47 @@ func (ejectedCollector) Collect(ch chan<- prometheus.Metric) {
 			}
 		})
 	})
+}
+
+// noLocalCollector is kube-proxy's count of service ports with a Local
+// traffic policy and no endpoint on this node (while the cluster has some),
+// per policy and family, read from the live frontends at scrape time.
+type noLocalCollector struct{}
+
+var (
+	noLocal     noLocalCollector
+	noLocalDesc = prometheus.NewDesc("kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+		"Service ports with a Local traffic policy and no endpoints on this node.", []string{"traffic_policy", "ip_family"}, nil)
+)
+
+func (noLocalCollector) Describe(ch chan<- *prometheus.Desc) { ch <- noLocalDesc }
+
+func (noLocalCollector) Collect(ch chan<- prometheus.Metric) {
+	type series struct {
+		policy string
+		family int
+	}
+	counts := map[series]int{}
+	running.each(func(p *Proxier) {
+		for _, fam := range []int{4, 6} {
+			if p.cfg.serves(fam) {
+				counts[series{"internal", fam}] += 0
+				counts[series{"external", fam}] += 0
+			}
+		}
+		p.rec.eachLive(func(fe *frontend) {
+			m := fe.noLocal.Load()
+			if m&noLocalInternal != 0 {
+				counts[series{"internal", fe.key.Family}]++
+			}
+			if m&noLocalExternal != 0 {
+				counts[series{"external", fe.key.Family}]++
+			}
+		})
+	})
+	for s, n := range counts {
+		ch <- prometheus.MustNewConstMetric(noLocalDesc, prometheus.GaugeValue, float64(n), s.policy, fmt.Sprintf("IPv%d", s.family))
+	}
 }
 
 // deleteServiceMetrics drops every series of a service port that is no longer

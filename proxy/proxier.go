@@ -49,7 +49,7 @@ func New(cfg Config) *Proxier {
 	p := &Proxier{cfg: cfg, kick: make(chan struct{}, 1)}
 	p.dp = newDataplane(&p.cfg)
 	p.rec = newReconciler(&p.cfg, p.dp)
-	p.writer = newRuleWriter(cfg.Rules, p.cfg.log(), &p.activity)
+	p.writer = newRuleWriter(cfg.Rules, p.cfg.log(), &p.activity, familyNames(cfg.Families))
 	return p
 }
 
@@ -64,7 +64,9 @@ func (p *Proxier) Update(st *config.State) {
 	p.latest = st
 	if p.pending == nil {
 		p.queuedAt = time.Now()
-		syncLastQueued.SetToCurrentTime()
+		for _, fam := range p.writer.families {
+			syncLastQueued.WithLabelValues(fam).SetToCurrentTime()
+		}
 	} else {
 		d = p.pending.Merge(d) // still says what changed since the State synced last
 	}

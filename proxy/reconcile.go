@@ -289,6 +289,7 @@ func (r *reconciler) serve(view []config.Frontend, st *config.State, sp *config.
 			fe.proxyProto.Store(sp.ProxyProtocol)
 			eps := config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone)
 			fe.bal.Update(eps, sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
+			fe.noLocal.Store(noLocalPolicies(key, sp, len(eps), st.Node, st.Zone))
 			if fe.udp != nil && !opened {
 				fe.udp.endFlowsOff(servingEndpoints(sp))
 			}

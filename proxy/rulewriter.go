@@ -98,6 +98,7 @@ type ruleWriter struct {
 	rules    Rules // nil: nothing to write
 	log      logrus.FieldLogger
 	activity *activity
+	families []string // the ip_family labels of the sync metrics
 
 	kick chan struct{} // capacity 1: a write was submitted
 	// written hands each write, done or failed, to the sync goroutine
@@ -118,8 +119,8 @@ type ruleWriter struct {
 	lastWritten *config.State // the State it was made for
 }
 
-func newRuleWriter(rules Rules, log logrus.FieldLogger, a *activity) *ruleWriter {
-	return &ruleWriter{rules: rules, log: log, activity: a,
+func newRuleWriter(rules Rules, log logrus.FieldLogger, a *activity, families []string) *ruleWriter {
+	return &ruleWriter{rules: rules, log: log, activity: a, families: families,
 		kick: make(chan struct{}, 1), written: make(chan *ruleWrite), drift: make(chan bool, 1)}
 }
 
@@ -189,11 +190,19 @@ func (rw *ruleWriter) write(ctx context.Context, w *ruleWrite) error {
 // record keeps w's outcome for health and metrics.
 func (rw *ruleWriter) record(w *ruleWrite) {
 	end := time.Now()
-	syncDuration.Observe(end.Sub(w.start).Seconds())
-	if w.err == nil {
-		syncLast.Set(float64(end.UnixNano()) / 1e9)
-		if !w.queuedAt.IsZero() {
-			programmingDuration.Observe(end.Sub(w.queuedAt).Seconds())
+	took := end.Sub(w.start).Seconds()
+	kind := syncFullDuration
+	if w.changed != nil {
+		kind = syncPartialDuration
+	}
+	for _, fam := range rw.families {
+		syncDuration.WithLabelValues(fam).Observe(took)
+		kind.WithLabelValues(fam).Observe(took)
+		if w.err == nil {
+			syncLast.WithLabelValues(fam).Set(float64(end.UnixNano()) / 1e9)
+			if !w.queuedAt.IsZero() {
+				programmingDuration.WithLabelValues(fam).Observe(end.Sub(w.queuedAt).Seconds())
+			}
 		}
 	}
 	rw.mu.Lock()

@@ -449,7 +449,8 @@ func startHTTP(ctx context.Context, addr string, h http.Handler, limits serverLi
 // newRegistry holds every metric the daemon exports.
 func newRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		healthzTotal, livezTotal, buildInfo())
 	proxy.RegisterMetrics(reg)
 	iptables.RegisterMetrics(reg)
 	return reg

@@ -357,8 +357,8 @@ func showRules(o *options, node string, w io.Writer) error {
 
 func healthMux(p *proxy.Proxier, syncPeriod time.Duration) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/healthz", healthHandler(p, syncPeriod, true, false))
-	mux.Handle("/livez", healthHandler(p, syncPeriod, false, false))
+	mux.Handle("/healthz", counted(healthzTotal, healthHandler(p, syncPeriod, true, false)))
+	mux.Handle("/livez", counted(livezTotal, healthHandler(p, syncPeriod, false, false)))
 	return mux
 }
 

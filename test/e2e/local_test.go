@@ -88,6 +88,13 @@ func TestLocalClientsOfLocalServices(t *testing.T) {
 	if ok, out := l.udpRefused("ext", "203.0.113.11", "53"); !ok {
 		t.Fatalf("UDP from outside to a Local Service without a local endpoint: %s", out)
 	}
+	noLocal := func(policy, family string) float64 {
+		return metricSum(scrape(t, l), "kubeproxy_sync_proxy_rules_no_local_endpoints_total", map[string]string{"traffic_policy": policy, "ip_family": family})
+	}
+	// kube-proxy's count: both ports (http, dns) of each family.
+	if e4, e6, i4 := noLocal("external", "IPv4"), noLocal("external", "IPv6"), noLocal("internal", "IPv4"); e4 != 2 || e6 != 2 || i4 != 0 {
+		t.Fatalf("no_local_endpoints external IPv4 %v, IPv6 %v, internal %v; want 2, 2, 0", e4, e6, i4)
+	}
 
 	// internalTrafficPolicy Local too: the ClusterIP has no endpoint for
 	// the node, the external addresses still short-circuit to pod2.
@@ -98,6 +105,9 @@ func TestLocalClientsOfLocalServices(t *testing.T) {
 	}
 	if ok, out := l.tcpRefused("ext", "203.0.113.10", "80"); !ok {
 		t.Fatalf("outside client, iTP and eTP Local, no local endpoint: %s", out)
+	}
+	if e4, i4 := noLocal("external", "IPv4"), noLocal("internal", "IPv4"); e4 != 2 || i4 != 2 {
+		t.Fatalf("no_local_endpoints with both policies Local: external %v, internal %v; want 2, 2", e4, i4)
 	}
 	if out := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/debug/services"); !strings.Contains(out, `"kind": "local-clients"`) {
 		t.Fatalf("/debug/services shows no local-clients listener:\n%s", tail(out, 3000))

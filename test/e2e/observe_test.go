@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"syscall"
 	"testing"
@@ -472,6 +473,101 @@ func TestDrainOnTheAdminSocket(t *testing.T) {
 	for i := 0; i < 4; i++ {
 		if got := l.Curl("client", "http://10.96.0.10:80/"); !strings.HasPrefix(got, "pod2") {
 			t.Fatalf("connection %d after the drain reached %q, want pod2", i, got)
+		}
+	}
+}
+
+// kubeProxyMetrics are the metrics kube-proxy v1.37.2 exports
+// (pkg/proxy/metrics, component-base's build info) that this proxy
+// measures too, with kube-proxy's label names: dashboards and alerts
+// written for kube-proxy read them unchanged.
+var kubeProxyMetrics = map[string][]string{
+	"kubeproxy_sync_proxy_rules_duration_seconds":                        {"ip_family"},
+	"kubeproxy_sync_full_proxy_rules_duration_seconds":                   {"ip_family"},
+	"kubeproxy_sync_partial_proxy_rules_duration_seconds":                {"ip_family"},
+	"kubeproxy_sync_proxy_rules_last_timestamp_seconds":                  {"ip_family"},
+	"kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds":           {"ip_family"},
+	"kubeproxy_network_programming_duration_seconds":                     {"ip_family"},
+	"kubeproxy_sync_proxy_rules_endpoint_changes_pending":                {},
+	"kubeproxy_sync_proxy_rules_endpoint_changes_total":                  {},
+	"kubeproxy_sync_proxy_rules_service_changes_pending":                 {},
+	"kubeproxy_sync_proxy_rules_service_changes_total":                   {},
+	"kubeproxy_sync_proxy_rules_iptables_restore_failures_total":         {"ip_family"},
+	"kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total": {"ip_family"},
+	"kubeproxy_sync_proxy_rules_iptables_total":                          {"table", "ip_family"},
+	"kubeproxy_sync_proxy_rules_iptables_last":                           {"table", "ip_family"},
+	"kubeproxy_sync_proxy_rules_no_local_endpoints_total":                {"traffic_policy", "ip_family"},
+	"kubeproxy_proxy_healthz_total":                                      {"code"},
+	"kubeproxy_proxy_livez_total":                                        {"code"},
+	"kubeproxy_conntrack_reconciler_deleted_entries_total":               {"ip_family"},
+	"kubernetes_build_info": {"build_date", "compiler", "git_commit", "git_tree_state", "git_version", "go_version",
+		"major", "minor", "platform"},
+}
+
+// Every kube-proxy metric we measure is exported under kube-proxy's name
+// with exactly kube-proxy's label names, ip_family saying IPv4 or IPv6.
+func TestKubeProxyMetricNamesAndLabels(t *testing.T) {
+	l, d, m := startWeb(t, webManifest())
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 3000))
+		}
+	}()
+	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
+	// A partial sync (one port changed), and the health server's answers.
+	writeManifest(t, m, strings.Replace(webManifest(), "- {addresses: [10.251.19.8], nodeName: node}\n", "", 1))
+	waitFor(t, "pod2 gone from the ClusterIP", func() bool {
+		for i := 0; i < 4; i++ {
+			if strings.HasPrefix(l.Curl("client", "http://10.96.0.10:80/"), "pod2") {
+				return false
+			}
+		}
+		return true
+	})
+	for _, path := range []string{"/healthz", "/livez"} {
+		if code, body := l.get("node", "http://127.0.0.1:10256"+path); code != 200 {
+			t.Fatalf("%s: %d %s", path, code, body)
+		}
+	}
+	var fams map[string]*dto.MetricFamily
+	waitFor(t, "a partial sync in the metrics", func() bool {
+		fams = scrape(t, l)
+		return metricSum(fams, "kubeproxy_sync_partial_proxy_rules_duration_seconds", map[string]string{"ip_family": "IPv4"}) > 0
+	})
+	for name, want := range kubeProxyMetrics {
+		f := fams[name]
+		if f == nil || len(f.Metric) == 0 {
+			t.Errorf("%s: not exported", name)
+			continue
+		}
+		for _, s := range f.Metric {
+			var got []string
+			for _, lp := range s.Label {
+				got = append(got, lp.GetName())
+				if lp.GetName() == "ip_family" && lp.GetValue() != "IPv4" && lp.GetValue() != "IPv6" {
+					t.Errorf("%s: ip_family %q", name, lp.GetValue())
+				}
+			}
+			sort.Strings(got)
+			w := append([]string(nil), want...)
+			sort.Strings(w)
+			if strings.Join(got, ",") != strings.Join(w, ",") {
+				t.Errorf("%s: labels %v, kube-proxy's are %v", name, got, w)
+			}
+		}
+	}
+	for _, c := range []struct {
+		name  string
+		match map[string]string
+	}{
+		{"kubeproxy_proxy_healthz_total", map[string]string{"code": "200"}},
+		{"kubeproxy_proxy_livez_total", map[string]string{"code": "200"}},
+		{"kubeproxy_sync_full_proxy_rules_duration_seconds", map[string]string{"ip_family": "IPv6"}},
+		{"kubeproxy_sync_proxy_rules_iptables_total", map[string]string{"table": "nat", "ip_family": "IPv6"}},
+		{"kubernetes_build_info", nil},
+	} {
+		if v := metricSum(fams, c.name, c.match); v <= 0 {
+			t.Errorf("%s%v = %v, want > 0", c.name, c.match, v)
 		}
 	}
 }
