@@ -54,6 +54,20 @@ func Match(frontends []config.Frontend, dst netip.AddrPort, protocol config.Prot
 	return config.Frontend{}, "", false
 }
 
+// MatchLocalClient says what dst is to fe's Service when fe is the listener
+// clients on this node reach its external addresses with
+// (config.Frontend.ServesLocalClients), as the short-circuit's rules send
+// them there.
+func MatchLocalClient(fe config.Frontend, dst netip.AddrPort, protocol config.Protocol) (string, bool) {
+	if !fe.ServesLocalClients() {
+		return "", false
+	}
+	external := fe
+	external.Kind = config.KindExternal
+	_, as, ok := Match([]config.Frontend{external}, dst, protocol, true)
+	return as, ok
+}
+
 // ExplainedEndpoint is one endpoint of the Service port, with whether this
 // listener may pick it and why.
 type ExplainedEndpoint struct {
@@ -88,8 +102,12 @@ type Explanation struct {
 	// TrafficPolicy is the policy that applies to this kind of address:
 	// Cluster, or Local (only endpoints on this node).
 	TrafficPolicy string `json:"trafficPolicy"`
-	Node          string `json:"node,omitempty"`
-	Zone          string `json:"zone,omitempty"`
+	// LocalClient: an external address of an externalTrafficPolicy: Local
+	// Service reached by a client on this node, which kube-proxy's
+	// short-circuit sends to every endpoint (policy Cluster here).
+	LocalClient bool   `json:"localClient,omitempty"`
+	Node        string `json:"node,omitempty"`
+	Zone        string `json:"zone,omitempty"`
 	// Topology is the hints that narrow the endpoints: PreferSameNode
 	// (hints.forNodes), PreferSameZone (hints.forZones) or "" (none used:
 	// traffic policy Local, no trafficDistribution, or hints that do not
@@ -125,10 +143,11 @@ func ExplainPlanned(fe config.Frontend, as string, client netip.Addr, node, zone
 func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal *EndpointBalancer, live bool) Explanation {
 	sp := fe.Service
 	local := keyOf(fe).localOnly(sp)
+	localClient := as != "" && as != AsClusterIP && fe.ServesLocalClients()
 	if as == AsClusterIP {
 		local = sp.InternalLocal
 	} else if as != "" {
-		local = sp.ExternalLocal
+		local = sp.ExternalLocal && !localClient
 	}
 	usable := config.UsableEndpoints(sp.Endpoints, fe.Family, local, node, zone)
 	mode := config.TopologyNone
@@ -143,7 +162,7 @@ func explain(fe config.Frontend, as string, client netip.Addr, node, zone string
 	x := Explanation{Service: sp.Name.String(), Protocol: fe.Protocol, Family: fe.Family, Kind: fe.Kind, As: as,
 		Port: sp.Port, NodePort: sp.NodePort, OnNodePort: fe.Err == nil && fe.OnNodePort() && live,
 		TrafficPolicy: "Cluster", Node: node, Zone: zone, Topology: mode, TrafficDistribution: sp.TrafficDistribution,
-		Scheduler: bal.Scheduler(), Live: live}
+		Scheduler: bal.Scheduler(), Live: live, LocalClient: localClient}
 	if x.Scheduler == "" {
 		x.Scheduler = SchedRoundRobin
 	}

@@ -166,6 +166,9 @@ func (e *explainer) explain(q explainQuery) explainAnswer {
 			// The rules caught it for a frontend; say what the
 			// destination is to that Service.
 			_, as, _ = proxy.Match([]config.Frontend{fe}, q.To, q.Protocol, true)
+			if as == "" {
+				as, _ = proxy.MatchLocalClient(fe, q.To, q.Protocol)
+			}
 		}
 		x := e.service(fe, as, q.From)
 		ans.Service = &x
@@ -216,7 +219,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	fs := pflag.NewFlagSet("kube-userspace-proxy explain", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.SortFlags = false
-	var manifests, from, to, protocol, node, bind, output, server string
+	var manifests, from, to, protocol, node, bind, output, server, clusterCIDR string
 	var nodeIPs, nodePortAddrs []string
 	fs.StringVar(&manifests, "manifests", "", "The Services and EndpointSlices to explain (a YAML/JSON file or directory).")
 	fs.StringVar(&from, "from", "", "The client's IP address: a pod, another host, or one of the node's own addresses (then the node connects).")
@@ -226,6 +229,7 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	fs.StringSliceVar(&nodeIPs, "node-ip", nil, "The node's addresses, for NodePorts and to tell the node's own connections (comma-separated; default: this machine's).")
 	fs.StringVar(&bind, "bind-address", "0.0.0.0", "As the daemon's flag: where listeners would bind.")
 	fs.StringSliceVar(&nodePortAddrs, "nodeport-addresses", nil, "As the daemon's flag: NodePorts only on node addresses inside these CIDRs.")
+	fs.StringVar(&clusterCIDR, "cluster-cidr", "", "As the daemon's flag: the pods' range(s), so that a pod on this node counts as a local client of externalTrafficPolicy: Local Services.")
 	fs.StringVar(&output, "output", "text", "text or json.")
 	fs.StringVar(&server, "server", "", "Ask a running daemon instead, at its metrics address (http://127.0.0.1:10249): its real listeners, rules, counters, pins and round-robin positions.")
 	fs.Usage = func() {
@@ -269,6 +273,10 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, p)
 	}
+	o.local.Mode = config.LocalModeClusterCIDR
+	if o.local.CIDRs, err = config.ParseCIDRs(clusterCIDR); err != nil {
+		return fail(fmt.Errorf("--cluster-cidr: %w", err))
+	}
 	e, err := offlineExplainer(o, nodeIPs, manifests)
 	if err != nil {
 		if errors.As(err, new(usageError)) {
@@ -310,7 +318,7 @@ func offlineExplainer(o *options, nodeIPs []string, manifests string) (*explaine
 	features := iptables.Features{Comment: true, Addrtype: true, Conntrack: true}
 	e.rules = func(fam int) (iptables.TraceInput, bool, error) {
 		ro := iptables.RenderOptions{Family: fam, Features: features, AllLocal: len(o.nodePortCIDRs) == 0, Placeholders: true,
-			ProxyPorts: config.DefaultPortRange}
+			ProxyPorts: config.DefaultPortRange, LocalTraffic: o.local}
 		if !ro.AllLocal {
 			for _, a := range e.nodeAddrs {
 				for _, c := range o.nodePortCIDRs {

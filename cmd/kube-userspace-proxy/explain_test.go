@@ -140,6 +140,43 @@ func TestExplainOffline(t *testing.T) {
 		}
 	})
 
+	t.Run("local clients of a Local Service", func(t *testing.T) {
+		// lab/local's NodePort from this node, and from a pod of
+		// --cluster-cidr: the short-circuit to every endpoint; from
+		// outside, the local endpoint only.
+		for _, c := range []struct {
+			from, chain string
+			localClient bool
+		}{
+			{"192.168.50.1", "KUBE-NODEPORT-LOCAL", true},
+			{"10.251.19.20", "KUBE-NODEPORT-LOCAL", true},
+			{"192.168.50.2", "", false},
+		} {
+			a := runExplainJSON(t, m, "--from", c.from, "--to", "192.168.50.1:30053", "--protocol", "udp", "--cluster-cidr", "10.251.19.0/24")
+			x := a.Service
+			if x == nil || x.As != "nodePort" || x.LocalClient != c.localClient || (x.TrafficPolicy == "Local") == c.localClient {
+				t.Fatalf("from %s: %+v", c.from, x)
+			}
+			if c.chain != "" && a.Rules.Nat[len(a.Rules.Nat)-1].Chain != c.chain {
+				t.Fatalf("from %s: caught in %+v", c.from, a.Rules.Nat)
+			}
+			selected := 0
+			for _, e := range x.Endpoints {
+				if e.Selected {
+					selected++
+				}
+			}
+			if want := map[bool]int{true: 2, false: 1}[c.localClient]; selected != want {
+				t.Fatalf("from %s: %d endpoints selected, want %d: %+v", c.from, selected, want, x.Endpoints)
+			}
+		}
+		var out bytes.Buffer
+		if code := run([]string{"explain", "--manifests", m, "--hostname-override", "node-a", "--from", "192.168.50.1", "--to", "192.168.50.1:30053",
+			"--protocol", "udp", "--node-ip", "192.168.50.1"}, &out, &bytes.Buffer{}); code != 0 || !strings.Contains(out.String(), "the client is on this node: every endpoint") {
+			t.Fatalf("exit %d:\n%s", code, out.String())
+		}
+	})
+
 	t.Run("nothing there", func(t *testing.T) {
 		a := runExplainJSON(t, m, "--from", "10.251.19.20", "--to", "10.96.0.99:80")
 		if a.Service != nil || a.Rules.NAT.Target != "" || !strings.Contains(a.Delivery, "unchanged") {

@@ -59,6 +59,9 @@ func writeExplainText(w io.Writer, a explainAnswer) {
 		if x.TrafficPolicy == "Local" {
 			policy += fmt.Sprintf(" (only endpoints on node %q)", x.Node)
 		}
+		if x.LocalClient {
+			policy += " (externalTrafficPolicy is Local, but the client is on this node: every endpoint, as kube-proxy's short-circuit)"
+		}
 		say("It dials one endpoint of the Service port: %s, scheduler %s.", policy, x.Scheduler)
 		switch {
 		case x.Topology != "":
