@@ -109,7 +109,7 @@ bench-cluster: build
 # The same at 200 Services and a 5 s churn, so that it cannot rot (part of make test).
 bench-cluster-smoke: build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/clusterbench ./test/bench/clusterbench
-	$(BIN)/clusterbench -bin $(BIN) -n 200 -m 5 -churn 5s -runs 2
+	$(BIN)/clusterbench -bin $(BIN) -n 200 -m 5 -churn 5s -runs 2 -page 3s
 
 # The same harness briefly (just under a minute), so that it cannot rot (part of make test).
 bench-smoke: bench-tools

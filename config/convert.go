@@ -10,7 +10,11 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discovery "k8s.io/api/discovery/v1"
+	apivalidation "k8s.io/apimachinery/pkg/api/validation"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 )
 
 // Labels kube-proxy uses to decide what it proxies.
@@ -320,6 +324,9 @@ func convertService(svc *v1.Service) (key ServiceName, sps []*ServicePort, skip 
 	if err := validName("metadata.namespace", svc.Namespace, validation.IsDNS1123Label); err != nil {
 		return key, nil, "", err
 	}
+	if err := validMeta(svc.ObjectMeta); err != nil {
+		return key, nil, "", err
+	}
 	sps, err = ServicePorts(svc)
 	return ServiceName{svc.Namespace, svc.Name}, sps, "", err
 }
@@ -356,6 +363,9 @@ func convertSlice(es *discovery.EndpointSlice) (key ServiceName, eps map[string]
 		return key, nil, "", err
 	}
 	if err := validName("metadata.labels["+LabelServiceName+"]", es.Labels[LabelServiceName], validation.IsDNS1035Label); err != nil {
+		return key, nil, "", err
+	}
+	if err := validMeta(es.ObjectMeta); err != nil {
 		return key, nil, "", err
 	}
 	eps, err = SliceEndpoints(es)
@@ -418,6 +428,15 @@ func parseAddr(field, s string) (netip.Addr, error) {
 }
 
 // validName applies one of apimachinery's name validations.
+// validMeta checks an object's labels and annotations as the API server
+// does (key syntax, label values, the annotations' total size): the
+// manifests get no API server to do it.
+func validMeta(m metav1.ObjectMeta) error {
+	errs := metav1validation.ValidateLabels(m.Labels, field.NewPath("metadata", "labels"))
+	errs = append(errs, apivalidation.ValidateAnnotations(m.Annotations, field.NewPath("metadata", "annotations"))...)
+	return errs.ToAggregate()
+}
+
 func validName(field, name string, check func(string) []string) error {
 	if errs := check(name); len(errs) > 0 {
 		shown := name

@@ -505,6 +505,61 @@ func TestManifestRewrittenInPlaceDropsNothing(t *testing.T) {
 	}
 }
 
+// A file replaced by a rename (a new inode) was written whole: what it
+// removes applies at once, well before the settle time. A removal written
+// in place still waits for the file to be stable, while what the same write
+// adds applies at once.
+func TestRenamedFileRemovesAtOnce(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "m.yaml")
+	doc := func(names ...string) string {
+		var b strings.Builder
+		for _, n := range names {
+			fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Service\nmetadata: {name: %s}\nspec: {clusterIP: 10.96.1.%d, ports: [{port: 80}]}\n", n, n[0]-'a'+1)
+		}
+		return b.String()
+	}
+	if err := os.WriteFile(f, []byte(doc("a", "b", "c")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	sink := &recordingSink{}
+	ctx, cancel := context.WithCancel(context.Background())
+	src := &ManifestSource{Path: f, Node: "n", Sink: sink, Log: log, Settle: time.Hour}
+	done, err := src.Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); <-done }()
+	has := func(st *State, n string) bool {
+		return st != nil && st.Ports[ServicePortName{Namespace: "default", Name: n}] != nil
+	}
+
+	tmp := f + ".tmp"
+	if err := os.WriteFile(tmp, []byte(doc("a", "b")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, f); err != nil {
+		t.Fatal(err)
+	}
+	// Settle is an hour: only a removal that does not wait passes.
+	testutil.WaitFor(t, "the renamed file's removal", 10*time.Second, 10*time.Millisecond, func() bool {
+		st, _ := sink.last()
+		return has(st, "a") && !has(st, "c")
+	})
+
+	if err := os.WriteFile(f, []byte(doc("a", "e")), 0o644); err != nil { // in place: same inode
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, "the in-place write's addition", 10*time.Second, 10*time.Millisecond, func() bool {
+		st, _ := sink.last()
+		return has(st, "e")
+	})
+	if st, _ := sink.last(); !has(st, "b") {
+		t.Fatal("a removal written in place applied before the file was stable")
+	}
+}
+
 // An SCTP port is not proxied, and the loader says so as a warning naming
 // the Service and the port; the Service's TCP port is served.
 func TestSCTPPortWarned(t *testing.T) {
@@ -549,6 +604,10 @@ func TestManifestsValidatedAsTheAPIServer(t *testing.T) {
 		{svc("name: web, namespace: lab", "healthCheckNodePort: 70000, "+ports), "spec.healthCheckNodePort"},
 		{svc("name: web, namespace: lab", "ports: [{name: \"http port\", port: 80}]"), "spec.ports[0].name"},
 		{"apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s, namespace: lab, labels: {kubernetes.io/service-name: \"we b\"}}\naddressType: IPv4\nendpoints: []\n", "kubernetes.io/service-name"},
+		{svc(`name: web, namespace: lab, annotations: {"bad key/with/slashes": "x"}`, ports), "metadata.annotations"},
+		{svc(`name: web, namespace: lab, annotations: {big: "`+strings.Repeat("x", 256*1024)+`"}`, ports), "metadata.annotations"},
+		{svc(`name: web, namespace: lab, labels: {app: "not a value"}`, ports), "metadata.labels"},
+		{"apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s, namespace: lab, labels: {kubernetes.io/service-name: web}, annotations: {\"-x\": y}}\naddressType: IPv4\nendpoints: []\n", "metadata.annotations"},
 	} {
 		_, err := ParseManifests("m.yaml", []byte(tc.doc), "node")
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -33,7 +34,8 @@ type ManifestSource struct {
 	// reload may remove a service port or an endpoint; 0 means 1 s. A file
 	// rewritten in place (`kubectl get -o yaml > f.yaml` truncates it
 	// first) is read half-written at times: what it adds or changes is
-	// applied at once, what it seems to remove only once it is stable.
+	// applied at once, what it seems to remove only once it is stable. A
+	// file replaced by a rename is whole: its removals apply at once.
 	Settle time.Duration
 
 	cache *manifestCache // owned by the watch goroutine after Start
@@ -43,6 +45,8 @@ type ManifestSource struct {
 	// owed are the ports whose version in last is an older one than the
 	// files have (held removals): the next State names them as changed.
 	owed []ServicePortName
+	// lastSig is the files' signature at the last State handed on.
+	lastSig map[string]fileSig
 }
 
 // Start loads the manifests once, hands the State to the Sink and then watches
@@ -87,10 +91,12 @@ func (m *ManifestSource) Check() error {
 	return err
 }
 
-// fileSig is what tells the poller a file changed.
+// fileSig is what tells the poller a file changed. A new inode at a known
+// path is a file replaced whole (renamed over): it was written completely.
 type fileSig struct {
 	size  int64
 	mtime time.Time
+	ino   uint64
 }
 
 func (m *ManifestSource) signature() map[string]fileSig {
@@ -98,7 +104,11 @@ func (m *ManifestSource) signature() map[string]fileSig {
 	sig := make(map[string]fileSig, len(files))
 	for _, f := range files {
 		if fi, err := os.Stat(f); err == nil {
-			sig[f] = fileSig{fi.Size(), fi.ModTime()}
+			s := fileSig{size: fi.Size(), mtime: fi.ModTime()}
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+				s.ino = st.Ino
+			}
+			sig[f] = s
 		}
 	}
 	return sig
@@ -148,6 +158,7 @@ func (m *ManifestSource) handOn(st *State, sig map[string]fileSig) *State {
 		out.Changed = slices.Concat(st.Changed, m.owed)
 	}
 	m.owed = held
+	m.lastSig = sig
 	return out
 }
 
@@ -164,8 +175,13 @@ func (m *ManifestSource) holdRemovals(st *State, sig map[string]fileSig, now tim
 	if settle <= 0 {
 		settle = time.Second
 	}
+	// Only files written in place can be half-written: one renamed over
+	// (a new inode where the last load read another) is whole.
 	var newest time.Time
-	for _, s := range sig {
+	for f, s := range sig {
+		if prev, known := m.lastSig[f]; known && prev.ino != s.ino && s.ino != 0 {
+			continue
+		}
 		if s.mtime.After(newest) {
 			newest = s.mtime
 		}

@@ -27,8 +27,14 @@ type descriptorBudget struct {
 	tcpConns  atomic.Int64 // TCP connections open now (two descriptors each)
 	listeners atomic.Int64 // listening sockets and NodePort holds
 
-	mu  sync.Mutex
-	udp map[*udpServer]bool // the UDP servers, for eviction across Services
+	// mu guards the index of UDP servers by flow count, so that eviction
+	// finds the fullest service port without looking at every one (a
+	// flood past the share evicts once per datagram). Taken inside a
+	// server's flow lock, never around it.
+	mu        sync.Mutex
+	flowCount map[*udpServer]int              // every open UDP server's flows
+	byCount   map[int]map[*udpServer]struct{} // the servers holding n > 0 flows
+	most      int                             // the largest n in byCount (0: none)
 
 	// fileLimitAt is when the daemon last ran out of descriptors (unix
 	// nanoseconds): /healthz is 503 for a while after.
@@ -43,7 +49,7 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 	if limit <= 0 {
 		limit = int(sock.FileLimit())
 	}
-	b := &descriptorBudget{limit: limit, udp: map[*udpServer]bool{}}
+	b := &descriptorBudget{limit: limit, flowCount: map[*udpServer]int{}, byCount: map[int]map[*udpServer]struct{}{}}
 	b.reserve = min(max(64, limit/16), limit/4) // a tiny limit keeps room for connections
 	b.udpCap = max(1, (limit-b.reserve)/2)
 	descriptorBudgetGauge.WithLabelValues("limit").Set(float64(b.limit))
@@ -52,26 +58,66 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 	return b
 }
 
+// addUDP indexes a UDP server that opens (with no flow yet).
 func (b *descriptorBudget) addUDP(u *udpServer) {
 	b.mu.Lock()
-	b.udp[u] = true
+	if _, ok := b.flowCount[u]; !ok {
+		b.flowCount[u] = 0
+	}
 	b.mu.Unlock()
 }
 
+// removeUDP takes a closing server out of the index; its flows still close
+// and count out of the share.
 func (b *descriptorBudget) removeUDP(u *udpServer) {
 	b.mu.Lock()
-	delete(b.udp, u)
+	b.moveLocked(u, -b.flowCount[u])
+	delete(b.flowCount, u)
 	b.mu.Unlock()
 }
 
-// flowOpened counts a new flow and reports whether the UDP share is now
-// exceeded (the caller evicts).
-func (b *descriptorBudget) flowOpened() bool {
+// flowOpened counts a new flow of u and reports whether the UDP share is
+// now exceeded (the caller evicts).
+func (b *descriptorBudget) flowOpened(u *udpServer) bool {
+	b.mu.Lock()
+	b.moveLocked(u, 1)
+	b.mu.Unlock()
 	return b.udpFlows.Add(1) > int64(b.udpCap)
 }
 
-func (b *descriptorBudget) flowClosed() {
+func (b *descriptorBudget) flowClosed(u *udpServer) {
 	b.udpFlows.Add(-1)
+	b.mu.Lock()
+	b.moveLocked(u, -1)
+	b.mu.Unlock()
+}
+
+// moveLocked changes u's flow count by delta in the index (a server not
+// indexed is left out). Finding the new largest count after a decrease steps
+// down one count at a time: as many steps, over time, as flows were opened.
+func (b *descriptorBudget) moveLocked(u *udpServer, delta int) {
+	n, ok := b.flowCount[u]
+	if !ok || delta == 0 {
+		return
+	}
+	if n > 0 {
+		delete(b.byCount[n], u)
+		if len(b.byCount[n]) == 0 {
+			delete(b.byCount, n)
+		}
+	}
+	n = max(0, n+delta)
+	b.flowCount[u] = n
+	if n > 0 {
+		if b.byCount[n] == nil {
+			b.byCount[n] = map[*udpServer]struct{}{}
+		}
+		b.byCount[n][u] = struct{}{}
+		b.most = max(b.most, n)
+	}
+	for b.most > 0 && len(b.byCount[b.most]) == 0 {
+		b.most--
+	}
 }
 
 // evictForNew ends a flow to make room for a new one past the daemon's
@@ -87,33 +133,34 @@ func (b *descriptorBudget) evictForNew() {
 	}
 }
 
+// fullestSample is how many of the servers holding the most flows are
+// compared for the oldest flow: a tie between many is settled among a few.
+const fullestSample = 8
+
+// evictOne evicts the least recently used flow of the service port
+// holding the most flows, so that a flood on one leaves the others' flows
+// in place; between equals, the one with the older flow. false: the victim
+// ended meanwhile (pick again).
 func (b *descriptorBudget) evictOne() bool {
 	b.mu.Lock()
-	var owner *udpServer
-	var most int
-	var oldestSeen int64
-	for u := range b.udp {
-		n, _ := u.counts()
-		if n == 0 || n < most {
-			continue
-		}
-		fl := u.oldest()
-		if fl == nil {
-			continue
-		}
-		// The Service port with the most flows gives one up (its least
-		// recently used): a flood on one leaves the others' flows in
-		// place. Between equals, the one with the older flow.
-		if seen := fl.lastSeen.Load(); n > most || seen < oldestSeen {
-			owner, most, oldestSeen = u, n, seen
+	candidates := make([]*udpServer, 0, fullestSample)
+	for u := range b.byCount[b.most] {
+		if candidates = append(candidates, u); len(candidates) == fullestSample {
+			break
 		}
 	}
 	b.mu.Unlock()
+	var owner *udpServer
+	var victim *udpFlow
+	for _, u := range candidates { // outside b.mu: oldest takes the server's lock
+		if fl := u.oldest(); fl != nil && (victim == nil || fl.lastSeen.Load() < victim.lastSeen.Load()) {
+			owner, victim = u, fl
+		}
+	}
 	if owner == nil {
 		return true
 	}
-	victim := owner.oldest()
-	return victim == nil || owner.evict(victim)
+	return owner.evict(victim)
 }
 
 // admitTCP takes a place for a new TCP connection (its socket is already

@@ -195,6 +195,7 @@ func (d *dataplane) serve(fe *frontend, ln listener) error {
 	}
 	if fe.udp == nil {
 		fe.udp = &udpServer{frontend: fe, flows: udpFlows{budget: d.budget}}
+		fe.udp.flows.server = fe.udp
 	}
 	fe.udp.open(&udpSocket{conn: ln.udp, family: fe.key.Family})
 	return nil

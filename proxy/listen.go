@@ -14,6 +14,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"golang.org/x/sys/unix"
 )
 
 // portAllocator hands out ports from a PortRange: the key's preferred port
@@ -71,6 +72,28 @@ func loadKernelRange() (config.PortRange, map[int]bool, error) {
 		}
 	}
 	return r, resv, nil
+}
+
+// UnreservedEphemeral reports whether ports of r inside the kernel's
+// ephemeral range (returned) are not in ip_local_reserved_ports: the node's
+// own outgoing connections may then take them from the listeners.
+func UnreservedEphemeral(r config.PortRange) (ephemeral config.PortRange, unreserved bool, err error) {
+	ephemeral, resv, err := loadKernelRange()
+	if err != nil {
+		return ephemeral, false, err
+	}
+	for p := max(r.Base, ephemeral.Base); p < min(r.Base+r.Size, ephemeral.Base+ephemeral.Size); p++ {
+		if !resv[p] {
+			return ephemeral, true, nil
+		}
+	}
+	return ephemeral, false, nil
+}
+
+// CanReservePorts reports whether ip_local_reserved_ports may be written
+// here (not in a container with a read-only /proc/sys, say).
+func CanReservePorts() bool {
+	return unix.Access(localReservedPortFile, unix.W_OK) == nil
 }
 
 // parseReserved reads ip_local_reserved_ports' list ("a-b,c").

@@ -258,7 +258,7 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 	fl.elem = t.lru.PushFront(fl)
 	t.flows[client] = fl
 	u.m.get().udpActive.Inc()
-	overBudget := t.budget.flowOpened()
+	overBudget := t.budget.flowOpened(u)
 	t.wg.Add(1)
 	t.mu.Unlock()
 

@@ -20,13 +20,14 @@ type udpFlows struct {
 	evicted atomic.Uint64
 	wg      sync.WaitGroup // one per flow reply goroutine
 	budget  *descriptorBudget
+	server  *udpServer // the table's owner, as the budget's index knows it
 }
 
 func (t *udpFlows) removeLocked(fl *udpFlow) bool {
 	if cur, ok := t.flows[fl.client]; ok && cur == fl {
 		delete(t.flows, fl.client)
 		t.lru.Remove(fl.elem)
-		t.budget.flowClosed()
+		t.budget.flowClosed(t.server)
 		return true
 	}
 	return false

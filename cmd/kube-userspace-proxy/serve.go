@@ -224,6 +224,9 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 		return nil, nil, fmt.Errorf("programming iptables needs CAP_NET_ADMIN: run as root or grant the capability " +
 			"(--iptables=false runs the listeners only)")
 	}
+	if err := checkEphemeralOverlap(o.portRange, o.name("proxy-port-range")); err != nil {
+		return nil, nil, err
+	}
 	r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, LocalTraffic: o.local, BasicOnly: o.iptablesBasic,
 		ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
 	if err != nil {
@@ -256,6 +259,25 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	// Redirected connections are conntrack entries: kube-proxy's timeouts.
 	o.conntrack.apply(log.WithField("component", "conntrack"))
 	return r, r, nil
+}
+
+// checkEphemeralOverlap refuses a proxy port range that overlaps the
+// kernel's ephemeral range where its ports are not reserved and cannot be:
+// the node's outgoing connections would take them, and listeners could not
+// bind. Checked before the node is touched; where the daemon may write
+// ip_local_reserved_ports it reserves the range (newRules) instead.
+func checkEphemeralOverlap(r config.PortRange, name string) error {
+	if r.Size == 0 {
+		return nil // the kernel's own choice: no range of ours
+	}
+	ephemeral, unreserved, err := proxy.UnreservedEphemeral(r)
+	if err != nil || !unreserved || proxy.CanReservePorts() {
+		return nil
+	}
+	return fmt.Errorf("%s %s overlaps the kernel's ephemeral port range %s (net.ipv4.ip_local_port_range), its ports there are not in "+
+		"net.ipv4.ip_local_reserved_ports, and this daemon cannot write it (a read-only /proc/sys): the node's own outgoing connections "+
+		"would take ports from the listeners; reserve the range first (kube-userspace-proxy --sysctls-only in a privileged init container, "+
+		"as docs/deploy does) or choose a range outside %s", name, r, ephemeral, ephemeral)
 }
 
 // eventRecorder turns a Service's problems (a NodePort another process or

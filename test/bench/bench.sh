@@ -27,13 +27,23 @@ ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 . test/bench/results.sh # record, jsonval, median, value, bench_lab, N
 bench_lab kb
 
+# A pinned lab: the proxy under test (ours or a peer) on PROXY_CPUS, the load
+# generators and the backend on LOAD_CPUS, the same for every path, so that
+# neither steals the other's CPU (floating, "proxy ÷ direct" read above 1).
+NCPU=$(nproc)
+PROXY_CPUS=${PROXY_CPUS:-$((NCPU - 1))}
+LOAD_CPUS=${LOAD_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo 0)}
+PROXY_NCPU=$(taskset -c "$PROXY_CPUS" nproc)
+P() { N node taskset -c "$PROXY_CPUS" "$@"; }        # a proxy under test, in the node
+L() { N "$1" taskset -c "$LOAD_CPUS" "${@:2}"; }    # a load generator or backend, in namespace $1
+
 # Ports in TIME_WAIT are reused, as on a busy node: after 5000 idle connections through HAProxy and then
 # nginx, the client and node held 10 000 ports in TIME_WAIT, and the daemon's 5000 that followed were reset.
 N node sysctl -qw net.ipv4.tcp_tw_reuse=1
 N client sysctl -qw net.ipv4.tcp_tw_reuse=1
 # Backend pod: HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201.
-N pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 ${BACKEND_UDP_BUFFER:+--udp-buffer "$BACKEND_UDP_BUFFER"} >/dev/null 2>&1 &
-N pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
+L pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 ${BACKEND_UDP_BUFFER:+--udp-buffer "$BACKEND_UDP_BUFFER"} >/dev/null 2>&1 &
+L pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
 wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
 
 # The paths, each on its own service address.
@@ -67,10 +77,14 @@ done
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.7 -p udp --dport 8081 -j REDIRECT --to-ports 58081
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.5 -p udp --dport 8081 -j REDIRECT --to-ports 38081
+# HAProxy as its documentation tunes it for L4 splicing: pipes as large as
+# ours (tune.pipesize; the kernel's default is 64 KiB against our 1 MiB),
+# one thread per CPU it runs on, splicing both ways when it pays.
 cat > "$work/haproxy.cfg" <<EOF
 global
   maxconn 7000
-  nbthread 2
+  nbthread $PROXY_NCPU
+  tune.pipesize 1048576
 defaults
   mode tcp
   option splice-auto
@@ -87,38 +101,39 @@ listen iperf
   bind :15201
   server pod1 10.251.19.12:5201
 EOF
-N node haproxy -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
-# nginx's stream module: a second L4 peer, and the one for UDP. Two workers,
-# as HAProxy's two threads; one UDP session per client address and port, as
-# the daemon's flows.
+start_haproxy() { P haproxy -f "$work/haproxy.cfg" >>"$work/haproxy.log" 2>&1 & }
+start_haproxy
+# nginx's stream module: a second L4 peer, and the one for UDP. One worker
+# per CPU it runs on, as HAProxy's threads; reuseport on every listener, as
+# nginx's documentation asks for UDP (a client's datagrams then stay with one
+# worker, so one session per client address and port, as the daemon's flows).
 cat > "$work/nginx.conf" <<EOF
 load_module /usr/lib/nginx/modules/ngx_stream_module.so;
 daemon off;
-worker_processes 2;
+worker_processes $PROXY_NCPU;
 worker_rlimit_nofile 20000;
 pid $work/nginx.pid;
 error_log $work/nginx.log warn;
 events { worker_connections 10000; }
 stream {
-  server { listen 58080; proxy_pass 10.251.19.12:8080; }
-  server { listen 59000; proxy_pass 10.251.19.12:9000; proxy_timeout 1h; }
-  server { listen 55201; proxy_pass 10.251.19.12:5201; proxy_timeout 1h; }
-  server { listen 58081 udp; proxy_pass 10.251.19.12:8081; proxy_timeout 30s; }
+  server { listen 58080 reuseport; proxy_pass 10.251.19.12:8080; }
+  server { listen 59000 reuseport; proxy_pass 10.251.19.12:9000; proxy_timeout 1h; }
+  server { listen 55201 reuseport; proxy_pass 10.251.19.12:5201; proxy_timeout 1h; }
+  server { listen 58081 udp reuseport; proxy_pass 10.251.19.12:8081; proxy_timeout 30s; }
 }
 EOF
-if runs nginx; then
-  N node nginx -c "$work/nginx.conf" -e "$work/nginx.log" >>"$work/nginx.log" 2>&1 &
-fi
+start_nginx() { P nginx -c "$work/nginx.conf" -e "$work/nginx.log" >>"$work/nginx.log" 2>&1 & }
+runs nginx && start_nginx
 for p in 8080:28080 9000:29000 5201:25201; do
-  N node socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
+  P socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
 done
-N node socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
+P socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
 if runs gofloor; then
-  N node "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 -udp :38081=10.251.19.12:8081 \
+  P "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 -udp :38081=10.251.19.12:8081 \
     >"$work/gofloor.log" 2>&1 &
 fi
 if runs ringfloor; then
-  N node "$BIN/gofloor" -engine ring -listen :48080=10.251.19.12:8080 -listen :49000=10.251.19.12:9000 -listen :45201=10.251.19.12:5201 \
+  P "$BIN/gofloor" -engine ring -listen :48080=10.251.19.12:8080 -listen :49000=10.251.19.12:9000 -listen :45201=10.251.19.12:5201 \
     >"$work/ringfloor.log" 2>&1 &
 fi
 cat > "$work/svc.yaml" <<'EOF'
@@ -141,7 +156,7 @@ ports: [{name: http, port: 8080, protocol: TCP}, {name: echo, port: 9000, protoc
 endpoints: [{addresses: [10.251.19.12]}]
 EOF
 start_proxy() { # extra daemon flags in $@
-  N node env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
+  P env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
     --metrics-bind-address "" --healthz-bind-address "" ${PROXY_ARGS:-} "$@" >>"$work/proxy.log" 2>&1 &
 }
 start_proxy
@@ -167,7 +182,7 @@ results="$work/results"
 iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
   local p=$1 len=$2 pid t0 out bps bytes
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
-  out=$(N client iperf3 -c "${VIP[$p]}" -p 5201 -t "$DUR" -l "$len" -J 2>/dev/null)
+  out=$(L client iperf3 -c "${VIP[$p]}" -p 5201 -t "$DUR" -l "$len" -J 2>/dev/null)
   bps=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bits_per_second"/{gsub(/[,]/,"");print $2;exit}')
   bytes=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bytes"/{gsub(/[,]/,"");print $2;exit}')
   record "tput_${len}" "$p" "$(awk -v b="${bps:-0}" 'BEGIN{printf "%.2f", b/1e9}')"
@@ -178,7 +193,7 @@ iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
 rate() { # path mode → operations/s; CPU µs per operation of the proxy process
   local p=$1 mode=$2 pid t0 out
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
-  out=$(N client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 32)
+  out=$(L client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 32)
   record "$mode" "$p" "$(echo "$out" | jsonval perSecond)"
   if [ -n "$pid" ]; then
     record "cpu_per_$mode" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v n="$(echo "$out" | jsonval count)" 'BEGIN{if(n>0) printf "%.1f", c/n*1e6}')"
@@ -193,7 +208,7 @@ for run in $(seq "$RUNS"); do
     want cps && rate "$p" cps
     want rps && rate "$p" rps
     if want latency; then
-      lat=$(N client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
+      lat=$(L client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
       record p50 "$p" "$(echo "$lat" | jsonval p50us)"
       record p99 "$p" "$(echo "$lat" | jsonval p99us)"
       record p999 "$p" "$(echo "$lat" | jsonval p999us)"
@@ -213,7 +228,7 @@ done
 # backend's socket at a rate four times lower than the path carried.
 # udp_once RATE [SECONDS] and udp_try RATE run inside udp_search and see its p, size, flows and best.
 udp_once() {
-  out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${2:-$UDP_DUR}s" -size "$size" -flows "$flows" -burst "$UDP_BURST" -rate "$1")
+  out=$(L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${2:-$UDP_DUR}s" -size "$size" -flows "$flows" -burst "$UDP_BURST" -rate "$1")
   loss=$(echo "$out" | jsonval loss); pps=$(echo "$out" | jsonval pps)
   awk -v l="${loss:-1}" 'BEGIN{exit !(l < 0.001)}' || return 1
   best=$(awk -v a="$best" -v b="$pps" 'BEGIN{printf "%.0f", (b > a ? b : a)}')
@@ -256,7 +271,7 @@ if want udp; then
       for p in $UDP_CPU_PATHS; do
         runs "$p" || continue
         pid=$(proxypid "$p"); t0=$(cputicks "$pid")
-        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 64 -flows "$flows" -burst "$UDP_BURST" -rate "$UDP_CPU_RATE")
+        out=$(L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 64 -flows "$flows" -burst "$UDP_BURST" -rate "$UDP_CPU_RATE")
         record "udp_per_core_$flows" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(c>0) printf "%.0f", (s+r)/c}')"
       done
     done
@@ -274,7 +289,7 @@ if want udprt; then
       for p in direct dnat nginx socat gofloor proxy; do
         runs "$p" || continue
         b0=$(busyticks)
-        out=$(N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 1400 -flows "$flows" -burst "$UDP_BURST" -rate "${UDPRT_RATE:-10000}")
+        out=$(L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 1400 -flows "$flows" -burst "$UDP_BURST" -rate "${UDPRT_RATE:-10000}")
         record "udp_rt_us_$flows" "$p" "$(awk -v t=$(($(busyticks) - b0)) -v hz="$HZ" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(r>0) printf "%.1f", t/hz/r*1e6}')"
       done
     done
@@ -307,20 +322,32 @@ restart_proxy() {
   start_proxy "$@"
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "proxy did not come back" >&2; exit 1; }
 }
+# A fresh process for path $1 before a memory count, the same for every path:
+# one that carried the throughput tests holds what it grew meanwhile.
+restart_path() {
+  case $1 in
+    proxy) restart_proxy ;;
+    haproxy)
+      kill "$(proxypid haproxy)"; wait_until 10 sh -c "! pgrep -f 'haproxy -f $work' >/dev/null"
+      start_haproxy ;;
+    nginx)
+      kill "$(cat "$work/nginx.pid")"; wait_until 10 sh -c "! pgrep -P $(cat "$work/nginx.pid") >/dev/null && ! [ -e $work/nginx.pid ]"
+      start_nginx ;;
+  esac
+  wait_until 10 N client curl -s --max-time 1 "http://${VIP[$1]}:8080/" >/dev/null || { echo "$1 did not come back" >&2; exit 1; }
+}
 for p in haproxy nginx proxy; do
   want idle || break
   runs "$p" || continue
   [ "$SMOKE" = 1 ] && [ "$p" != proxy ] && continue
   for n in $IDLE_NS; do
-    if [ "$p" = proxy ]; then
-      # A fresh daemon: the one that ran the throughput tests has a grown heap that the Go runtime may hand back
-      # while the connections open, which made the RSS delta meaningless (even negative).
-      restart_proxy
-    fi
+    # A fresh process: the one that ran the throughput tests has a grown heap that the Go runtime may hand back
+    # while the connections open, which made the RSS delta meaningless (even negative).
+    restart_path "$p"
     pid=$(proxypid "$p")
     fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
     mkfifo "$work/hold"
-    N client "$BIN/loadgen" -mode idle -addr "${VIP[$p]}:9000" -n "$n" <"$work/hold" >"$work/idle.out" 2>&1 &
+    L client "$BIN/loadgen" -mode idle -addr "${VIP[$p]}:9000" -n "$n" <"$work/hold" >"$work/idle.out" 2>&1 &
     lg=$!
     exec 9>"$work/hold"
     wait_until 120 grep -q ready "$work/idle.out" || { echo "idle $p $n failed: $(cat "$work/idle.out")" >&2; }
@@ -345,11 +372,11 @@ FLOWS_N=${FLOWS_N:-2000}
 for p in nginx proxy; do
   want flows || break
   runs "$p" || continue
-  [ "$p" = proxy ] && restart_proxy --udp-timeout 2s
+  if [ "$p" = proxy ]; then restart_proxy --udp-timeout 2s; else restart_path "$p"; fi
   pid=$(proxypid "$p")
   fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
   for round in 1 2; do
-    N client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d 1.5s -size 1400 -flows "$FLOWS_N" -rate "$((FLOWS_N * 4))" >/dev/null
+    L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d 1.5s -size 1400 -flows "$FLOWS_N" -rate "$((FLOWS_N * 4))" >/dev/null
     if [ "$p" = proxy ] && [ "$round" = 1 ]; then
       wait_until 20 sh -c "[ \$(for q in $pid; do ls /proc/\$q/fd; done | wc -l) -le $fd0 ]" || echo "UDP flows of $p did not expire" >&2
     fi
@@ -359,6 +386,11 @@ for p in nginx proxy; do
 done
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
+# cell METRIC PATH: the median and, with more than one run, the spread of the runs (min–max).
+cell() {
+  awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | sort -g |
+    awk '{v[NR]=$1} END{if(NR==0){print "—"} else if(NR==1 || v[1]==v[NR]){print v[int((NR+1)/2)]} else {printf "%s (%s–%s)\n", v[int((NR+1)/2)], v[1], v[NR]}}'
+}
 
 table="$work/table.md"
 {
@@ -372,7 +404,7 @@ table="$work/table.md"
   while read -r m label; do
     grep -q "^$m " "$results" || continue # a figure this run did not measure
     row="| $label"
-    for p in $PATHS; do row="$row | $(value "$m" "$p")"; done
+    for p in $PATHS; do row="$row | $(cell "$m" "$p")"; done
     if runs gofloor; then
       row="$row | $(ratio "$(value "$m" gofloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" proxy)" "$(value "$m" gofloor)")"
     fi
@@ -411,7 +443,8 @@ cat "$table"
 echo
 if want prog; then
   echo "Rule programming (progbench):"
-  go build -o "$BIN/progbench" ./test/bench/progbench && "$BIN/progbench" -daemon "$BIN/kube-userspace-proxy" -n "$PROG_N" -runs "$PROG_RUNS" -types "${PROG_TYPES:-ClusterIP,NodePort}" >"$work/prog.md" 2>/dev/null
+  go build -o "$BIN/progbench" ./test/bench/progbench && "$BIN/progbench" -daemon "$BIN/kube-userspace-proxy" -n "$PROG_N" -runs "$PROG_RUNS" -types "${PROG_TYPES:-ClusterIP,NodePort}" >"$work/prog.md" 2>"$work/prog.err" ||
+    { echo "progbench failed:" >&2; tail -20 "$work/prog.err" >&2; exit 1; }
   cat "$work/prog.md"
 fi
 
@@ -432,7 +465,8 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo "Run $(date -u +%Y-%m-%d) on $(nproc) vCPU $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo), Linux $(uname -r);"
     echo "$(haproxy -v | head -1 | cut -d' ' -f1-3), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(iperf3 --version | head -1 | cut -d' ' -f1-2), $(socat -V | sed -n 's/^socat version \([^ ]*\).*/socat \1/p')."
     echo "Command: \`make bench\` (test/bench/bench.sh: $RUNS interleaved runs of ${DUR} s per figure, median; a UDP figure the median of $RUNS interleaved searches of ${UDP_DUR} s tries, each client flow paced by the clock in sends of $UDP_BURST datagrams). Lab: client pod → node → backend pod over veth in network namespaces;"
-    echo "HAProxy (mode tcp, splice-auto), nginx (stream module, TCP and UDP, two workers) and socat listen behind the same kind of REDIRECT as this proxy;"
+    echo "Pinned: each proxy (this one, HAProxy, nginx, socat, the Go floors) on CPU $PROXY_CPUS, load generators and the backend on CPU $LOAD_CPUS. Each cell is the median with the runs' spread (min–max)."
+    echo "HAProxy (mode tcp, splice-auto, \`tune.pipesize 1048576\` as our pipes, \`nbthread $PROXY_NCPU\`), nginx (stream module, TCP and UDP, \`worker_processes $PROXY_NCPU\`, \`reuseport\` on every listener) and socat listen behind the same kind of REDIRECT as this proxy;"
     echo "kernel DNAT is what kube-proxy's iptables mode does."
     echo
     cat "$table"

@@ -1,7 +1,35 @@
 # Shared by the benchmark scripts: figures recorded as "metric key value"
 # lines in $results, read back as the median over runs; and the lab setup of
 # bench.sh and sched.sh.
-record() { echo "$1 $2 $3" >>"$results"; } # metric key value
+# record METRIC KEY VALUE keeps one figure. A value that is not a number, or
+# is outside what a working measurement of METRIC can read on any machine
+# (sane_range), stops the script: a renamed field or a failed measurement
+# must not print 0.00× or inf× and pass.
+record() {
+  local lo hi
+  read -r lo hi <<<"$(sane_range "$1")"
+  if ! awk -v v="$3" -v lo="$lo" -v hi="$hi" 'BEGIN{exit !(v ~ /^-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?$/ && v+0 >= lo+0 && v+0 <= hi+0)}'; then
+    echo "bench: the figure $1 of $2 is '$3', not a number in [$lo, $hi]: the measurement broke" >&2
+    exit 1
+  fi
+  echo "$1 $2 $3" >>"$results"
+}
+# sane_range METRIC: "lo hi", the bounds of a working measurement.
+sane_range() {
+  case $1 in
+    tput*) echo "0.01 10000" ;;                   # Gbit/s
+    cpu_per_gb_*) echo "0 1000" ;;                # CPU seconds per GB
+    cps | rps | svc) echo "1 100000000" ;;        # per second
+    cpu_per_*) echo "0 100000000" ;;              # CPU µs per operation
+    p50 | p99 | p999 | lat) echo "0.1 100000000" ;; # µs
+    udp_per_core_*) echo "1 1000000000000" ;;     # datagrams per CPU-second
+    udp_rt_us_*) echo "0.01 1000000000" ;;        # machine CPU µs per round trip
+    udp_flow_kib | idle_kib_*) echo "-64 100000" ;; # KiB (a heap handing memory back reads a little below 0)
+    idle_fd_*) echo "0.5 16" ;;                   # descriptors per connection
+    udp_*) echo "0 1000000000000" ;;              # datagrams/s (0: not even the lowest rate passed)
+    *) echo "-1000000000000000000 1000000000000000000" ;;
+  esac
+}
 jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; } # a number from loadgen's JSON on stdin
 median() { sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int((NR+1)/2)]}}'; }
 value() { awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | median; } # metric key → median

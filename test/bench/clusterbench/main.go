@@ -45,6 +45,7 @@ import (
 type options struct {
 	n, m      int
 	churn     time.Duration
+	page      time.Duration // the live page polled once serving, for its memory
 	rate      int
 	runs      int
 	bin       string
@@ -74,6 +75,7 @@ func main() {
 	flag.StringVar(&o.logLevel, "log-level", "", "pass --log-level to the daemon (debug: each sync's and rule write's duration)")
 	flag.StringVar(&o.logs, "logs", "", "keep the daemons' logs in this directory")
 	flag.StringVar(&o.profile, "profile", "", "write a CPU profile of the daemon during the churn (its first 30 s) to this file")
+	flag.DurationVar(&o.page, "page", 30*time.Second, "how long the live page's requests are made once serving, for its memory (0: not)")
 	flag.Parse()
 	if os.Geteuid() != 0 {
 		fmt.Fprintln(os.Stderr, "clusterbench needs root (a network namespace)")
@@ -223,7 +225,21 @@ func (b *bench) run(ctx context.Context) error {
 	b.record("daemon CPU while the objects streamed in", fmt.Sprintf("%.1f s", d.cpu()-cpu0))
 	b.record("daemon RSS peak while the objects streamed in", mib(d.peak()))
 	time.Sleep(5 * time.Second)
-	b.record("daemon RSS when serving, steady", mib(d.rss()))
+	steady := d.rss()
+	b.record("daemon RSS when serving, steady", mib(steady))
+	if b.o.page > 0 {
+		// The live page open for a while, then closed: its RSS against
+		// the steady figure without it.
+		d.peak()
+		polls, err := b.pollPage(ctx, b.o.page)
+		if err != nil {
+			return fmt.Errorf("the live page's requests: %w", err)
+		}
+		peak, after := d.peak(), d.rss()
+		b.record(fmt.Sprintf("live page polling for %s (%d refreshes): daemon RSS peak, and ÷ steady", b.o.page, polls),
+			fmt.Sprintf("%s (%.2f×)", mib(peak), float64(peak)/float64(steady)))
+		b.record("live page polling: daemon RSS at its end, and ÷ steady", fmt.Sprintf("%s (%.2f×)", mib(after), float64(after)/float64(steady)))
+	}
 	if b.o.heap != "" {
 		if err := b.save("/debug/pprof/heap?gc=1", b.o.heap, time.Minute); err != nil {
 			return fmt.Errorf("heap profile: %w", err)
@@ -781,6 +797,55 @@ func (b *bench) churn(ctx context.Context) error {
 // cpuProfile saves the daemon's CPU profile over d to the -profile file.
 func (b *bench) cpuProfile(d time.Duration) error {
 	return b.save(fmt.Sprintf("/debug/pprof/profile?seconds=%d", int(d.Seconds())), b.o.profile, d+30*time.Second)
+}
+
+// pageRequests are what the live page fetches on each refresh
+// (cmd/kube-userspace-proxy/ui/index.html, refresh()): at once, and the next
+// refresh a second after the last answer.
+var pageRequests = []string{"/debug/services", "/debug/connections?limit=500", "/debug/log?n=50", "/debug/rules?format=json"}
+
+// pollPage makes the live page's requests for d, as the page does, and
+// returns how many refreshes it made.
+func (b *bench) pollPage(ctx context.Context, d time.Duration) (int, error) {
+	c := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DialContext: cluster.DialContextIn(b.ns)}}
+	get := func(path string) error {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1:10249"+path, nil)
+		if err != nil {
+			return err
+		}
+		req.Header.Set("Accept", "application/json")
+		resp, err := c.Do(req)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+			return err
+		}
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("GET %s: %s", path, resp.Status)
+		}
+		return nil
+	}
+	end := time.Now().Add(d)
+	n := 0
+	for ; time.Now().Before(end); n++ {
+		errs := make(chan error, len(pageRequests))
+		for _, path := range pageRequests {
+			go func() { errs <- get(path) }()
+		}
+		for range pageRequests {
+			if err := <-errs; err != nil {
+				return n, err
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return n, ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+	return n, nil
 }
 
 // save writes what the daemon's metrics server answers on path to file.

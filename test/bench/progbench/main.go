@@ -46,6 +46,7 @@ func main() {
 		os.Exit(outer())
 	}
 	var results []result
+	var spreads []spread
 	for _, typ := range strings.Split(*types, ",") {
 		typ = strings.TrimSpace(typ)
 		if typ != "ClusterIP" && typ != "NodePort" {
@@ -67,11 +68,24 @@ func main() {
 				all = append(all, res)
 			}
 			results = append(results, median(all))
+			spreads = append(spreads, spread(all))
 		}
 	}
 	fmt.Printf("| Services | service ports | empty → serving | one Service added | one Service removed |\n|---|---:|---:|---:|---:|\n")
+	for i, r := range results {
+		sp := spreads[i]
+		fmt.Printf("| %s | %d | %.3f s%s | %.1f ms%s | %.1f ms%s |\n", r.Type, r.Ports,
+			r.EmptyToAll, sp.show(func(r result) float64 { return r.EmptyToAll }, "%.2f"),
+			r.AddOne*1000, sp.show(func(r result) float64 { return r.AddOne * 1000 }, "%.0f"),
+			r.RemoveOne*1000, sp.show(func(r result) float64 { return r.RemoveOne * 1000 }, "%.0f"))
+	}
+	// The targets, met or missed by how much (median at 10 000 service ports).
 	for _, r := range results {
-		fmt.Printf("| %s | %d | %.3f s | %.1f ms | %.1f ms |\n", r.Type, r.Ports, r.EmptyToAll, r.AddOne*1000, r.RemoveOne*1000)
+		if r.Ports != 10000 {
+			continue
+		}
+		fmt.Printf("\n%s at 10 000: empty → serving %s (target ≤ 1.5 s); one Service added %s (target ≤ 50 ms).\n", r.Type,
+			against(r.EmptyToAll, 1.5, "%.2f s"), against(r.AddOne*1000, 50, "%.0f ms"))
 	}
 	if *jsonOut != "" {
 		data, _ := json.MarshalIndent(results, "", "  ")
@@ -276,6 +290,29 @@ func measure(daemon, typ string, n int) (result, error) {
 	}
 	res.RemoveOne = time.Since(start).Seconds()
 	return res, nil
+}
+
+// spread is the runs of one figure set, for their min–max.
+type spread []result
+
+// show prints " (min–max)" of f over the runs, or nothing for one run.
+func (s spread) show(f func(result) float64, format string) string {
+	if len(s) < 2 {
+		return ""
+	}
+	lo, hi := f(s[0]), f(s[0])
+	for _, r := range s[1:] {
+		lo, hi = min(lo, f(r)), max(hi, f(r))
+	}
+	return " (" + fmt.Sprintf(format, lo) + "–" + fmt.Sprintf(format, hi) + ")"
+}
+
+// against says whether v meets target (at most), or by how much it misses.
+func against(v, target float64, format string) string {
+	if v <= target {
+		return fmt.Sprintf(format+": met", v)
+	}
+	return fmt.Sprintf(format+": missed by "+format, v, v-target)
 }
 
 func median(rs []result) result {
