@@ -331,7 +331,8 @@ restart_path() {
       kill "$(proxypid haproxy)"; wait_until 10 sh -c "! pgrep -f 'haproxy -f $work' >/dev/null"
       start_haproxy ;;
     nginx)
-      kill "$(cat "$work/nginx.pid")"; wait_until 10 sh -c "! pgrep -P $(cat "$work/nginx.pid") >/dev/null && ! [ -e $work/nginx.pid ]"
+      local master; master=$(cat "$work/nginx.pid")
+      kill "$master"; wait_until 10 sh -c "! pgrep -P $master >/dev/null && ! [ -e $work/nginx.pid ]"
       start_nginx ;;
   esac
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[$1]}:8080/" >/dev/null || { echo "$1 did not come back" >&2; exit 1; }
