@@ -69,6 +69,23 @@ func (p *Proxier) Status() []FrontendStatus {
 	return out
 }
 
+// StatusPage is Status for the frontends offset to offset+limit of the
+// sorted view, and how many there are: a page of a big node's listeners
+// costs what the page holds, not what the node does.
+func (p *Proxier) StatusPage(offset, limit int) (page []FrontendStatus, total int) {
+	r := p.rec
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	view := r.sortedLocked()
+	window := view[min(offset, len(view)):]
+	window = window[:min(limit, len(window))]
+	page = make([]FrontendStatus, 0, len(window))
+	for _, fe := range window {
+		page = append(page, r.statusLocked(fe))
+	}
+	return page, len(view)
+}
+
 // statusLocked is fe's status; r.mu is held.
 func (r *reconciler) statusLocked(fe config.Frontend) FrontendStatus {
 	st := FrontendStatus{Frontend: fe, Zone: r.viewZone, Topology: config.TopologyNone}

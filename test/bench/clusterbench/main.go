@@ -801,8 +801,14 @@ func (b *bench) cpuProfile(d time.Duration) error {
 
 // pageRequests are what the live page fetches on each refresh
 // (cmd/kube-userspace-proxy/ui/index.html, refresh()): at once, and the next
-// refresh a second after the last answer.
-var pageRequests = []string{"/debug/services", "/debug/connections?limit=500", "/debug/log?n=50", "/debug/rules?format=json"}
+// refresh a second after the last answer; the rules every rulesEvery
+// refreshes, from the first.
+var pageRequests = []string{"/debug/services?limit=500", "/debug/connections?limit=500", "/debug/log?n=50"}
+
+const (
+	pageRules  = "/debug/rules?format=json"
+	rulesEvery = 10
+)
 
 // pollPage makes the live page's requests for d, as the page does, and
 // returns how many refreshes it made.
@@ -830,11 +836,15 @@ func (b *bench) pollPage(ctx context.Context, d time.Duration) (int, error) {
 	end := time.Now().Add(d)
 	n := 0
 	for ; time.Now().Before(end); n++ {
-		errs := make(chan error, len(pageRequests))
-		for _, path := range pageRequests {
+		paths := pageRequests
+		if n%rulesEvery == 0 {
+			paths = append(slices.Clone(paths), pageRules)
+		}
+		errs := make(chan error, len(paths))
+		for _, path := range paths {
 			go func() { errs <- get(path) }()
 		}
-		for range pageRequests {
+		for range paths {
 			if err := <-errs; err != nil {
 				return n, err
 			}
