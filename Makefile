@@ -73,7 +73,7 @@ bench-tools: setup-bench build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/gofloor ./test/bench/gofloor
 
-# The data path against direct, kernel DNAT, HAProxy, nginx and socat; writes docs/benchmarks.md (root, ~36 minutes).
+# The data path against direct, kernel DNAT, HAProxy, nginx and socat; writes docs/benchmarks.md (root, ~60 minutes).
 bench: bench-tools
 	BIN=$(BIN) ./test/bench/bench.sh
 

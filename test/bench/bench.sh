@@ -472,6 +472,17 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo
     cat "$table"
     echo
+    echo "The peers' configurations in this run:"
+    echo
+    echo '```'
+    echo "# haproxy -f haproxy.cfg"
+    cat "$work/haproxy.cfg"
+    echo "# nginx -c nginx.conf"
+    sed "s|$work/||" "$work/nginx.conf"
+    echo '```'
+    echo
+    echo "socat: \`socat TCP-LISTEN:PORT,fork,reuseaddr TCP:BACKEND\` (and \`UDP-LISTEN\`); this proxy: \`kube-userspace-proxy --manifests svc.yaml --connection-log none\`."
+    echo
     echo "Rule programming in the same run:"
     echo
     cat "$work/prog.md"
