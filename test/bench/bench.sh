@@ -114,7 +114,7 @@ worker_processes $PROXY_NCPU;
 worker_rlimit_nofile 20000;
 pid $work/nginx.pid;
 error_log $work/nginx.log warn;
-events { worker_connections 10000; }
+events { worker_connections 16000; } # 5000 idle connections are 10 000 (client and upstream) in one worker
 stream {
   server { listen 58080 reuseport; proxy_pass 10.251.19.12:8080; }
   server { listen 59000 reuseport; proxy_pass 10.251.19.12:9000; proxy_timeout 1h; }
