@@ -68,21 +68,17 @@ func udpTargets(frontends []config.Frontend) map[udpTarget]uint16 {
 		if fe.Err != nil {
 			port = 0
 		}
-		add := func(addrs []netip.Addr) {
+		addAs := func(local bool, addrs []netip.Addr) {
 			for _, a := range addrs {
 				if config.Family(a) == fe.Family {
-					out[udpTarget{addr: a, port: uint16(sp.Port)}] = port
+					out[udpTarget{addr: a, port: uint16(sp.Port), local: local}] = port
 				}
 			}
 		}
+		add := func(addrs []netip.Addr) { addAs(false, addrs) }
 		if fe.ServesLocalClients() {
-			for _, addrs := range [][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs} {
-				for _, a := range addrs {
-					if config.Family(a) == fe.Family {
-						out[udpTarget{addr: a, port: uint16(sp.Port), local: true}] = port
-					}
-				}
-			}
+			addAs(true, sp.ExternalIPs)
+			addAs(true, sp.LoadBalancerIPs)
 			if sp.NodePort != 0 {
 				out[udpTarget{port: uint16(sp.NodePort), local: true}] = port
 			}
