@@ -53,9 +53,11 @@ N ip route add default via 10.250.0.2
 
 # The Services' one endpoint, and the servers of the node's own traffic. The
 # node's own servers run on the first CPU and their clients on the last, so
-# that where the scheduler puts them does not drown what the rules cost.
+# that where the scheduler puts them does not drown what the rules cost. The
+# daemon and the Services' endpoint run beside the servers: the clients'
+# CPU measures the same work with and without the daemon.
 srv_cpu=0; cli_cpu=$(($(nproc) - 1))
-N "$BIN/backend" --name ep --tcp 10.250.0.1:9000 --udp "" >/dev/null 2>&1 &
+N taskset -c "$srv_cpu" "$BIN/backend" --name ep --tcp 10.250.0.1:9000 --udp "" >/dev/null 2>&1 &
 N taskset -c "$srv_cpu" "$BIN/backend" --name local --tcp 127.0.0.1:8080 --udp "" >/dev/null 2>&1 &
 N taskset -c "$srv_cpu" iperf3 -s -B 127.0.0.1 -p 5201 -D >/dev/null 2>&1
 N taskset -c "$srv_cpu" sockperf server -i 127.0.0.1 -p 11111 --tcp >/dev/null 2>&1 &
@@ -87,10 +89,10 @@ manifests() {
 start_daemon() { # N: serve N service ports; returns when the first and the last answer
   mkdir -p "$work/m$1"
   manifests "$1" >"$work/m$1/services.yaml"
-  # Not through N: $! must be the daemon (ip netns exec execs it), not a subshell.
+  # Not through N: $! must be the daemon (ip netns exec and taskset exec it), not a subshell.
   # --sync-period: the periodic check must not put back the jumps that
   # jumps_off takes out.
-  ip netns exec "$NS" "$BIN/kube-userspace-proxy" --manifests "$work/m$1" --connection-log none --log-level warn --sync-period 1h \
+  ip netns exec "$NS" taskset -c "$srv_cpu" "$BIN/kube-userspace-proxy" --manifests "$work/m$1" --connection-log none --log-level warn --sync-period 1h \
     --metrics-bind-address "" --healthz-bind-address "" >>"$work/daemon.log" 2>&1 &
   daemon_pid=$!
   local last; last=$(cat "$work/last-ip")
