@@ -14,36 +14,166 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// DialTCP connects to ep within timeout, or until ctx is done. The socket
+// DialTCP connects to ep within timeout, or until ctx is done, from the
+// address the kernel chooses (the node's on the route to ep). The socket
 // gets TCP_NODELAY and keep-alive (the kernel's probe count). Errors are
 // *net.OpError; DialFailure names them.
 func DialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*Conn, error) {
+	c, _, err := DialTCPFrom(ctx, ep, timeout, Source{})
+	return c, err
+}
+
+// Source says whose address the backend sees on a dialled connection. The
+// zero Source leaves it to the kernel: the node's.
+type Source struct {
+	// Client is the address the backend should see. A local address of
+	// this node (a client on the node itself) is bound; any other, with
+	// NAT, is set through a conntrack source NAT (clientnat.go); a
+	// loopback one is never used (no reply could come back to it).
+	Client netip.Addr
+	NAT    *ClientNAT
+}
+
+// Dialed says what a dial's Source came to.
+type Dialed struct {
+	// Sees is the address the backend sees: the Source's, or invalid for
+	// the node's address (the zero Source, or a Source that could not be
+	// used).
+	Sees netip.Addr
+	// SourceErr is why a Source could not be used; the connection was
+	// made from the node's address all the same.
+	SourceErr error
+}
+
+// natAttempts bounds the sockets a dial tries when the conntrack entry of
+// the port it bound is still there (an earlier connection's TIME_WAIT).
+const natAttempts = 3
+
+// DialTCPFrom is DialTCP from src: the backend sees the client's address
+// (src.Client, src.Bind) where it can; where it cannot, the node's, never
+// a failed connection.
+func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src Source) (*Conn, Dialed, error) {
 	family := familyOf(ep)
-	fd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-	if errno != 0 {
-		return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
-	}
-	for _, o := range connOptions {
-		_ = o.set(int(fd)) // on a fresh socket of our own they cannot fail but for ENOMEM
+	var d Dialed
+	var fd int
+	var local netip.AddrPort // the bound address whose conntrack entry was created
+	for attempt := 1; ; attempt++ {
+		sfd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if errno != 0 {
+			return nil, d, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
+		}
+		fd = int(sfd)
+		for _, o := range connOptions {
+			_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
+		}
+		var err error
+		local, d, err = bindSource(fd, ep, src)
+		if errors.Is(err, syscall.EEXIST) && attempt < natAttempts {
+			unix.Close(fd)
+			continue
+		}
+		if err != nil {
+			d = Dialed{SourceErr: err}
+		}
+		break
 	}
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
-	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, fd, uintptr(unsafe.Pointer(&sa)), uintptr(n))
+	_, _, errno := unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n))
 	if errno != 0 && errno != unix.EINPROGRESS && errno != unix.EINTR {
-		unix.Close(int(fd))
-		return nil, dialError(ep, errno)
+		unix.Close(fd)
+		src.release(local, ep)
+		return nil, d, dialError(ep, errno)
 	}
-	c, err := newConn(int(fd))
+	c, err := newConn(fd)
 	if err != nil {
-		return nil, err
+		src.release(local, ep)
+		return nil, d, err
 	}
 	// The handshake has often finished inside connect: look at the state
 	// before waiting, which saves a park on the poller.
 	if err := c.awaitConnect(ctx, timeout); err != nil {
 		c.Close()
-		return nil, dialError(ep, err)
+		src.release(local, ep)
+		return nil, d, dialError(ep, err)
 	}
-	return c, nil
+	return c, d, nil
+}
+
+// bindSource binds fd as src asks before it connects to ep and returns
+// the bound address when it created a conntrack entry for it.
+func bindSource(fd int, ep netip.AddrPort, src Source) (netip.AddrPort, Dialed, error) {
+	client := src.Client.Unmap()
+	if !client.IsValid() || client.IsLoopback() {
+		return netip.AddrPort{}, Dialed{}, nil
+	}
+	if client.Is4() != ep.Addr().Is4() {
+		return netip.AddrPort{}, Dialed{}, fmt.Errorf("the client %s and the endpoint %s are of two families", client, ep)
+	}
+	// A client on the node itself: its own address, if it is one of ours.
+	err := bindTo(fd, netip.AddrPortFrom(client, 0))
+	if err == nil {
+		return netip.AddrPort{}, Dialed{Sees: client}, nil
+	}
+	if !errors.Is(err, syscall.EADDRNOTAVAIL) {
+		return netip.AddrPort{}, Dialed{}, err
+	}
+	if src.NAT == nil {
+		return netip.AddrPort{}, Dialed{}, nil
+	}
+	from, err := routeSource(ep)
+	if err != nil {
+		return netip.AddrPort{}, Dialed{}, err
+	}
+	if err := bindTo(fd, netip.AddrPortFrom(from, 0)); err != nil {
+		return netip.AddrPort{}, Dialed{}, err
+	}
+	local, err := localAddr(fd)
+	if err != nil {
+		return netip.AddrPort{}, Dialed{}, err
+	}
+	if err := src.NAT.claim(unix.IPPROTO_TCP, local, ep, client); err != nil {
+		return netip.AddrPort{}, Dialed{}, fmt.Errorf("conntrack source NAT to %s: %w", client, err)
+	}
+	return local, Dialed{Sees: client}, nil
+}
+
+// release deletes the conntrack entry a failed dial from local created.
+func (src Source) release(local, ep netip.AddrPort) {
+	if local.IsValid() {
+		_ = src.NAT.release(unix.IPPROTO_TCP, local, ep)
+	}
+}
+
+// bindTo binds fd to ap.
+func bindTo(fd int, ap netip.AddrPort) error {
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ap, familyOf(ap))
+	if _, _, errno := unix.RawSyscall(unix.SYS_BIND, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
+		return os.NewSyscallError("bind", errno)
+	}
+	return nil
+}
+
+// routeSource is the address the kernel would send from to ep: a UDP
+// socket's connect looks the route up and sends nothing.
+func routeSource(ep netip.AddrPort) (netip.Addr, error) {
+	family := familyOf(ep)
+	fd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if errno != 0 {
+		return netip.Addr{}, os.NewSyscallError("socket", errno)
+	}
+	defer unix.Close(int(fd))
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ep, family)
+	if _, _, errno := unix.RawSyscall(unix.SYS_CONNECT, fd, uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
+		return netip.Addr{}, fmt.Errorf("route to %s: %w", ep, os.NewSyscallError("connect", errno))
+	}
+	local, err := localAddr(int(fd))
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	return local.Addr(), nil
 }
 
 // awaitConnect waits until the non-blocking connect on c is done.

@@ -1,0 +1,223 @@
+package sock
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
+)
+
+var labSeq atomic.Int32
+
+// natLab is a node namespace and a backend namespace on one veth link
+// (10.0.2.1 and 10.0.2.2, fd00:2::1 and fd00:2::2), the backend's default
+// route through the node, and conntrack on in the node (a MASQUERADE rule
+// no packet matches: conntrack follows a namespace's connections only once
+// a rule needs it, as the daemon's REDIRECT rules do).
+type natLab struct{ node, backend string }
+
+func newNATLab(t *testing.T) natLab {
+	t.Helper()
+	testutil.RequireRoot(t, "it creates network namespaces")
+	n := labSeq.Add(1)
+	l := natLab{node: fmt.Sprintf("kupnatn%d-%d", os.Getpid(), n), backend: fmt.Sprintf("kupnatb%d-%d", os.Getpid(), n)}
+	t.Cleanup(func() {
+		_ = exec.Command("ip", "netns", "del", l.node).Run()
+		_ = exec.Command("ip", "netns", "del", l.backend).Run()
+	})
+	for _, c := range [][]string{
+		{"ip", "netns", "add", l.node},
+		{"ip", "netns", "add", l.backend},
+		{"ip", "-n", l.node, "link", "set", "lo", "up"},
+		{"ip", "-n", l.backend, "link", "set", "lo", "up"},
+		{"ip", "-n", l.node, "link", "add", "tobe", "type", "veth", "peer", "name", "eth0", "netns", l.backend},
+		{"ip", "-n", l.node, "addr", "add", "10.0.2.1/24", "dev", "tobe"},
+		{"ip", "-n", l.node, "addr", "add", "fd00:2::1/64", "dev", "tobe", "nodad"},
+		{"ip", "-n", l.node, "link", "set", "tobe", "up"},
+		{"ip", "-n", l.backend, "addr", "add", "10.0.2.2/24", "dev", "eth0"},
+		{"ip", "-n", l.backend, "addr", "add", "fd00:2::2/64", "dev", "eth0", "nodad"},
+		{"ip", "-n", l.backend, "link", "set", "eth0", "up"},
+		{"ip", "-n", l.backend, "route", "add", "default", "via", "10.0.2.1"},
+		{"ip", "-n", l.backend, "-6", "route", "add", "default", "via", "fd00:2::1"},
+		{"ip", "netns", "exec", l.node, "iptables", "-w", "-t", "nat", "-A", "POSTROUTING", "-d", "192.0.2.255", "-j", "MASQUERADE"},
+		{"ip", "netns", "exec", l.node, "ip6tables", "-w", "-t", "nat", "-A", "POSTROUTING", "-d", "2001:db8::ff", "-j", "MASQUERADE"},
+	} {
+		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v: %s", strings.Join(c, " "), err, out)
+		}
+	}
+	return l
+}
+
+// in runs fn on a thread in the namespace ns; sockets made there stay in
+// it. The thread ends with its goroutine, never back in the pool.
+func in(t *testing.T, ns string, fn func()) {
+	t.Helper()
+	f, err := os.Open("/run/netns/" + ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			errc <- err
+			return
+		}
+		fn()
+		errc <- nil
+	}()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// peers listens on addr in the backend and sends each accepted
+// connection's peer address to the channel.
+func (l natLab) peers(t *testing.T, addr string) <-chan netip.AddrPort {
+	t.Helper()
+	var ln net.Listener
+	var err error
+	in(t, l.backend, func() { ln, err = net.Listen("tcp", addr) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	got := make(chan netip.AddrPort, 16)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			got <- c.RemoteAddr().(*net.TCPAddr).AddrPort()
+			go func() { // read until the dialer closes: its bytes must be ACKed
+				defer c.Close()
+				var b [64]byte
+				for {
+					if _, err := c.Read(b[:]); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return got
+}
+
+// dialFrom dials ep from the node namespace with src and sends a few bytes,
+// waiting until the backend has acknowledged them: the replies, addressed
+// to whoever the backend saw, found the dialled socket.
+func (l natLab) dialFrom(t *testing.T, ep netip.AddrPort, src Source) Dialed {
+	t.Helper()
+	var c *Conn
+	var d Dialed
+	var err error
+	in(t, l.node, func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		c, d, err = DialTCPFrom(ctx, ep, 5*time.Second, src)
+	})
+	if err != nil {
+		t.Fatalf("dial %s from %+v: %v", ep, src, err)
+	}
+	defer c.Close()
+	if err := c.WriteAll([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, "the backend's ACK of 5 bytes", 5*time.Second, 2*time.Millisecond, func() bool {
+		acked, ok := c.Acked()
+		return ok && acked >= 5
+	})
+	return d
+}
+
+func TestDialFromClientThroughConntrack(t *testing.T) {
+	l := newNATLab(t)
+	var nat *ClientNAT
+	var err error
+	in(t, l.node, func() { nat, err = NewClientNAT(2) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nat.Close()
+	for _, fam := range []int{4, 6} {
+		if err := nat.Probe(fam); err != nil {
+			t.Fatalf("probe IPv%d: %v", fam, err)
+		}
+	}
+	for _, tc := range []struct{ listen, ep, client, node string }{
+		{"10.0.2.2:8080", "10.0.2.2:8080", "10.0.1.2", "10.0.2.1"},
+		{"[fd00:2::2]:8080", "[fd00:2::2]:8080", "fd00:1::2", "fd00:2::1"},
+	} {
+		peers := l.peers(t, tc.listen)
+		ep, client := netip.MustParseAddrPort(tc.ep), netip.MustParseAddr(tc.client)
+		// Many in a row: every dial binds a new port and creates its entry;
+		// none may be left to the kernel's choice.
+		for i := range 50 {
+			d := l.dialFrom(t, ep, Source{Client: client, NAT: nat})
+			if d.SourceErr != nil || d.Sees != client {
+				t.Fatalf("dial %d to %s: %+v, want the backend to see %s", i, ep, d, client)
+			}
+			if p := <-peers; p.Addr() != client {
+				t.Fatalf("dial %d to %s: the backend saw %s, want %s", i, ep, p, client)
+			}
+		}
+		// Without a source the backend sees the node.
+		if d := l.dialFrom(t, ep, Source{}); d.Sees.IsValid() || d.SourceErr != nil {
+			t.Fatalf("zero Source: %+v", d)
+		}
+		if p := <-peers; p.Addr().String() != tc.node {
+			t.Fatalf("zero Source: the backend saw %s, want the node's %s", p, tc.node)
+		}
+		// A client that is the node itself: its own address, bound.
+		node := netip.MustParseAddr(tc.node)
+		if d := l.dialFrom(t, ep, Source{Client: node, NAT: nat}); d.Sees != node || d.SourceErr != nil {
+			t.Fatalf("the node as client: %+v", d)
+		}
+		if p := <-peers; p.Addr() != node {
+			t.Fatalf("the node as client: the backend saw %s", p)
+		}
+	}
+}
+
+// A source NAT that cannot be set up costs the client's address, never the
+// connection: it is made from the node's address, and says why.
+func TestDialFromFallsBackToTheNode(t *testing.T) {
+	l := newNATLab(t)
+	var nat *ClientNAT
+	var err error
+	in(t, l.node, func() { nat, err = NewClientNAT(1) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	nat.Close() // every request fails from here on
+	peers := l.peers(t, "10.0.2.2:8080")
+	d := l.dialFrom(t, netip.MustParseAddrPort("10.0.2.2:8080"), Source{Client: netip.MustParseAddr("10.0.1.2"), NAT: nat})
+	if d.Sees.IsValid() || d.SourceErr == nil {
+		t.Fatalf("got %+v, want the node's address and an error", d)
+	}
+	if p := <-peers; p.Addr().String() != "10.0.2.1" {
+		t.Fatalf("the backend saw %s, want the node's 10.0.2.1", p)
+	}
+	// Loopback clients are never bound: the node's address on the route.
+	d = l.dialFrom(t, netip.MustParseAddrPort("10.0.2.2:8080"), Source{Client: netip.MustParseAddr("127.0.0.1")})
+	if d.Sees.IsValid() {
+		t.Fatalf("a loopback client: %+v, want the node's address", d)
+	}
+	if p := <-peers; p.Addr().String() != "10.0.2.1" {
+		t.Fatalf("a loopback client: the backend saw %s", p)
+	}
+}
