@@ -148,15 +148,17 @@ for run in $(seq "$RUNS"); do
   done
 done
 
-ratios() { # metric with base → median of the per-run ratios (base and with measured back to back)
+ratios() { # metric with base → "median min max" of the per-run ratios (base and with measured back to back)
   paste <(awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results") <(awk -v m="$1" -v p="$3" '$1==m && $2==p {print $3}' "$results") |
-    awk '$2>0 {printf "%.4f\n", $1/$2}' | median
+    awk '$2>0 {printf "%.4f\n", $1/$2}' | sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int((NR+1)/2)], v[1], v[NR]}}'
 }
-fmt() { awk -v r="$1" 'BEGIN{if(r=="—"){print r}else{printf "%.2f×", r}}'; }
+fmt() { # "median min max" → "1.02× (0.97–1.10×)"
+  echo "$1" | awk '$1=="—"{print "—"; next} {if (NF==3 && $2!=$3) printf "%.2f× (%.2f–%.2f×)\n", $1, $2, $3; else printf "%.2f×\n", $1}'
+}
 
 first=$(echo "$TAX_SIZES" | awk '{print $1}')
 rel() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
-echo "Without the daemon → with it serving N service ports (each ratio the median of per-run ratios):"
+echo "Without the daemon → with it serving N service ports (each ratio the median of per-run ratios, their min–max beside it):"
 echo
 echo "| service ports | loopback throughput, Gbit/s | ping-pong p50, µs | new connections/s to a non-service port | connections/s through a ClusterIP |"
 echo "|---:|---|---|---|---:|"
@@ -169,7 +171,7 @@ for n in $TAX_SIZES; do
 done
 echo
 echo "With our rules in the path ÷ with them taken out of it (the daemon serving N service ports, the jumps into its chains"
-echo "deleted and put back; conntrack and the nat hooks on in both, so this is what our rules cost; median of per-run ratios):"
+echo "deleted and put back; conntrack and the nat hooks on in both, so this is what our rules cost; median of per-run ratios, min–max):"
 echo
 echo "| service ports | loopback throughput | ping-pong p50 | new connections/s to a non-service port |"
 echo "|---:|---:|---:|---:|"
@@ -177,7 +179,7 @@ for n in $TAX_SIZES; do
   printf "| %s | %s | %s | %s |\n" "$n" "$(fmt "$(ratios tput "with$n" "off$n")")" "$(fmt "$(ratios lat "with$n" "off$n")")" "$(fmt "$(ratios cps "with$n" "off$n")")"
 done
 echo
-echo "With N service ports against with $first:"
+echo "With N service ports against with $first (ratios of the medians above):"
 echo
 echo "| service ports | loopback throughput | ping-pong p50 | new connections/s to a non-service port | connections/s through a ClusterIP |"
 echo "|---:|---:|---:|---:|---:|"
