@@ -66,6 +66,10 @@ const AnnotationProxyProtocol = "kube-userspace-proxy.io/proxy-protocol"
 // AnnotationScheduler chooses a Service's scheduler: rr, lc, sh or random.
 const AnnotationScheduler = "kube-userspace-proxy.io/scheduler"
 
+// AnnotationBackendSource "node" has a Service's backends see the node's
+// address, never their clients' ("auto", the default: --backend-source-address).
+const AnnotationBackendSource = "kube-userspace-proxy.io/backend-source-address"
+
 // annotationPrefix is the prefix of every annotation this proxy reads.
 const annotationPrefix = "kube-userspace-proxy.io/"
 
@@ -128,6 +132,7 @@ func serviceFields(svc *v1.Service) (*ServicePort, error) {
 		OutlierDetection: svc.Annotations[AnnotationOutlierDetection],
 		Scheduler:        svc.Annotations[AnnotationScheduler],
 		ProxyProtocol:    svc.Annotations[AnnotationProxyProtocol],
+		BackendSource:    svc.Annotations[AnnotationBackendSource],
 		Created:          svc.CreationTimestamp.Time,
 
 		HealthCheckNodePort: int(svc.Spec.HealthCheckNodePort),

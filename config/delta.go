@@ -146,6 +146,7 @@ func ComparePorts(a, b *ServicePort) PortChange {
 		return PortRules
 	case a.AffinityTimeout != b.AffinityTimeout || a.OutlierDetection != b.OutlierDetection ||
 		a.Scheduler != b.Scheduler || a.ProxyProtocol != b.ProxyProtocol || !a.Created.Equal(b.Created) ||
+		a.BackendSource != b.BackendSource ||
 		a.HealthCheckNodePort != b.HealthCheckNodePort || a.TrafficDistribution != b.TrafficDistribution ||
 		!slices.Equal(a.Endpoints, b.Endpoints):
 		return PortBalancing

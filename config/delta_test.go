@@ -18,7 +18,7 @@ func TestComparePortsSeesEveryField(t *testing.T) {
 		"ClusterIPs": PortFrontend, "ExternalIPs": PortFrontend, "LoadBalancerIPs": PortFrontend,
 		"InternalLocal": PortFrontend, "ExternalLocal": PortFrontend,
 		"SourceRanges":    PortRules,
-		"AffinityTimeout": PortBalancing, "Scheduler": PortBalancing, "ProxyProtocol": PortBalancing,
+		"AffinityTimeout": PortBalancing, "Scheduler": PortBalancing, "ProxyProtocol": PortBalancing, "BackendSource": PortBalancing,
 		"Created": PortBalancing, "OutlierDetection": PortBalancing, "HealthCheckNodePort": PortBalancing,
 		"TrafficDistribution": PortBalancing, "Endpoints": PortBalancing,
 	}

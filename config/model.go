@@ -95,6 +95,13 @@ type ServicePort struct {
 	// value is warned about when the listener opens, and sends none.
 	ProxyProtocol string
 
+	// BackendSource is the annotation
+	// kube-userspace-proxy.io/backend-source-address: "node" has the
+	// backends see the node's address, never their clients'; "" and
+	// "auto" follow --backend-source-address; another value is warned
+	// about when the listener opens, and is auto.
+	BackendSource string
+
 	// Created is the Service's creationTimestamp (zero when a manifest has
 	// none): of two Services that claim the same NodePort, the older keeps
 	// it, then the first by namespace/name.

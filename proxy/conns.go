@@ -30,7 +30,8 @@ type connRecord struct {
 	Reason      Reason
 	Attempt     int
 	DialLatency time.Duration
-	dialErrors  []string // "failure endpoint" of every failed dial attempt
+	BackendSees netip.Addr // the source address the backend sees; invalid: the node's
+	dialErrors  []string   // "failure endpoint" of every failed dial attempt
 	shutdown    bool
 	paired      bool // pair is set: the dial succeeded
 
@@ -78,10 +79,21 @@ func (c *connRecord) addDialFailure(ep netip.AddrPort, failure string) {
 	c.mu.Unlock()
 }
 
-func (c *connRecord) setDialLatency(d time.Duration) {
+// setDialed records the dial that succeeded: how long it took and the
+// address its backend sees (invalid: the node's).
+func (c *connRecord) setDialed(d time.Duration, sees netip.Addr) {
 	c.mu.Lock()
-	c.DialLatency = d
+	c.DialLatency, c.BackendSees = d, sees
 	c.mu.Unlock()
+}
+
+// seesName is what the debug table and the connection log say the backend
+// sees: the client's address, or "node".
+func seesName(sees netip.Addr) string {
+	if sees.IsValid() {
+		return sees.String()
+	}
+	return "node"
 }
 
 // ConnInfo is one live connection, for the debug table.
@@ -94,6 +106,9 @@ type ConnInfo struct {
 	Reason      Reason        `json:"reason,omitempty"`
 	Attempts    int           `json:"attempts"`
 	DialLatency time.Duration `json:"dialLatencyNs"`
+	// BackendSees is the source address the backend sees: the client's,
+	// or "node" for the node's ("" before the dial succeeded).
+	BackendSees string        `json:"backendSees,omitempty"`
 	Age         time.Duration `json:"ageNs"`
 	BytesUp     int64         `json:"bytesUp"`
 	BytesDown   int64         `json:"bytesDown"`
@@ -112,6 +127,9 @@ func (c *connRecord) info(now time.Time) ConnInfo {
 		BytesUp: c.up.Load(), BytesDown: c.down.Load()}
 	if c.Endpoint.IsValid() {
 		ci.Endpoint = c.Endpoint.String()
+	}
+	if c.paired {
+		ci.BackendSees = seesName(c.BackendSees)
 	}
 	return ci
 }
@@ -155,7 +173,10 @@ func (c *connRecord) finish(f *frontend, up, down int64, cause Cause) {
 	c.mu.Lock()
 	l := endLine{protocol: config.TCP, client: c.Client, origDst: c.OrigDst.String(), endpoint: c.Endpoint, reason: c.Reason,
 		up: up, down: down, start: c.Start, cause: cause, attempts: c.Attempt + 1, dialLatency: c.DialLatency,
-		dialErrors: c.dialErrors}
+		dialErrors: c.dialErrors, backendSees: seesName(c.BackendSees)}
+	if !c.paired {
+		l.backendSees = ""
+	}
 	c.mu.Unlock()
 	f.logEnd(l)
 }

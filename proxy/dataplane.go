@@ -20,6 +20,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,6 +43,9 @@ type dataplane struct {
 	// ctx ends when the daemon shuts down: dials and UDP read loops
 	// stop with it. Set by start, before any frontend opens.
 	ctx context.Context
+	// clientNAT sets the client's address on backend connections
+	// (source.go); set by start, nil when off or unavailable.
+	clientNAT atomic.Pointer[clientNAT]
 	// connLogLimit bounds the connection log (connlog.go).
 	connLogLimit *connLogLimit
 
@@ -90,6 +94,14 @@ func (d *dataplane) start(ctx context.Context) {
 				_ = parker.Close()
 			}))
 		}
+	}
+	if nat := openClientNAT(d.cfg, runtime.GOMAXPROCS(0)); nat != nil {
+		d.clientNAT.Store(nat)
+		d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
+			<-ctx.Done() // after the connections drained: no dial uses it
+			d.clientNAT.Store(nil)
+			nat.nat.Close()
+		}))
 	}
 	if idle := d.cfg.TCPIdleTimeout; idle > 0 {
 		d.tasks = append(d.tasks, startTask(func(ctx context.Context) { d.conns.sweepIdle(ctx, idle) }))

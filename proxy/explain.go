@@ -118,6 +118,9 @@ type Explanation struct {
 	// AffinityTimeout is ClientIP affinity's timeout ("" without).
 	AffinityTimeout string              `json:"affinityTimeout,omitempty"`
 	Endpoints       []ExplainedEndpoint `json:"endpoints"`
+	// BackendSees is whose address the backend sees for this client (a
+	// live listener's; "" offline).
+	BackendSees string `json:"backendSees,omitempty"`
 	// Next is what the balancer will pick for the client's next connection.
 	Next Prediction `json:"next"`
 	// Live is false when the explanation comes from manifests, with no
@@ -131,7 +134,11 @@ type Explanation struct {
 // start.
 func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Explanation {
 	bal, node, zone := p.rec.balancerOf(fe)
-	return explain(fe, as, client, node, zone, bal, bal != nil)
+	x := explain(fe, as, client, node, zone, bal, bal != nil)
+	if fe.Protocol == config.TCP && client.IsValid() {
+		x.BackendSees = p.backendSees(fe, as, client)
+	}
+	return x
 }
 
 // ExplainPlanned explains a frontend of Plan: no listener, a balancer as a

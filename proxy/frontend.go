@@ -40,6 +40,9 @@ type frontend struct {
 	// proxyProto is the PROXY protocol version of the spec (a string),
 	// read by connection goroutines while the sync goroutine may change it.
 	proxyProto atomic.Value
+	// sourcePolicy decides whose address the backends see (source.go);
+	// replaced by the sync goroutine, read by connection goroutines.
+	sourcePolicy atomic.Pointer[sourcePolicy]
 
 	m   *feMetrics
 	tcp *tcpServer // one of tcp and udp is set
@@ -266,6 +269,10 @@ func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
 	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
 		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
 			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
+	}
+	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(BackendSourceAuto) && v != string(BackendSourceNode) {
+		log.WithField("annotation", config.AnnotationBackendSource).WithField("value", v).
+			Warn("Unknown value (want \"auto\" or \"node\"); using auto")
 	}
 	if v := sp.OutlierDetection; v != prev.OutlierDetection && v != "" && v != "on" && v != "off" {
 		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).

@@ -138,6 +138,14 @@ var (
 		Name: "kube_userspace_proxy_udp_flows_moved_total",
 		Help: "UDP flows ended because their endpoint left the Service or stopped serving: the client's next datagram goes to another endpoint (kube-proxy's UDP conntrack cleanup).",
 	}, []string{"service"})
+	clientAddressAvailable = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_client_address_available",
+		Help: "1 when backends can see their clients' own address in this family (the conntrack source NAT works here); 0: they see the node's.",
+	}, familyLabel)
+	backendSources = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_backend_source_total",
+		Help: "TCP connections dialled, by the address their backend saw: client (the client's own), node (the node's, as kube-proxy's masquerade), fallback (the node's because the client's could not be set up).",
+	}, []string{"source"})
 	connDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kube_userspace_proxy_connection_duration_seconds", Help: "How long proxied TCP connections lasted.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 4, 12),
@@ -151,7 +159,10 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration,
 		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
-		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals)
+		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals, clientAddressAvailable, backendSources)
+	for _, fam := range familyNames(nil) {
+		clientAddressAvailable.WithLabelValues(fam)
+	}
 }
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking

@@ -54,6 +54,13 @@ type Config struct {
 	MinSyncPeriod time.Duration // at most one sync per period (bursts are merged); 0: no limit
 	SyncPeriod    time.Duration // rules are re-checked this often; 30 s when 0
 
+	// BackendSource is --backend-source-address: whose address backends
+	// see (source.go); "" is auto.
+	BackendSource BackendSource
+	// LocalTraffic is --detect-local-mode and its values: the pods of this
+	// node, whose own address their backends see.
+	LocalTraffic config.LocalTraffic
+
 	// Rules programs the kernel redirects; nil means none (listeners only).
 	Rules Rules
 	// ServiceHealth serves the Services' health check node ports

@@ -89,6 +89,7 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 // a backend it says why.
 func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 	client := c.Client.Addr()
+	dst := c.origDst()
 	timeouts := f.dp.cfg.dialTimeouts()
 	for attempt, timeout := range timeouts {
 		ep, why, ok := f.bal.Pick(client, attempt)
@@ -102,12 +103,14 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		c.setBackend(ep, why, attempt)
 		start := time.Now()
 		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
-		conn, err := sock.DialTCP(f.dp.ctx, ep, timeout)
+		src, wanted := f.source(c.Client, dst, ep)
+		conn, dialed, err := sock.DialTCPFrom(f.dp.ctx, ep, timeout, src)
 		if err == nil {
 			err = f.sendProxyHeader(conn, c)
 		}
 		if err == nil {
-			c.setDialLatency(time.Since(start))
+			c.setDialed(time.Since(start), dialed.Sees)
+			f.countSource(c, ep, dialed, wanted)
 			f.report(ep, "")
 			return conn, causeNone
 		}

@@ -98,6 +98,7 @@ type fileConfig struct {
 		MaxEjectionTime     *string `json:"maxEjectionTime,omitempty"`
 	} `json:"outlierDetection,omitempty"`
 	ConnectionLog     *string  `json:"connectionLog,omitempty"`
+	BackendSource     *string  `json:"backendSourceAddress,omitempty"`
 	ConnectionLogRate *float64 `json:"connectionLogRate,omitempty"`
 	// SchedulingPolicy is --scheduling-policy.
 	SchedulingPolicy *string `json:"schedulingPolicy,omitempty"`
@@ -230,6 +231,7 @@ func (fc *fileConfig) settings() []setting {
 	ptr("parkIdleAfter", "park-idle-after", fc.ParkIdleAfter)
 	ptr("udpMaxFlows", "udp-max-flows", fc.UDPMaxFlows)
 	ptr("shutdownGrace", "shutdown-grace", fc.ShutdownGrace)
+	ptr("backendSourceAddress", "backend-source-address", fc.BackendSource)
 	if o := fc.Outlier; o != nil {
 		ptr("outlierDetection.consecutiveFailures", "outlier-consecutive-failures", o.ConsecutiveFailures)
 		ptr("outlierDetection.baseEjectionTime", "outlier-base-ejection-time", o.BaseEjectionTime)

@@ -58,7 +58,7 @@ func (o *options) configz(node string) map[string]any {
 		},
 		"kube-userspace-proxy": map[string]any{
 			"manifests": o.manifests, "tcpIdleTimeout": d(o.tcpIdleTimeout), "parkIdleAfter": d(o.parkIdleAfter),
-			"udpMaxFlows": o.udpMaxFlows, "shutdownGrace": d(o.shutdownGrace),
+			"udpMaxFlows": o.udpMaxFlows, "shutdownGrace": d(o.shutdownGrace), "backendSourceAddress": string(o.backendSource),
 			"outlierDetection": map[string]any{
 				"consecutiveFailures": o.outlier.ConsecutiveFailures,
 				"baseEjectionTime":    d(o.outlier.BaseEjectionTime), "maxEjectionTime": d(o.outlier.MaxEjectionTime),

@@ -121,6 +121,9 @@ func describeStep(say func(string, ...any), s iptables.Step) {
 
 func describeNext(say func(string, ...any), client string, x *proxy.Explanation) {
 	n := x.Next
+	if x.BackendSees != "" {
+		say("The backend sees %s.", x.BackendSees)
+	}
 	if n.Pin != nil {
 		if n.PinIgnored != "" {
 			say("Affinity: %s was pinned to %s until %s; the pin is not followed: %s.", client, n.Pin.Endpoint, n.Pin.Expires.Format(time.RFC3339), n.PinIgnored)

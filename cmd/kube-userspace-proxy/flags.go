@@ -48,6 +48,8 @@ type options struct {
 	metricsAddr      string
 	profiling        bool
 	connLog          string
+	backendSource    proxy.BackendSource
+	rawBackendSource string
 	connLogRate      float64
 	schedPolicy      string
 	configFile       string
@@ -182,6 +184,7 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.StringVar(&o.adminSocket, "admin-socket", "/run/kube-userspace-proxy/admin.sock", "The unix socket for what changes the daemon's state (/debug/drain): its folder root-only, its peers checked (SO_PEERCRED). Empty: none.")
 	fs.BoolVar(&o.drainOnMetrics, "drain-on-metrics-address", false, "Also serve /debug/drain on the metrics address, as before the admin socket: any local process (and any hostNetwork pod) that reaches that address can then drain endpoints.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
+	fs.StringVar(&o.rawBackendSource, "backend-source-address", "auto", "Whose address backends see: auto (the client's own where kube-proxy keeps it — a pod of this node or the node itself calling a ClusterIP, any client of an externalTrafficPolicy: Local Service — and the node's elsewhere, as kube-proxy's masquerade) or node (always the node's, as the classic userspace proxy). A Service opts out with the annotation kube-userspace-proxy.io/backend-source-address: \"node\".")
 	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
 	fs.Float64Var(&o.connLogRate, "connection-log-rate", proxy.DefaultConnLogRate, "The most connection log lines per second (twice as many in a burst); those over it are counted and the count logged. 0: no limit (with --connection-log all on a busy node, raise it or expect counts).")
 	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
@@ -266,6 +269,9 @@ func (o *options) check(raw *rawFlags) error {
 			return fmt.Errorf("%s: %q is not a CIDR", o.name("nodeport-addresses"), a)
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
+	}
+	if o.backendSource, err = proxy.ParseBackendSource(o.rawBackendSource); err != nil {
+		return fmt.Errorf("%s: %w", o.name("backend-source-address"), err)
 	}
 	if err := o.checkLocal(raw); err != nil {
 		return err

@@ -321,6 +321,8 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		ConnLog:             log.WithField("component", "conn"),
 		ConnLogMode:         proxy.ConnLogMode(o.connLog),
 		ConnLogRate:         connLogRate(o.connLogRate),
+		BackendSource:       o.backendSource,
+		LocalTraffic:        o.local,
 	})
 }
 

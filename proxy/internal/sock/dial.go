@@ -45,41 +45,26 @@ type Dialed struct {
 	SourceErr error
 }
 
-// natAttempts bounds the sockets a dial tries when the conntrack entry of
-// the port it bound is still there (an earlier connection's TIME_WAIT).
-const natAttempts = 3
-
 // DialTCPFrom is DialTCP from src: the backend sees the client's address
 // (src.Client, src.Bind) where it can; where it cannot, the node's, never
 // a failed connection.
 func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src Source) (*Conn, Dialed, error) {
 	family := familyOf(ep)
-	var d Dialed
-	var fd int
-	var local netip.AddrPort // the bound address whose conntrack entry was created
-	for attempt := 1; ; attempt++ {
-		sfd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-		if errno != 0 {
-			return nil, d, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
-		}
-		fd = int(sfd)
-		for _, o := range connOptions {
-			_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
-		}
-		var err error
-		local, d, err = bindSource(fd, ep, src)
-		if errors.Is(err, syscall.EEXIST) && attempt < natAttempts {
-			unix.Close(fd)
-			continue
-		}
-		if err != nil {
-			d = Dialed{SourceErr: err}
-		}
-		break
+	sfd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if errno != 0 {
+		return nil, Dialed{}, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
+	}
+	fd := int(sfd)
+	for _, o := range connOptions {
+		_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
+	}
+	local, d, err := bindSource(fd, ep, src)
+	if err != nil {
+		d = Dialed{SourceErr: err}
 	}
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
-	_, _, errno := unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n))
+	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n))
 	if errno != 0 && errno != unix.EINPROGRESS && errno != unix.EINTR {
 		unix.Close(fd)
 		src.release(local, ep)
@@ -132,7 +117,17 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (netip.AddrPort, Dialed, 
 	if err != nil {
 		return netip.AddrPort{}, Dialed{}, err
 	}
-	if err := src.NAT.claim(unix.IPPROTO_TCP, local, ep, client); err != nil {
+	err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, client)
+	if errors.Is(err, syscall.EEXIST) {
+		// The entry of an earlier connection from the same port, which
+		// conntrack keeps for its TIME_WAIT (120 s) after the socket is
+		// gone: this socket holds the port now, so no live connection
+		// has that entry.
+		if err = src.NAT.release(unix.IPPROTO_TCP, local, ep); err == nil || errors.Is(err, syscall.ENOENT) {
+			err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, client)
+		}
+	}
+	if err != nil {
 		return netip.AddrPort{}, Dialed{}, fmt.Errorf("conntrack source NAT to %s: %w", client, err)
 	}
 	return local, Dialed{Sees: client}, nil

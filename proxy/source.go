@@ -1,0 +1,267 @@
+package proxy
+
+// Whose address a backend sees. Where kube-proxy would not masquerade, the
+// client's own: a pod of this node (the local-traffic detection) or the
+// node itself calling a ClusterIP, and any client of an
+// externalTrafficPolicy: Local Service (its endpoints are on this node, so
+// their replies come back here). Everywhere else — an external client of an
+// externalTrafficPolicy: Cluster Service, whose endpoint may be on another
+// node and answer by its own route — the node's, as kube-proxy's masquerade.
+// The client's address is set by a conntrack source NAT (sock.ClientNAT);
+// the node itself is bound.
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+)
+
+// BackendSource is --backend-source-address.
+type BackendSource string
+
+const (
+	// BackendSourceAuto: the client's address where kube-proxy would keep
+	// it, the node's elsewhere.
+	BackendSourceAuto BackendSource = "auto"
+	// BackendSourceNode: always the node's (the classic userspace proxy's).
+	BackendSourceNode BackendSource = "node"
+)
+
+// ParseBackendSource reads a --backend-source-address value ("" is auto).
+func ParseBackendSource(s string) (BackendSource, error) {
+	switch v := BackendSource(strings.ToLower(s)); v {
+	case "", BackendSourceAuto:
+		return BackendSourceAuto, nil
+	case BackendSourceNode:
+		return v, nil
+	}
+	return "", fmt.Errorf("%q is not auto or node", s)
+}
+
+// sourcePolicy is what a frontend's connections need to choose the
+// address their backend sees; made by the sync goroutine, read by the
+// connections' (frontend.source).
+type sourcePolicy struct {
+	// off: the node's address for every client (the flag, the Service's
+	// annotation).
+	off bool
+	// clusterIPs are the Service's ClusterIPs: a connection to one is
+	// internal traffic.
+	clusterIPs []netip.Addr
+	// internalOnly: every connection is internal traffic (the frontend
+	// answers on ClusterIPs only, or serves this node's clients of an
+	// externalTrafficPolicy: Local Service, which kube-proxy treats as
+	// internal).
+	internalOnly bool
+	// externalLocal: external traffic keeps its client's address
+	// (externalTrafficPolicy: Local; its endpoints are all on this node).
+	externalLocal bool
+	// localEndpoints are the endpoints on this node: a pod's reply to a
+	// pod on the same bridge reaches conntrack only through br_netfilter.
+	localEndpoints map[netip.AddrPort]bool
+}
+
+// newSourcePolicy is the policy of key's frontend serving sp on node.
+func newSourcePolicy(cfg *Config, key frontendKey, sp *config.ServicePort, node string) *sourcePolicy {
+	p := &sourcePolicy{
+		off:           cfg.BackendSource == BackendSourceNode || sp.BackendSource == string(BackendSourceNode),
+		clusterIPs:    sp.ClusterIPs,
+		internalOnly:  key.Kind == config.KindInternal || key.Kind == config.KindLocalClients,
+		externalLocal: sp.ExternalLocal,
+	}
+	for _, ep := range sp.Endpoints {
+		if ep.NodeName == node && node != "" {
+			if p.localEndpoints == nil {
+				p.localEndpoints = map[netip.AddrPort]bool{}
+			}
+			p.localEndpoints[ep.Addr] = true
+		}
+	}
+	return p
+}
+
+// sourceChoice is whose address a connection's backend is meant to see.
+type sourceChoice int
+
+const (
+	sourceNode        sourceChoice = iota // the node's, as kube-proxy's masquerade
+	sourceOff                             // the node's: --backend-source-address or the annotation
+	sourceBindIfLocal                     // the client's when it is one of this node's addresses, else the node's
+	sourceClientNAT                       // the client's, by the conntrack source NAT
+)
+
+// choose is the choice for a connection from client, internal traffic or
+// not.
+func (p *sourcePolicy) choose(cfg *Config, client netip.Addr, internal bool) sourceChoice {
+	switch {
+	case p == nil:
+		return sourceNode
+	case p.off:
+		return sourceOff
+	case internal && cfg.isLocalPod(client):
+		return sourceClientNAT
+	case internal:
+		return sourceBindIfLocal
+	case p.externalLocal:
+		return sourceClientNAT
+	}
+	return sourceNode
+}
+
+// source is the Source of a dial to ep for a connection from client to
+// dst, and whether the client's address is wanted (a Source that cannot
+// give it is a fallback).
+func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
+	p := f.sourcePolicy.Load()
+	addr := client.Addr().Unmap()
+	internal := p != nil && (p.internalOnly || slices.Contains(p.clusterIPs, dst.Addr().Unmap()))
+	switch p.choose(f.dp.cfg, addr, internal) {
+	case sourceBindIfLocal:
+		return sock.Source{Client: addr}, false
+	case sourceClientNAT:
+		nat := f.dp.clientNAT.Load()
+		if p.localEndpoints[ep] && !nat.bridgedFamily(addr) && (f.dp.cfg.isLocalPod(addr) || !f.dp.cfg.detectsPodsByAddress()) {
+			// A pod's reply to a pod on its own bridge would never meet
+			// conntrack: the client would get a stray SYN-ACK.
+			return sock.Source{}, true
+		}
+		// Without the source NAT for this family (the kernel lacks a
+		// piece, said at start) the node's address.
+		return sock.Source{Client: addr, NAT: nat.forFamily(addr)}, true
+	}
+	return sock.Source{}, false
+}
+
+// backendSees says in words whose address a backend of fe sees for a
+// connection from client to the Service's address of kind as (explain).
+func (p *Proxier) backendSees(fe config.Frontend, as string, client netip.Addr) string {
+	key := keyOf(fe)
+	pol := newSourcePolicy(&p.cfg, key, fe.Service, "")
+	internal := pol.internalOnly || as == AsClusterIP
+	switch pol.choose(&p.cfg, client.Unmap(), internal) { // ep not known here: the bridge case is not told
+	case sourceOff:
+		return "the node's address (--backend-source-address node, or the Service's annotation " + config.AnnotationBackendSource + ")"
+	case sourceBindIfLocal:
+		return "the client's own address if it is one of this node's, else the node's (a client that is not a pod of this node by --detect-local-mode)"
+	case sourceClientNAT:
+		if p.dp.clientNAT.Load().forFamily(client.Unmap()) == nil {
+			return "the node's address: the client's cannot be set on this node (see the start log and kube_userspace_proxy_client_address_available)"
+		}
+		return "the client's own address (" + client.Unmap().String() + "), by a conntrack source NAT"
+	}
+	return "the node's address, as kube-proxy's masquerade (an external client of an externalTrafficPolicy: Cluster Service)"
+}
+
+// isLocalPod says whether addr is a pod of this node by the local-traffic
+// detection's CIDRs (ClusterCIDR, NodeCIDR). The interface modes tell pods
+// by the interface their packets arrive on, which an accepted connection
+// does not say: there, only the node's own address is kept for internal
+// traffic.
+func (c *Config) isLocalPod(addr netip.Addr) bool {
+	switch c.LocalTraffic.Mode {
+	case config.LocalModeClusterCIDR, config.LocalModeNodeCIDR:
+		for _, p := range c.LocalTraffic.CIDRs {
+			if p.Contains(addr) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// detectsPodsByAddress says whether the local-traffic detection tells
+// pods by their address (else by their interface, or not at all).
+func (c *Config) detectsPodsByAddress() bool {
+	return c.LocalTraffic.Mode == config.LocalModeClusterCIDR || c.LocalTraffic.Mode == config.LocalModeNodeCIDR
+}
+
+// clientNAT is the dataplane's source NAT, for the families where the
+// kernel has what it needs.
+type clientNAT struct {
+	nat      *sock.ClientNAT
+	families [2]bool // [0]: IPv4, [1]: IPv6
+	// bridged: bridged packets go through netfilter (br_netfilter's
+	// bridge-nf-call-iptables, -ip6tables), so a pod's reply to a pod on
+	// its own bridge meets conntrack.
+	bridged [2]bool
+}
+
+// bridgedFamily says whether bridged packets of addr's family meet
+// conntrack.
+func (c *clientNAT) bridgedFamily(addr netip.Addr) bool {
+	return c != nil && c.bridged[familyIndex(config.Family(addr))]
+}
+
+// forFamily is the source NAT for addr's family, or nil.
+func (c *clientNAT) forFamily(addr netip.Addr) *sock.ClientNAT {
+	if c == nil || !c.families[familyIndex(config.Family(addr))] {
+		return nil
+	}
+	return c.nat
+}
+
+func familyIndex(family int) int { return family / 6 } // 4 → 0, 6 → 1
+
+// openClientNAT opens the dataplane's source NAT and probes it per family;
+// a family the kernel cannot NAT this way is said once, with its reason,
+// and keeps the node's address (clientAddressAvailable tells the metrics).
+func openClientNAT(cfg *Config, sockets int) *clientNAT {
+	if cfg.BackendSource == BackendSourceNode {
+		return nil
+	}
+	nat, err := sock.NewClientNAT(sockets)
+	if err != nil {
+		cfg.log().WithError(err).Warn("Backends see the node's address, not their clients': no conntrack netlink socket (is nf_conntrack_netlink loaded?)")
+		return nil
+	}
+	c := &clientNAT{nat: nat}
+	// IPv4 only for now: a bridged IPv6 reply de-NATed by br_netfilter
+	// did not reach the dialled socket in the lab (IPv6 clients keep the
+	// node's address until that path is proven).
+	for _, fam := range []int{4} {
+		if !cfg.serves(fam) {
+			continue
+		}
+		if err := nat.Probe(fam); err != nil {
+			cfg.log().WithError(err).WithField("family", fam).Warn("Backends see the node's address, not their clients': " +
+				"the kernel cannot create conntrack entries with a source NAT for this family (nf_conntrack_netlink, nf_nat)")
+			continue
+		}
+		c.families[familyIndex(fam)] = true
+		clientAddressAvailable.WithLabelValues(fmt.Sprintf("IPv%d", fam)).Set(1)
+		sysctl := map[int]string{4: "bridge-nf-call-iptables", 6: "bridge-nf-call-ip6tables"}[fam]
+		if v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl); err == nil && strings.TrimSpace(string(v)) == "1" {
+			c.bridged[familyIndex(fam)] = true
+		} else {
+			cfg.log().WithField("family", fam).Warn("Pods calling a pod on this node's bridge show it the node's address: " +
+				"net.bridge." + sysctl + " is not 1 (br_netfilter), so the reply would bypass conntrack; other clients keep theirs")
+		}
+	}
+	return c
+}
+
+// countSource counts whose address the backend of c saw, and says at debug
+// level why it was not the client's when it should have been.
+func (f *frontend) countSource(c *connRecord, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
+	switch {
+	case wanted && !dialed.Sees.IsValid():
+		backendSources.WithLabelValues("fallback").Inc()
+		err := dialed.SourceErr
+		if err == nil {
+			err = errors.New("the source NAT is not available for this client and endpoint (see the start log)")
+		}
+		f.debug(logrus.Fields{"client": c.Client, "endpoint": ep}, err, "Backend sees the node's address, not the client's")
+	case dialed.Sees.IsValid():
+		backendSources.WithLabelValues("client").Inc()
+	default:
+		backendSources.WithLabelValues("node").Inc()
+	}
+}
