@@ -100,16 +100,20 @@ bench-sched: bench-tools
 	BIN=$(BIN) bash test/bench/sched.sh
 
 # N Services × M endpoints (default 10000 × 5) on the real control plane of
-# test/cluster: memory, start → serving, one change's latency, a churn of
-# endpoint changes; writes its table into docs/benchmarks.md (root, ~10 minutes).
-bench-cluster: build
+# test/cluster, for our daemon and kube-proxy (nftables and iptables mode),
+# each in its own namespace: memory, start → serving, one change's latency, a
+# churn of endpoint changes, the node tax at that scale; writes its table into
+# docs/benchmarks.md (root, ~20 minutes; PROXIES=kube-userspace-proxy for ours alone).
+bench-cluster: setup-bench-cluster build
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/clusterbench ./test/bench/clusterbench
-	$(BIN)/clusterbench -bin $(BIN) -n $(or $(N),10000) -m $(or $(M),5) -write docs/benchmarks.md
+	$(BIN)/clusterbench -bin $(BIN) -n $(or $(N),10000) -m $(or $(M),5) $(if $(PROXIES),-proxies $(PROXIES)) -write docs/benchmarks.md
 
-# The same at 200 Services and a 5 s churn, so that it cannot rot (part of make test).
-bench-cluster-smoke: build
+# The same at 200 Services and a 5 s churn, every proxy, so that it cannot rot (part of make test).
+bench-cluster-smoke: setup-bench-cluster build
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/clusterbench ./test/bench/clusterbench
-	$(BIN)/clusterbench -bin $(BIN) -n 200 -m 5 -churn 5s -runs 2 -page 3s
+	$(BIN)/clusterbench -bin $(BIN) -n 200 -m 5 -churn 5s -runs 2 -page 3s -tax-runs 1 -tax-dur 1
 
 # The same harness briefly (just under a minute), so that it cannot rot (part of make test).
 bench-smoke: bench-tools
