@@ -50,7 +50,7 @@ func (b *bench) probeService(ctx context.Context, name string, octet int) (probe
 	if _, err := b.client.DiscoveryV1().EndpointSlices("bench").Create(ctx, slice(name, []string{"10.244.0.1"}, 8080), metav1.CreateOptions{}); err != nil {
 		return p, err
 	}
-	return p, b.until(ctx, time.Minute, func() bool { return b.cur.answer(p.addr) == "A" })
+	return p, b.until(ctx, 3*time.Minute, func() bool { return b.cur.answer(p.addr) == "A" })
 }
 
 // watchEvents records when each Service and EndpointSlice event of the
@@ -128,7 +128,7 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 		return
 	}
 	t := time.Now()
-	if err = b.until(ctx, time.Minute, func() bool { return b.cur.answer(ip+":80") == "A" }); err != nil {
+	if err = b.until(ctx, 3*time.Minute, func() bool { return b.cur.answer(ip+":80") == "A" }); err != nil {
 		return
 	}
 	done := time.Now()
@@ -150,7 +150,7 @@ func (b *bench) oneChange(ctx context.Context, i int) (add, change, del [2]time.
 	var refusedAt time.Time
 	pctx, stopProbes := context.WithCancel(ctx)
 	go func() {
-		err := b.until(pctx, time.Minute, func() bool { return !b.cur.accepts(ip + ":80") })
+		err := b.until(pctx, 3*time.Minute, func() bool { return !b.cur.accepts(ip + ":80") })
 		refusedAt = time.Now()
 		refused <- err
 	}()
@@ -188,7 +188,7 @@ func (b *bench) switchBackend(ctx context.Context, p probe) (time.Duration, time
 		return 0, time.Time{}, err
 	}
 	t := time.Now()
-	err = b.until(ctx, time.Minute, func() bool { return b.cur.answer(p.addr) == want })
+	err = b.until(ctx, 3*time.Minute, func() bool { return b.cur.answer(p.addr) == want })
 	done := time.Now()
 	return done.Sub(t), done, err
 }

@@ -421,9 +421,12 @@ func (b *bench) restart(ctx context.Context, n *node, p *proc) (*proc, error) {
 		b.record("that restart → caches synced (the initial LIST and watch)", secs(listed))
 		b.record("that restart → serving, beyond the initial LIST", secs(serving-listed))
 	}
-	if err := n.watching(ctx, p, time.Minute); err != nil {
-		return nil, err
+	// The changes measured next must not wait for the first sync of a
+	// proxy that serves on the old rules meanwhile (kube-proxy).
+	if err := b.until(ctx, 5*time.Minute, func() bool { return n.syncedSince(t0) }); err != nil {
+		return nil, fmt.Errorf("no sync after the restart: %w\n%s", err, p.tail())
 	}
+	b.record("restart after kill -9 → its first sync done", secs(time.Since(t0)))
 	b.record("RSS peak from that restart to serving", mib(p.peak()))
 	return p, nil
 }

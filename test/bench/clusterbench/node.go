@@ -391,6 +391,31 @@ func (n *node) accepts(addr string) bool {
 	return true
 }
 
+// syncedSince says whether the node's proxy finished a sync after t: its
+// kubeproxy_sync_proxy_rules_last_timestamp_seconds (kube-proxy's metric,
+// and ours by the same name) is at or after t.
+func (n *node) syncedSince(t time.Time) bool {
+	c := &http.Client{Timeout: time.Second, Transport: &http.Transport{DialContext: cluster.DialContextIn(n.ns)}}
+	resp, err := c.Get("http://127.0.0.1:10249/metrics")
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") {
+			continue
+		}
+		f := strings.Fields(line)
+		if v, err := strconv.ParseFloat(f[len(f)-1], 64); err == nil && v >= float64(t.UnixNano())/1e9 {
+			return true
+		}
+	}
+	return false
+}
+
 // answer is the name of the backend that answers http://addr/, or "".
 func (n *node) answer(addr string) string {
 	resp, err := n.http.Get("http://" + addr + "/")
