@@ -122,6 +122,12 @@ func (p *sourcePolicy) choose(cfg *Config, client netip.Addr, internal bool) sou
 func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 	p := f.sourcePolicy.Load()
 	addr := client.Addr().Unmap()
+	if addr == ep.Addr().Unmap() {
+		// Hairpin: a pod reaching itself through its Service. A packet
+		// from its own address would be a martian to it; kube-proxy
+		// masquerades this case too.
+		return sock.Source{}, false
+	}
 	internal := p != nil && (p.internalOnly || slices.Contains(p.clusterIPs, dst.Addr().Unmap()))
 	switch p.choose(f.dp.cfg, addr, internal) {
 	case sourceBindIfLocal:

@@ -89,6 +89,17 @@ func TestBackendSeesTheClient(t *testing.T) {
 	seesOnly(t, l, "ext", "http://192.168.50.1:31342/", "192.168.50.2", 4)
 	seesOnly(t, l, "client", "http://10.96.0.12/", "10.251.19.1", 4) // the annotation
 
+	// Hairpin: pod1 through its own Service reaches itself from the
+	// node's address (as kube-proxy masquerades it), pod2 from its own.
+	for range 8 {
+		body := l.Curl("pod1", "http://10.96.0.10/")
+		name, _, _ := strings.Cut(body, " ")
+		want := map[string]string{"pod1": "10.251.19.1", "pod2": "10.251.19.12"}[name]
+		if want == "" || peerOf(body) != want {
+			t.Fatalf("pod1 → its own Service: %q, want pod1 seeing 10.251.19.1 or pod2 seeing 10.251.19.12", body)
+		}
+	}
+
 	// What the operator reads: the connection log and the metric.
 	waitFor(t, "the connection log names the address the backend saw", func() bool {
 		return strings.Contains(d.Output(), "backendSees=10.251.19.20")

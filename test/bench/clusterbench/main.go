@@ -423,11 +423,11 @@ func (b *bench) restart(ctx context.Context, n *node, p *proc) (*proc, error) {
 	}
 	// The changes measured next must not wait for the first sync of a
 	// proxy that serves on the old rules meanwhile (kube-proxy).
-	if err := b.until(ctx, 5*time.Minute, func() bool { return n.syncedSince(t0) }); err != nil {
+	if err := b.until(ctx, 15*time.Minute, func() bool { return n.syncedSince(t0) }); err != nil {
 		return nil, fmt.Errorf("no sync after the restart: %w\n%s", err, p.tail())
 	}
 	b.record("restart after kill -9 → its first sync done", secs(time.Since(t0)))
-	b.record("RSS peak from that restart to serving", mib(p.peak()))
+	b.record("RSS peak from that restart to its first sync", mib(p.peak()))
 	return p, nil
 }
 
