@@ -9,6 +9,7 @@ package proxy
 //	parker   the epoll set where idle connections wait without a goroutine
 //	conns    every live TCP connection (conns.go)
 //	budget   the descriptor budget of connections, flows and listeners (budget.go)
+//	clientNAT  the conntrack source NAT that shows backends their clients (source.go)
 //
 // A frontend borrows these and never reaches past them: everything live on
 // the data path (listeners, TCP pairs, UDP flows, the balancers' affinity

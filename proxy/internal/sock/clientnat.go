@@ -121,7 +121,7 @@ func (c *ClientNAT) Close() {
 }
 
 // Probe creates and deletes the entry of a connection between two
-// documentation addresses of the family of client (nothing is sent): it
+// documentation addresses of family 4 or 6 (nothing is sent): it
 // fails where the kernel lacks a piece the source NAT needs
 // (nf_conntrack_netlink, NAT for the family).
 func (c *ClientNAT) Probe(family int) error {

@@ -19,6 +19,10 @@
 //     one GSO send) and Receiver (recvmmsg into a pooled batch borrowed
 //     only while datagrams are taken, with the sender's and local
 //     addresses), without an allocation per datagram.
+//   - DialTCPFrom: DialTCP with the client's own address on the backend
+//     connection (a Source: bound when it is the node's, else through a
+//     ClientNAT, which creates the connection's conntrack entry with a
+//     source NAT before its first packet).
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
 //     a UDP port unreachable) and RaiseFileLimit.
