@@ -287,7 +287,7 @@ func (r *reconciler) serve(view []config.Frontend, st *config.State, sp *config.
 			}
 			warnAnnotations(fe.log(), prev, sp)
 			fe.proxyProto.Store(sp.ProxyProtocol)
-			fe.sourcePolicy.Store(newSourcePolicy(r.cfg, key, sp, st.Node))
+			fe.sourcePolicy.Store(newSourcePolicy(r.cfg, key, sp))
 			eps := config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone)
 			fe.bal.Update(eps, sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
 			fe.noLocal.Store(noLocalPolicies(key, sp, len(eps), st.Node, st.Zone))

@@ -13,10 +13,13 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"slices"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -64,28 +67,16 @@ type sourcePolicy struct {
 	// externalLocal: external traffic keeps its client's address
 	// (externalTrafficPolicy: Local; its endpoints are all on this node).
 	externalLocal bool
-	// localEndpoints are the endpoints on this node: a pod's reply to a
-	// pod on the same bridge reaches conntrack only through br_netfilter.
-	localEndpoints map[netip.AddrPort]bool
 }
 
-// newSourcePolicy is the policy of key's frontend serving sp on node.
-func newSourcePolicy(cfg *Config, key frontendKey, sp *config.ServicePort, node string) *sourcePolicy {
-	p := &sourcePolicy{
+// newSourcePolicy is the policy of key's frontend serving sp.
+func newSourcePolicy(cfg *Config, key frontendKey, sp *config.ServicePort) *sourcePolicy {
+	return &sourcePolicy{
 		off:           cfg.BackendSource == BackendSourceNode || sp.BackendSource == string(BackendSourceNode),
 		clusterIPs:    sp.ClusterIPs,
 		internalOnly:  key.Kind == config.KindInternal || key.Kind == config.KindLocalClients,
 		externalLocal: sp.ExternalLocal,
 	}
-	for _, ep := range sp.Endpoints {
-		if ep.NodeName == node && node != "" {
-			if p.localEndpoints == nil {
-				p.localEndpoints = map[netip.AddrPort]bool{}
-			}
-			p.localEndpoints[ep.Addr] = true
-		}
-	}
-	return p
 }
 
 // sourceChoice is whose address a connection's backend is meant to see.
@@ -134,9 +125,9 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 		return sock.Source{Client: addr}, false
 	case sourceClientNAT:
 		nat := f.dp.clientNAT.Load()
-		if p.localEndpoints[ep] && !nat.bridgedFamily(addr) && (f.dp.cfg.isLocalPod(addr) || !f.dp.cfg.detectsPodsByAddress()) {
-			// A pod's reply to a pod on its own bridge would never meet
-			// conntrack: the client would get a stray SYN-ACK.
+		if !nat.repliesComeBack(addr, ep.Addr().Unmap()) {
+			// The endpoint reaches the client on their shared link: its
+			// reply would bypass conntrack, a stray SYN-ACK to the client.
 			return sock.Source{}, true
 		}
 		// Without the source NAT for this family (the kernel lacks a
@@ -150,7 +141,7 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 // connection from client to the Service's address of kind as (explain).
 func (p *Proxier) backendSees(fe config.Frontend, as string, client netip.Addr) string {
 	key := keyOf(fe)
-	pol := newSourcePolicy(&p.cfg, key, fe.Service, "")
+	pol := newSourcePolicy(&p.cfg, key, fe.Service)
 	internal := pol.internalOnly || as == AsClusterIP
 	switch pol.choose(&p.cfg, client.Unmap(), internal) { // ep not known here: the bridge case is not told
 	case sourceOff:
@@ -183,12 +174,6 @@ func (c *Config) isLocalPod(addr netip.Addr) bool {
 	return false
 }
 
-// detectsPodsByAddress says whether the local-traffic detection tells
-// pods by their address (else by their interface, or not at all).
-func (c *Config) detectsPodsByAddress() bool {
-	return c.LocalTraffic.Mode == config.LocalModeClusterCIDR || c.LocalTraffic.Mode == config.LocalModeNodeCIDR
-}
-
 // clientNAT is the dataplane's source NAT, for the families where the
 // kernel has what it needs.
 type clientNAT struct {
@@ -198,12 +183,88 @@ type clientNAT struct {
 	// bridge-nf-call-iptables, -ip6tables), so a pod's reply to a pod on
 	// its own bridge meets conntrack.
 	bridged [2]bool
+	links   nodeLinks
 }
 
-// bridgedFamily says whether bridged packets of addr's family meet
-// conntrack.
-func (c *clientNAT) bridgedFamily(addr netip.Addr) bool {
-	return c != nil && c.bridged[familyIndex(config.Family(addr))]
+// repliesComeBack says whether the endpoint's replies to client pass
+// through this node's netfilter, where the source NAT's entry turns them
+// back to the dial's socket: always when the two are on different links
+// of the node (the endpoint's reply is routed through it), and on one
+// link only when that link is a bridge of this node whose packets go
+// through netfilter (br_netfilter). Two addresses on one link that is not
+// such a bridge (a flat network, another host's bridge) talk directly.
+func (c *clientNAT) repliesComeBack(client, ep netip.Addr) bool {
+	if c == nil {
+		return false
+	}
+	_, bridge, ok := c.links.sameLink(client, ep)
+	if !ok {
+		return true
+	}
+	return bridge && c.bridged[familyIndex(config.Family(client))]
+}
+
+// nodeLinks are the node's connected prefixes by interface, read at most
+// once every linksTTL: which link an address is on, and whether that link
+// is a bridge.
+type nodeLinks struct {
+	mu    sync.Mutex // guards the fields below
+	read  time.Time
+	links []nodeLink
+}
+
+type nodeLink struct {
+	name     string
+	bridge   bool
+	prefixes []netip.Prefix
+}
+
+const linksTTL = 10 * time.Second
+
+// sameLink returns the link both addresses are on, if any.
+func (n *nodeLinks) sameLink(a, b netip.Addr) (name string, bridge, ok bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if time.Since(n.read) > linksTTL {
+		n.refresh()
+	}
+	for _, l := range n.links {
+		if slices.ContainsFunc(l.prefixes, func(p netip.Prefix) bool { return p.Contains(a) }) &&
+			slices.ContainsFunc(l.prefixes, func(p netip.Prefix) bool { return p.Contains(b) }) {
+			return l.name, l.bridge, true
+		}
+	}
+	return "", false, false
+}
+
+// refresh reads the interfaces' prefixes; on an error the old ones stay.
+func (n *nodeLinks) refresh() {
+	n.read = time.Now()
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return
+	}
+	links := make([]nodeLink, 0, len(ifs))
+	for _, ifc := range ifs {
+		addrs, err := ifc.Addrs()
+		if err != nil {
+			continue
+		}
+		l := nodeLink{name: ifc.Name}
+		for _, a := range addrs {
+			if ipn, ok := a.(*net.IPNet); ok {
+				if p, err := netip.ParsePrefix(ipn.String()); err == nil && p.Bits() < p.Addr().BitLen() {
+					l.prefixes = append(l.prefixes, p.Masked())
+				}
+			}
+		}
+		if len(l.prefixes) > 0 {
+			_, err := os.Stat("/sys/class/net/" + ifc.Name + "/bridge")
+			l.bridge = err == nil
+			links = append(links, l)
+		}
+	}
+	n.links = links
 }
 
 // forFamily is the source NAT for addr's family, or nil.
