@@ -7,8 +7,11 @@ package proxy
 // their replies come back here). Everywhere else — an external client of an
 // externalTrafficPolicy: Cluster Service, whose endpoint may be on another
 // node and answer by its own route — the node's, as kube-proxy's masquerade.
-// The client's address is set by a conntrack source NAT (sock.ClientNAT);
-// the node itself is bound.
+// A pod reaching itself through its Service (hairpin) also gets the node's,
+// as kube-proxy masquerades it, and so does any client whose endpoint would
+// answer it on a shared link past this node's netfilter (repliesComeBack).
+// The client's address is set by a conntrack source NAT (sock.ClientNAT,
+// IPv4 for now); the node itself is bound.
 
 import (
 	"errors"
@@ -303,7 +306,7 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 			continue
 		}
 		c.families[familyIndex(fam)] = true
-		clientAddressAvailable.WithLabelValues(fmt.Sprintf("IPv%d", fam)).Set(1)
+		clientAddressAvailable.WithLabelValues(familyNames([]int{fam})...).Set(1)
 		sysctl := map[int]string{4: "bridge-nf-call-iptables", 6: "bridge-nf-call-ip6tables"}[fam]
 		if v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl); err == nil && strings.TrimSpace(string(v)) == "1" {
 			c.bridged[familyIndex(fam)] = true
