@@ -289,11 +289,18 @@ func (n *node) watching(ctx context.Context, p *proc, limit time.Duration) error
 	return nil
 }
 
-// measure measures the proxy of n; the first one also while the objects
-// are created.
+// measure measures the proxy of n; the first one, when ours, also while
+// the objects are created.
 func (b *bench) measure(ctx context.Context, n *node, first bool) error {
-	if first {
+	switch {
+	case first && n.proxy == ours:
 		if err := b.streamIn(ctx, n); err != nil {
+			return err
+		}
+	case first:
+		// kube-proxy's iptables mode takes minutes per sync at 10 000
+		// Services: it starts on the objects in place.
+		if err := b.createAll(ctx); err != nil {
 			return err
 		}
 	}
@@ -574,29 +581,24 @@ func (b *bench) writeTable() error {
 		return err
 	}
 	const begin, end = "<!-- bench-cluster:begin -->", "<!-- bench-cluster:end -->"
-	var t strings.Builder
-	fmt.Fprintf(&t, "%s\n`make bench-cluster` (`%s`), %s; one proxy at a time, each in a network namespace of its own, from the same API server:\n\n| %d Services × %d endpoints |",
-		begin, strings.Join(os.Args, " "), time.Now().UTC().Format("2006-01-02"), b.o.n, b.o.m)
-	for _, p := range b.o.proxies {
-		fmt.Fprintf(&t, " %s |", p)
-	}
-	t.WriteString("\n|---|" + strings.Repeat("---:|", len(b.o.proxies)) + "\n")
-	for _, r := range b.rows {
-		fmt.Fprintf(&t, "| %s |", r)
-		for _, v := range b.cells[r] {
-			if v == "" {
-				v = "—"
-			}
-			fmt.Fprintf(&t, " %s |", v)
-		}
-		t.WriteString("\n")
-	}
-	t.WriteString(end)
 	s := string(data)
-	if i, j := strings.Index(s, begin), strings.Index(s, end); i >= 0 && j > i {
-		s = s[:i] + t.String() + s[j+len(end):]
+	i, j := strings.Index(s, begin), strings.Index(s, end)
+	t := table{corner: fmt.Sprintf("%d Services × %d endpoints", b.o.n, b.o.m)}
+	if i >= 0 && j > i {
+		// Columns this run did not measure stay, with the run they came from,
+		// when they measured the same scale.
+		if old := parseTable(s[i+len(begin) : j]); old.corner == t.corner {
+			t = old
+		}
+	}
+	cmd := fmt.Sprintf("`%s`, %s", strings.Join(os.Args, " "), time.Now().UTC().Format("2006-01-02"))
+	for c, p := range b.o.proxies {
+		t.set(p, cmd, b.rows, func(row string) string { return b.cells[row][c] })
+	}
+	if i >= 0 && j > i {
+		s = s[:i] + begin + "\n" + t.String() + end + s[j+len(end):]
 	} else {
-		s = strings.TrimRight(s, "\n") + "\n\n## The cluster source at scale\n\n" + t.String() + "\n"
+		s = strings.TrimRight(s, "\n") + "\n\n## The cluster source at scale\n\n" + begin + "\n" + t.String() + end + "\n"
 	}
 	return os.WriteFile(b.o.write, []byte(s), 0o644)
 }
