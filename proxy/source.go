@@ -135,7 +135,7 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 		}
 		// Without the source NAT for this family (the kernel lacks a
 		// piece, said at start) the node's address.
-		return sock.Source{Client: addr, NAT: nat.forFamily(addr)}, true
+		return sock.Source{Client: addr, Port: client.Port(), NAT: nat.forFamily(addr)}, true
 	}
 	return sock.Source{}, false
 }
@@ -293,10 +293,7 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		return nil
 	}
 	c := &clientNAT{nat: nat}
-	// IPv4 only for now: a bridged IPv6 reply de-NATed by br_netfilter
-	// did not reach the dialled socket in the lab (IPv6 clients keep the
-	// node's address until that path is proven).
-	for _, fam := range []int{4} {
+	for _, fam := range []int{4, 6} {
 		if !cfg.serves(fam) {
 			continue
 		}

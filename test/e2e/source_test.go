@@ -3,6 +3,7 @@ package e2e
 import (
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"path/filepath"
 	"strconv"
@@ -17,7 +18,7 @@ import (
 
 // sourceManifest is lab/web (ClusterIP, NodePort 31341) with pod1 on this
 // node and pod2 on another, lab/local the same with externalTrafficPolicy
-// Local and an externalIP, and lab/opaque the same as web with the
+// Local, an externalIP and a LoadBalancer IP (203.0.113.12), and lab/opaque the same as web with the
 // annotation that keeps the node's address.
 func sourceManifest() string {
 	other := func(s string) string {
@@ -26,8 +27,8 @@ func sourceManifest() string {
 	}
 	dual := "  clusterIPs: [%s]\n  ipFamilies: [IPv4, IPv6]\n"
 	web := service("web", "NodePort", "10.96.0.10,fd00:96::10", fmt.Sprintf(dual, `10.96.0.10, "fd00:96::10"`), webPorts) + other(slices("web", webSlicePorts, true))
-	local := "---\n" + service("local", "NodePort", "10.96.0.11", "  externalIPs: [203.0.113.10]\n  externalTrafficPolicy: Local\n",
-		strings.ReplaceAll(webPorts, "31341", "31342")) + other(slices("local", webSlicePorts, false))
+	local := "---\n" + service("local", "LoadBalancer", "10.96.0.11", "  externalIPs: [203.0.113.10]\n  externalTrafficPolicy: Local\n",
+		strings.ReplaceAll(webPorts, "31341", "31342")) + "status: {loadBalancer: {ingress: [{ip: 203.0.113.12}]}}\n" + other(slices("local", webSlicePorts, false))
 	opaque := "---\n" + strings.Replace(service("opaque", "ClusterIP", "10.96.0.12", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`),
 		"metadata: {name: opaque, namespace: lab}", "metadata: {name: opaque, namespace: lab, annotations: {kube-userspace-proxy.io/backend-source-address: node}}", 1) +
 		other(slices("opaque", `{name: http, port: 8080, protocol: TCP}`, false))
@@ -82,11 +83,12 @@ func TestBackendSeesTheClient(t *testing.T) {
 
 	// Both endpoints (pod1 "on this node", pod2 "on another"), by round robin.
 	seesOnly(t, l, "client", "http://10.96.0.10/", "10.251.19.20", 8)
-	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::1", 8) // IPv6: the node's, for now (source.go)
+	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::20", 8)
 	seesOnly(t, l, "node", "http://10.96.0.10/", "192.168.50.1", 4)
 	seesOnly(t, l, "ext", "http://192.168.50.1:31341/", "10.251.19.1", 4) // eTP Cluster: masqueraded
 	seesOnly(t, l, "ext", "http://203.0.113.10/", "192.168.50.2", 4)      // eTP Local: the client
 	seesOnly(t, l, "ext", "http://192.168.50.1:31342/", "192.168.50.2", 4)
+	seesOnly(t, l, "ext", "http://203.0.113.12/", "192.168.50.2", 4)
 	seesOnly(t, l, "client", "http://10.96.0.12/", "10.251.19.1", 4) // the annotation
 
 	// Hairpin: pod1 through its own Service reaches itself from the
@@ -105,7 +107,8 @@ func TestBackendSeesTheClient(t *testing.T) {
 		return strings.Contains(d.Output(), "backendSees=10.251.19.20")
 	})
 	metrics := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/metrics")
-	for _, want := range []string{`kube_userspace_proxy_client_address_available{ip_family="IPv4"} 1`, `kube_userspace_proxy_backend_source_total{source="client"}`} {
+	for _, want := range []string{`kube_userspace_proxy_client_address_available{ip_family="IPv4"} 1`,
+		`kube_userspace_proxy_client_address_available{ip_family="IPv6"} 1`, `kube_userspace_proxy_backend_source_total{source="client"}`} {
 		if !strings.Contains(metrics, want) {
 			t.Fatalf("/metrics lacks %s", want)
 		}
@@ -145,6 +148,169 @@ func TestBackendSeesTheClient(t *testing.T) {
 	for err := range errs {
 		if err != nil {
 			t.Fatalf("one of 200 at once: %v", err)
+		}
+	}
+
+	// A client on one fixed source port, connecting again at once: every
+	// connection answered, the backend seeing the client's address. Each
+	// new connection of the daemon to the backend has the reply tuple of
+	// the one before, which it takes over once that one is in TIME_WAIT
+	// (and before, while that one still closes, it shows the client's
+	// address from its own port).
+	for i := range 50 {
+		body, err := getFromPort(l.NS("client"), 40000, "10.96.0.10:80")
+		if err != nil {
+			t.Fatalf("connection %d at once from port 40000: %v", i, err)
+		}
+		if !strings.Contains(body, "(client 10.251.19.20:") {
+			t.Fatalf("connection %d at once from port 40000: the backend answered %q, want it to see 10.251.19.20", i, body)
+		}
+	}
+	for i := range 10 {
+		waitFor(t, "every connection from port 40000 in TIME_WAIT", func() bool {
+			out, err := l.Exec("node", "conntrack", "-L", "-p", "tcp", "--reply-port-dst", "40000")
+			if err != nil {
+				return false
+			}
+			for _, line := range strings.Split(out, "\n") {
+				if strings.HasPrefix(line, "tcp") && !strings.Contains(line, " TIME_WAIT ") && !strings.Contains(line, " CLOSE ") {
+					return false
+				}
+			}
+			return true
+		})
+		body, err := getFromPort(l.NS("client"), 40000, "10.96.0.10:80")
+		if err != nil {
+			t.Fatalf("connection %d from port 40000: %v", i, err)
+		}
+		if !strings.Contains(body, "(client 10.251.19.20:40000)") {
+			t.Fatalf("connection %d from port 40000: the backend answered %q, want it to see 10.251.19.20:40000", i, body)
+		}
+	}
+}
+
+// getFromPort makes one HTTP/1.0 request to addr from ns, its socket bound
+// to port (SO_REUSEADDR), reads the answer to the server's close and then
+// resets (no TIME_WAIT of its own), so that the next call can take the
+// same port at once.
+func getFromPort(ns string, port int, addr string) (string, error) {
+	var body string
+	err := cluster.InNetns(ns, func() error {
+		d := net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{Port: port},
+			Control: func(_, _ string, c syscall.RawConn) error {
+				var serr error
+				if err := c.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1) }); err != nil {
+					return err
+				}
+				return serr
+			}}
+		c, err := d.Dial("tcp4", addr)
+		if err != nil {
+			return err
+		}
+		tc := c.(*net.TCPConn)
+		defer func() { _ = tc.SetLinger(0); _ = tc.Close() }()
+		_ = tc.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(tc, "GET / HTTP/1.0\r\n\r\n"); err != nil {
+			return err
+		}
+		b, err := io.ReadAll(tc)
+		body = string(b)
+		return err
+	})
+	return body, err
+}
+
+// An endpoint on another node of a routed cluster (lab_far): its replies
+// to a pod of this node come back by that node's route through this one,
+// where the conntrack entry turns them back to the daemon's socket. The
+// pod keeps its address (IPv4 and IPv6), the node its own; an external
+// client of an externalTrafficPolicy: Cluster Service shows the node's
+// (kube-proxy's masquerade: the endpoint would answer it by its own
+// node's route). Nothing of it stays in the node: no mark, no ip rule, no
+// route, while the daemon runs and after --cleanup.
+func TestBackendBehindAnotherNode(t *testing.T) {
+	l := NewLab(t)
+	if out, err := l.script("lab_far"); err != nil {
+		t.Fatalf("lab_far: %v\n%s", err, out)
+	}
+	l.Start("pod3", filepath.Join(binDir, "backend"), "--name", "pod3", "--tcp", ":8080")
+	for _, url := range []string{"http://10.252.0.5:8080/", "http://[fd00:252::5]:8080/"} {
+		waitFor(t, "pod3 at "+url, func() bool { return l.Curl("node", url) != "" })
+	}
+	routing := func() string {
+		var out strings.Builder
+		for _, args := range [][]string{{"ip", "rule"}, {"ip", "-6", "rule"}, {"ip", "route", "show", "table", "all"}, {"ip", "-6", "route", "show", "table", "all"}} {
+			out.WriteString(l.MustExec("node", args...))
+		}
+		return out.String()
+	}
+	before := routing()
+
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	far := strings.NewReplacer("10.251.19.12], nodeName: node", "10.252.0.5], nodeName: far", "- {addresses: [10.251.19.8], nodeName: node}\n", "",
+		`"fd00:251::12"], nodeName: node`, `"fd00:252::5"], nodeName: far`, "- {addresses: [\"fd00:251::8\"], nodeName: node}\n", "")
+	writeManifest(t, m, service("far", "NodePort", "10.96.0.13", "  clusterIPs: [10.96.0.13, \"fd00:96::13\"]\n  ipFamilies: [IPv4, IPv6]\n",
+		`{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 31343}`)+far.Replace(slices("far", `{name: http, port: 8080, protocol: TCP}`, true)))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
+		"--cluster-cidr", "10.251.19.0/24,fd00:251::/64")
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	}()
+	waitFor(t, "far served", func() bool { return l.Curl("client", "http://10.96.0.13/") != "" })
+
+	seesOnly(t, l, "client", "http://10.96.0.13/", "10.251.19.20", 20)
+	seesOnly(t, l, "client", "http://[fd00:96::13]/", "fd00:251::20", 20)
+	seesOnly(t, l, "node", "http://10.96.0.13/", "192.168.50.1", 4)
+	seesOnly(t, l, "ext", "http://192.168.50.1:31343/", "192.168.60.1", 4) // eTP Cluster: masqueraded
+
+	c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true, DialContext: cluster.DialContextIn(l.NS("client"))}}
+	var wg sync.WaitGroup
+	errs := make(chan error, 200)
+	for range 200 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := c.Get("http://10.96.0.13/")
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			if err == nil && peerOf(string(body)) != "10.251.19.20" {
+				err = fmt.Errorf("the backend saw %q", body)
+			}
+			errs <- err
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("one of 200 at once to the far endpoint: %v", err)
+		}
+	}
+
+	if now := routing(); now != before {
+		t.Errorf("the daemon changed the node's routing while serving:\nbefore:\n%s\nnow:\n%s", before, now)
+	}
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		if rules := l.MustExec("node", save); strings.Contains(strings.ToLower(rules), "mark") {
+			t.Errorf("%s shows a mark:\n%s", save, grepLines(strings.ToLower(rules), "mark"))
+		}
+	}
+	_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = d.Cmd.Wait()
+	l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "--cleanup")
+	if now := routing(); now != before {
+		t.Errorf("--cleanup left the node's routing changed:\nbefore:\n%s\nnow:\n%s", before, now)
+	}
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		if rules := l.MustExec("node", save); strings.Contains(rules, "-A ") {
+			t.Errorf("--cleanup left rules in %s:\n%s", save, rules)
 		}
 	}
 }

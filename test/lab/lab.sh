@@ -77,15 +77,55 @@ lab_node2() {
   set +e
 }
 
+# lab_far: a node of its own behind a link of its own, as another node of a
+# routed cluster: far 192.168.60.2 (fd00:60::2) on the node's 192.168.60.1
+# (fd00:60::1), its pods' bridge 10.252.0.1/24 (fd00:252::1/64) with pod3
+# 10.252.0.5 (fd00:252::5). Each node routes the other's pods via the other,
+# so pod3's replies come back through the node's netfilter, not past it.
+lab_far() {
+  set -e
+  ip netns add "$LAB-far"
+  ip netns add "$LAB-pod3"
+  ip link add "$LAB-f" type veth peer name eth0 netns "$LAB-far"
+  ip link set "$LAB-f" netns "$LAB-node"
+  ip netns exec "$LAB-node" ip addr add 192.168.60.1/24 dev "$LAB-f"
+  ip netns exec "$LAB-node" ip addr add fd00:60::1/64 dev "$LAB-f" nodad
+  ip netns exec "$LAB-node" ip link set "$LAB-f" up
+  ip netns exec "$LAB-node" ip route add 10.252.0.0/24 via 192.168.60.2
+  ip netns exec "$LAB-node" ip -6 route add fd00:252::/64 via fd00:60::2
+  ip netns exec "$LAB-far" ip link set lo up
+  ip netns exec "$LAB-far" sysctl -qw net.ipv4.ip_forward=1
+  ip netns exec "$LAB-far" sysctl -qw net.ipv6.conf.all.forwarding=1
+  ip netns exec "$LAB-far" ip addr add 192.168.60.2/24 dev eth0
+  ip netns exec "$LAB-far" ip addr add fd00:60::2/64 dev eth0 nodad
+  ip netns exec "$LAB-far" ip link set eth0 up
+  ip netns exec "$LAB-far" ip route add default via 192.168.60.1
+  ip netns exec "$LAB-far" ip -6 route add default via fd00:60::1
+  ip netns exec "$LAB-far" ip link add br0 type bridge
+  ip netns exec "$LAB-far" ip addr add 10.252.0.1/24 dev br0
+  ip netns exec "$LAB-far" ip addr add fd00:252::1/64 dev br0 nodad
+  ip netns exec "$LAB-far" ip link set br0 up
+  ip link add "$LAB-p3" type veth peer name eth0 netns "$LAB-pod3"
+  ip link set "$LAB-p3" netns "$LAB-far"
+  ip netns exec "$LAB-far" ip link set "$LAB-p3" master br0 up
+  ip netns exec "$LAB-pod3" ip link set lo up
+  ip netns exec "$LAB-pod3" ip addr add 10.252.0.5/24 dev eth0
+  ip netns exec "$LAB-pod3" ip addr add fd00:252::5/64 dev eth0 nodad
+  ip netns exec "$LAB-pod3" ip link set eth0 up
+  ip netns exec "$LAB-pod3" ip route add default via 10.252.0.1
+  ip netns exec "$LAB-pod3" ip -6 route add default via fd00:252::1
+  set +e
+}
+
 lab_down() {
   local ns pid
-  for ns in node node2 pod1 pod2 client ext; do
+  for ns in node node2 far pod1 pod2 pod3 client ext; do
     if ip netns list | grep -qw "$LAB-$ns"; then
       for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill "$pid" 2>/dev/null; done
     fi
   done
   sleep 0.2
-  for ns in node node2 pod1 pod2 client ext; do
+  for ns in node node2 far pod1 pod2 pod3 client ext; do
     if ip netns list | grep -qw "$LAB-$ns"; then
       for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
       ip netns del "$LAB-$ns" 2>/dev/null

@@ -41,6 +41,7 @@ type ClientNAT struct {
 const (
 	nfnlSubsysCtnetlink = 1
 	ctMsgNew            = 0
+	ctMsgGet            = 1
 	ctMsgDelete         = 2
 
 	ctaTupleOrig  = 1
@@ -62,11 +63,18 @@ const (
 	ctaProtoinfoTCP      = 1
 	ctaProtoinfoTCPState = 1
 	tcpConntrackSynSent  = 1
+	tcpConntrackTimeWait = 7
+	tcpConntrackClose    = 8
 
-	ctaNATv4MinIP = 1
-	ctaNATv4MaxIP = 2
-	ctaNATv6MinIP = 4
-	ctaNATv6MaxIP = 5
+	ctaNATv4MinIP      = 1
+	ctaNATv4MaxIP      = 2
+	ctaNATProto        = 3
+	ctaNATv6MinIP      = 4
+	ctaNATv6MaxIP      = 5
+	ctaProtoNATPortMin = 1
+	ctaProtoNATPortMax = 2
+	nlaTypeMask        = ^uint16(unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)
+	sizeofNfgenmsg     = 4
 
 	// natEntryTimeout is the created entry's life until its first packet;
 	// conntrack's own timeouts take over from there.
@@ -129,16 +137,17 @@ func (c *ClientNAT) Probe(family int) error {
 	if family == 6 {
 		local, remote, client = netip.MustParseAddrPort("[2001:db8::1]:9"), netip.MustParseAddrPort("[2001:db8::2]:9"), netip.MustParseAddr("2001:db8::3")
 	}
-	if err := c.claim(unix.IPPROTO_TCP, local, remote, client); err != nil && !errors.Is(err, syscall.EEXIST) {
+	if err := c.claim(unix.IPPROTO_TCP, local, remote, netip.AddrPortFrom(client, 9)); err != nil && !errors.Is(err, syscall.EEXIST) {
 		return err
 	}
 	return c.release(unix.IPPROTO_TCP, local, remote)
 }
 
 // claim creates the entry of the connection from local to remote with a
-// source NAT to client. EEXIST: an entry of the same connection is still
-// there (a TIME_WAIT of an earlier one).
-func (c *ClientNAT) claim(proto uint8, local, remote netip.AddrPort, client netip.Addr) error {
+// source NAT to client: its address, and its port unless that is 0 (then
+// local's stays). EEXIST: an entry with one of its two tuples is still
+// there (an earlier connection's, in TIME_WAIT; see takeOver).
+func (c *ClientNAT) claim(proto uint8, local, remote, client netip.AddrPort) error {
 	b := c.header(ctMsgNew, unix.NLM_F_CREATE|unix.NLM_F_EXCL, local)
 	b = putTuple(b, ctaTupleOrig, proto, local, remote)
 	b = putTuple(b, ctaTupleReply, proto, remote, local)
@@ -151,14 +160,86 @@ func (c *ClientNAT) claim(proto uint8, local, remote netip.AddrPort, client neti
 		})
 	}
 	b = nest(b, ctaNATSrc, func(b []byte) []byte {
-		if client.Is4() {
-			a := client.As4()
-			return putAttr(putAttr(b, ctaNATv4MinIP, a[:]), ctaNATv4MaxIP, a[:])
+		if a := client.Addr(); a.Is4() {
+			v := a.As4()
+			b = putAttr(putAttr(b, ctaNATv4MinIP, v[:]), ctaNATv4MaxIP, v[:])
+		} else {
+			v := a.As16()
+			b = putAttr(putAttr(b, ctaNATv6MinIP, v[:]), ctaNATv6MaxIP, v[:])
 		}
-		a := client.As16()
-		return putAttr(putAttr(b, ctaNATv6MinIP, a[:]), ctaNATv6MaxIP, a[:])
+		if client.Port() == 0 {
+			return b
+		}
+		port := binary.BigEndian.AppendUint16(nil, client.Port())
+		return nest(b, ctaNATProto, func(b []byte) []byte {
+			return putAttr(putAttr(b, ctaProtoNATPortMin, port), ctaProtoNATPortMax, port)
+		})
 	})
-	return c.do(b)
+	return c.do(b, nil)
+}
+
+// errEntryLive: takeOver found the entry of a connection still open.
+var errEntryLive = errors.New("conntrack: the client's earlier connection from that port is still open")
+
+// takeOver deletes the TCP entry whose replies go from remote to client
+// if its connection is over (TIME_WAIT, CLOSE), as conntrack lets a new
+// SYN take such an entry over: a client that reuses its port at once.
+// errEntryLive if it is not over: a connection still open, or one still
+// closing, whose last packets would be taken for the new one's. nil if
+// there is none.
+func (c *ClientNAT) takeOver(remote, client netip.AddrPort) error {
+	state, err := c.replyState(remote, client)
+	switch {
+	case errors.Is(err, syscall.ENOENT):
+		return nil
+	case err != nil:
+		return err
+	case state != tcpConntrackTimeWait && state != tcpConntrackClose:
+		return errEntryLive
+	}
+	b := putTuple(c.header(ctMsgDelete, 0, remote), ctaTupleReply, unix.IPPROTO_TCP, remote, client)
+	if err := c.do(b, nil); err != nil && !errors.Is(err, syscall.ENOENT) {
+		return err
+	}
+	return nil
+}
+
+// replyState is the TCP state of the entry whose replies go from remote
+// to client (ENOENT: none).
+func (c *ClientNAT) replyState(remote, client netip.AddrPort) (int, error) {
+	state := -1
+	b := putTuple(c.header(ctMsgGet, 0, remote), ctaTupleReply, unix.IPPROTO_TCP, remote, client)
+	err := c.do(b, func(msg []byte) { state = entryTCPState(msg) })
+	return state, err
+}
+
+// entryTCPState is the TCP state of the conntrack entry in msg (a ctnetlink
+// message with its netlink header), or -1.
+func entryTCPState(msg []byte) int {
+	if len(msg) < unix.SizeofNlMsghdr+sizeofNfgenmsg {
+		return -1
+	}
+	path := []uint16{ctaProtoinfo, ctaProtoinfoTCP, ctaProtoinfoTCPState}
+	attrs := msg[unix.SizeofNlMsghdr+sizeofNfgenmsg:]
+	for len(attrs) >= unix.SizeofNlAttr {
+		l := int(binary.NativeEndian.Uint16(attrs))
+		if l < unix.SizeofNlAttr || l > len(attrs) {
+			return -1
+		}
+		typ, value := binary.NativeEndian.Uint16(attrs[2:])&nlaTypeMask, attrs[unix.SizeofNlAttr:l]
+		if typ == path[0] {
+			if len(path) == 1 {
+				if len(value) == 0 {
+					return -1
+				}
+				return int(value[0])
+			}
+			path, attrs = path[1:], value
+			continue
+		}
+		attrs = attrs[min((l+3)&^3, len(attrs)):]
+	}
+	return -1
 }
 
 // release deletes the entry of the connection from local to remote (after
@@ -166,7 +247,7 @@ func (c *ClientNAT) claim(proto uint8, local, remote netip.AddrPort, client neti
 func (c *ClientNAT) release(proto uint8, local, remote netip.AddrPort) error {
 	b := c.header(ctMsgDelete, 0, local)
 	b = putTuple(b, ctaTupleOrig, proto, local, remote)
-	return c.do(b)
+	return c.do(b, nil)
 }
 
 // header starts a ctnetlink request of type msg for the family of addr.
@@ -182,8 +263,9 @@ func (c *ClientNAT) header(msg uint16, flags uint16, addr netip.AddrPort) []byte
 	return append(b, family, unix.NFNETLINK_V0, 0, 0) // struct nfgenmsg
 }
 
-// do sends the request b on a free socket and waits for its answer.
-func (c *ClientNAT) do(b []byte) error {
+// do sends the request b on a free socket and waits for its answer; data
+// answers (a GET's entry) go to onData.
+func (c *ClientNAT) do(b []byte, onData func(msg []byte)) error {
 	binary.NativeEndian.PutUint32(b, uint32(len(b)))
 	seq := binary.NativeEndian.Uint32(b[8:])
 	var fd int
@@ -196,7 +278,7 @@ func (c *ClientNAT) do(b []byte) error {
 	if err := unix.Sendto(fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return os.NewSyscallError("sendto", err)
 	}
-	var buf [1024]byte
+	var buf [4096]byte
 	for {
 		n, _, err := unix.Recvfrom(fd, buf[:], 0)
 		if err != nil {
@@ -209,13 +291,17 @@ func (c *ClientNAT) do(b []byte) error {
 				break
 			}
 			typ, got := binary.NativeEndian.Uint16(msg[4:]), binary.NativeEndian.Uint32(msg[8:])
-			if typ == unix.NLMSG_ERROR && got == seq && l >= unix.SizeofNlMsghdr+4 {
+			switch {
+			case got != seq:
+			case typ == unix.NLMSG_ERROR && l >= unix.SizeofNlMsghdr+4:
 				if errno := -int32(binary.NativeEndian.Uint32(msg[unix.SizeofNlMsghdr:])); errno != 0 {
 					return syscall.Errno(errno)
 				}
 				return nil
+			case onData != nil && typ != unix.NLMSG_DONE:
+				onData(msg[:l])
 			}
-			msg = msg[(l+3)&^3:]
+			msg = msg[min((l+3)&^3, len(msg)):]
 		}
 	}
 }

@@ -2,6 +2,7 @@ package sock
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -10,6 +11,7 @@ import (
 	"runtime"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -117,6 +119,24 @@ func (l natLab) peers(t *testing.T, addr string) <-chan netip.AddrPort {
 	return got
 }
 
+// hold dials ep from the node namespace with src and leaves the
+// connection open.
+func (l natLab) hold(t *testing.T, ep netip.AddrPort, src Source) *Conn {
+	t.Helper()
+	var c *Conn
+	var err error
+	in(t, l.node, func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		c, _, err = DialTCPFrom(ctx, ep, 5*time.Second, src)
+	})
+	if err != nil {
+		t.Fatalf("dial %s from %+v: %v", ep, src, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
 // dialFrom dials ep from the node namespace with src and sends a few bytes,
 // waiting until the backend has acknowledged them: the replies, addressed
 // to whoever the backend saw, found the dialled socket.
@@ -175,6 +195,39 @@ func TestDialFromClientThroughConntrack(t *testing.T) {
 				t.Fatalf("dial %d to %s: the backend saw %s, want %s", i, ep, p, client)
 			}
 		}
+		// The client's port too, again and again at once: each dial finds
+		// the entry of the one before, takes it over once it is in
+		// TIME_WAIT, and keeps the client's address from its own port
+		// while that one still closes (its last packets would be taken
+		// for the new connection's).
+		from40000 := netip.AddrPortFrom(client, 40000)
+		for i := range 20 {
+			d := l.dialFrom(t, ep, Source{Client: client, Port: 40000, NAT: nat})
+			if p := <-peers; d.Sees != client || p.Addr() != client {
+				t.Fatalf("dial %d at once from the client's port 40000: %+v, the backend saw %s", i, d, p)
+			}
+		}
+		for i := range 10 {
+			testutil.WaitFor(t, "the entry from port 40000 in TIME_WAIT", 10*time.Second, 2*time.Millisecond, func() bool {
+				state, err := nat.replyState(ep, from40000)
+				return errors.Is(err, syscall.ENOENT) || state == tcpConntrackTimeWait
+			})
+			d := l.dialFrom(t, ep, Source{Client: client, Port: 40000, NAT: nat})
+			if p := <-peers; d.Sees != client || p != from40000 {
+				t.Fatalf("dial %d from the client's port 40000 after TIME_WAIT: %+v, the backend saw %s", i, d, p)
+			}
+		}
+		open := l.hold(t, ep, Source{Client: client, Port: 40001, NAT: nat})
+		if p := <-peers; p != netip.AddrPortFrom(client, 40001) {
+			t.Fatalf("the held connection: the backend saw %s", p)
+		}
+		if d := l.dialFrom(t, ep, Source{Client: client, Port: 40001, NAT: nat}); d.Sees != client {
+			t.Fatalf("a second connection from the held port: %+v", d)
+		}
+		if p := <-peers; p.Addr() != client || p.Port() == 40001 {
+			t.Fatalf("a second connection from the held port: the backend saw %s, want %s from another port", p, client)
+		}
+		open.Close()
 		// Without a source the backend sees the node.
 		if d := l.dialFrom(t, ep, Source{}); d.Sees.IsValid() || d.SourceErr != nil {
 			t.Fatalf("zero Source: %+v", d)

@@ -31,7 +31,10 @@ type Source struct {
 	// NAT, is set through a conntrack source NAT (clientnat.go); a
 	// loopback one is never used (no reply could come back to it).
 	Client netip.Addr
-	NAT    *ClientNAT
+	// Port is the client's port, kept too by the source NAT where no
+	// other connection holds it (0: the port the dial bound).
+	Port uint16
+	NAT  *ClientNAT
 }
 
 // Dialed says what a dial's Source came to.
@@ -117,15 +120,26 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (netip.AddrPort, Dialed, 
 	if err != nil {
 		return netip.AddrPort{}, Dialed{}, err
 	}
-	err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, client)
+	as := netip.AddrPortFrom(client, src.Port)
+	err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
 	if errors.Is(err, syscall.EEXIST) {
-		// The entry of an earlier connection from the same port, which
-		// conntrack keeps for its TIME_WAIT (120 s) after the socket is
-		// gone: this socket holds the port now, so no live connection
-		// has that entry.
-		if err = src.NAT.release(unix.IPPROTO_TCP, local, ep); err == nil || errors.Is(err, syscall.ENOENT) {
-			err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, client)
+		// An earlier connection's entry, which conntrack keeps for its
+		// TIME_WAIT (120 s): one from this socket's port (over: this
+		// socket holds the port now), or one of the client's from the
+		// same port to this endpoint (a client reusing its port at
+		// once), taken over only when over; else the client's address
+		// from this socket's port.
+		if err := src.NAT.release(unix.IPPROTO_TCP, local, ep); err != nil && !errors.Is(err, syscall.ENOENT) {
+			return netip.AddrPort{}, Dialed{}, fmt.Errorf("conntrack source NAT to %s: %w", as, err)
 		}
+		if as.Port() != 0 && src.NAT.takeOver(ep, as) != nil {
+			as = netip.AddrPortFrom(client, 0)
+		}
+		err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
+	}
+	if errors.Is(err, syscall.EEXIST) && as.Port() != 0 {
+		as = netip.AddrPortFrom(client, 0)
+		err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
 	}
 	if err != nil {
 		return netip.AddrPort{}, Dialed{}, fmt.Errorf("conntrack source NAT to %s: %w", client, err)
