@@ -14,6 +14,7 @@ package proxy
 // IPv4 for now); the node itself is bound.
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -22,7 +23,9 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/sirupsen/logrus"
 
@@ -94,13 +97,13 @@ const (
 
 // choose is the choice for a connection from client, internal traffic or
 // not.
-func (p *sourcePolicy) choose(cfg *Config, client netip.Addr, internal bool) sourceChoice {
+func (p *sourcePolicy) choose(cfg *Config, nat *clientNAT, client netip.Addr, internal bool) sourceChoice {
 	switch {
 	case p == nil:
 		return sourceNode
 	case p.off:
 		return sourceOff
-	case internal && cfg.isLocalPod(client):
+	case internal && nat.localPod(cfg, client):
 		return sourceClientNAT
 	case internal:
 		return sourceBindIfLocal
@@ -123,11 +126,11 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 		return sock.Source{}, false
 	}
 	internal := p != nil && (p.internalOnly || slices.Contains(p.clusterIPs, dst.Addr().Unmap()))
-	switch p.choose(f.dp.cfg, addr, internal) {
+	nat := f.dp.clientNAT.Load()
+	switch p.choose(f.dp.cfg, nat, addr, internal) {
 	case sourceBindIfLocal:
 		return sock.Source{Client: addr}, false
 	case sourceClientNAT:
-		nat := f.dp.clientNAT.Load()
 		if !nat.repliesComeBack(addr, ep.Addr().Unmap()) {
 			// The endpoint reaches the client on their shared link: its
 			// reply would bypass conntrack, a stray SYN-ACK to the client.
@@ -146,7 +149,7 @@ func (p *Proxier) backendSees(fe config.Frontend, as string, client netip.Addr) 
 	key := keyOf(fe)
 	pol := newSourcePolicy(&p.cfg, key, fe.Service)
 	internal := pol.internalOnly || as == AsClusterIP
-	switch pol.choose(&p.cfg, client.Unmap(), internal) { // ep not known here: the bridge case is not told
+	switch pol.choose(&p.cfg, p.dp.clientNAT.Load(), client.Unmap(), internal) { // ep not known here: the bridge case is not told
 	case sourceOff:
 		return "the node's address (--backend-source-address node, or the Service's annotation " + config.AnnotationBackendSource + ")"
 	case sourceBindIfLocal:
@@ -160,19 +163,25 @@ func (p *Proxier) backendSees(fe config.Frontend, as string, client netip.Addr) 
 	return "the node's address, as kube-proxy's masquerade (an external client of an externalTrafficPolicy: Cluster Service)"
 }
 
-// isLocalPod says whether addr is a pod of this node by the local-traffic
-// detection's CIDRs (ClusterCIDR, NodeCIDR). The interface modes tell pods
-// by the interface their packets arrive on, which an accepted connection
-// does not say: there, only the node's own address is kept for internal
-// traffic.
-func (c *Config) isLocalPod(addr netip.Addr) bool {
-	switch c.LocalTraffic.Mode {
+// localPod says whether addr is a pod of this node by the local-traffic
+// detection: in one of its CIDRs (ClusterCIDR, NodeCIDR), or routed by
+// the pods' bridge or an interface of the pods' name prefix
+// (BridgeInterface, InterfaceNamePrefix: the route the node's replies to
+// addr take names the interface its packets come in by).
+func (c *clientNAT) localPod(cfg *Config, addr netip.Addr) bool {
+	lt := cfg.LocalTraffic
+	switch lt.Mode {
 	case config.LocalModeClusterCIDR, config.LocalModeNodeCIDR:
-		for _, p := range c.LocalTraffic.CIDRs {
-			if p.Contains(addr) {
-				return true
-			}
+		return slices.ContainsFunc(lt.CIDRs, func(p netip.Prefix) bool { return p.Contains(addr) })
+	case config.LocalModeBridgeInterface, config.LocalModeInterfaceNamePrefix:
+		if c == nil || lt.Interface == "" {
+			return false
 		}
+		dev, ok := c.links.routeDev(addr)
+		if lt.Mode == config.LocalModeBridgeInterface {
+			return ok && dev == lt.Interface
+		}
+		return ok && strings.HasPrefix(dev, lt.Interface)
 	}
 	return false
 }
@@ -211,9 +220,17 @@ func (c *clientNAT) repliesComeBack(client, ep netip.Addr) bool {
 // once every linksTTL: which link an address is on, and whether that link
 // is a bridge.
 type nodeLinks struct {
-	mu    sync.Mutex // guards the fields below
-	read  time.Time
-	links []nodeLink
+	mu     sync.Mutex // guards the fields below
+	read   time.Time
+	links  []nodeLink
+	routes []nodeRoute // the main table's, longest prefix first
+}
+
+// nodeRoute is a route of the main table: its destination and the name of
+// the interface it leaves by.
+type nodeRoute struct {
+	dst netip.Prefix
+	dev string
 }
 
 type nodeLink struct {
@@ -240,9 +257,98 @@ func (n *nodeLinks) sameLink(a, b netip.Addr) (name string, bridge, ok bool) {
 	return "", false, false
 }
 
-// refresh reads the interfaces' prefixes; on an error the old ones stay.
+// routeDev is the interface of the main table's route to addr.
+func (n *nodeLinks) routeDev(addr netip.Addr) (string, bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if time.Since(n.read) > linksTTL {
+		n.refresh()
+	}
+	for _, r := range n.routes {
+		if r.dst.Contains(addr) {
+			return r.dev, true
+		}
+	}
+	return "", false
+}
+
+// refresh reads the interfaces' prefixes and the main table's routes; on
+// an error the old ones stay.
 func (n *nodeLinks) refresh() {
 	n.read = time.Now()
+	if routes, err := mainRoutes(); err == nil {
+		n.routes = routes
+	}
+	n.refreshLinks()
+}
+
+// mainRoutes reads the main routing table's unicast routes (both
+// families), longest prefix first.
+func mainRoutes() ([]nodeRoute, error) {
+	rib, err := syscall.NetlinkRIB(syscall.RTM_GETROUTE, syscall.AF_UNSPEC)
+	if err != nil {
+		return nil, os.NewSyscallError("netlink route dump", err)
+	}
+	msgs, err := syscall.ParseNetlinkMessage(rib)
+	if err != nil {
+		return nil, err
+	}
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return nil, err
+	}
+	names := make(map[int]string, len(ifs))
+	for _, ifc := range ifs {
+		names[ifc.Index] = ifc.Name
+	}
+	var routes []nodeRoute
+	for _, m := range msgs {
+		if m.Header.Type != syscall.RTM_NEWROUTE || len(m.Data) < syscall.SizeofRtMsg {
+			continue
+		}
+		rt := (*syscall.RtMsg)(unsafe.Pointer(&m.Data[0]))
+		if rt.Type != syscall.RTN_UNICAST || (rt.Family != syscall.AF_INET && rt.Family != syscall.AF_INET6) {
+			continue
+		}
+		attrs, err := syscall.ParseNetlinkRouteAttr(&m)
+		if err != nil {
+			continue
+		}
+		table, oif := uint32(rt.Table), -1
+		dst := netip.IPv4Unspecified()
+		if rt.Family == syscall.AF_INET6 {
+			dst = netip.IPv6Unspecified()
+		}
+		for _, a := range attrs {
+			switch a.Attr.Type {
+			case syscall.RTA_TABLE:
+				if len(a.Value) >= 4 {
+					table = binary.NativeEndian.Uint32(a.Value)
+				}
+			case syscall.RTA_OIF:
+				if len(a.Value) >= 4 {
+					oif = int(binary.NativeEndian.Uint32(a.Value))
+				}
+			case syscall.RTA_DST:
+				if d, ok := netip.AddrFromSlice(a.Value); ok {
+					dst = d
+				}
+			}
+		}
+		dev, ok := names[oif]
+		if table != syscall.RT_TABLE_MAIN || !ok {
+			continue
+		}
+		if p, err := dst.Prefix(int(rt.Dst_len)); err == nil {
+			routes = append(routes, nodeRoute{dst: p, dev: dev})
+		}
+	}
+	slices.SortStableFunc(routes, func(a, b nodeRoute) int { return b.dst.Bits() - a.dst.Bits() })
+	return routes, nil
+}
+
+// refreshLinks reads the interfaces' prefixes.
+func (n *nodeLinks) refreshLinks() {
 	ifs, err := net.Interfaces()
 	if err != nil {
 		return
@@ -304,7 +410,15 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		}
 		c.families[familyIndex(fam)] = true
 		clientAddressAvailable.WithLabelValues(familyNames([]int{fam})...).Set(1)
-		sysctl := map[int]string{4: "bridge-nf-call-iptables", 6: "bridge-nf-call-ip6tables"}[fam]
+		if fam == 6 {
+			// A bridged IPv6 reply de-NATed by br_netfilter was lost now
+			// and then in the lab (Linux 6.18: the dial timed out, or the
+			// next connection went out without its NAT): pods on this
+			// node's bridge show the node's address; routed IPv6 keeps
+			// the client's.
+			continue
+		}
+		sysctl := "bridge-nf-call-iptables"
 		if v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl); err == nil && strings.TrimSpace(string(v)) == "1" {
 			c.bridged[familyIndex(fam)] = true
 		} else {

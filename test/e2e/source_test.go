@@ -62,8 +62,8 @@ func seesOnly(t *testing.T, l *Lab, ns, url, want string, n int) {
 }
 
 // The backend sees who called, wherever kube-proxy would not masquerade: a
-// pod of this node through a ClusterIP (IPv4 and IPv6, the endpoint on
-// this node's bridge or on another node), the node itself, and an
+// pod of this node through a ClusterIP (the endpoint on this node's
+// bridge, IPv4; routed to another node: TestBackendBehindAnotherNode), the node itself, and an
 // external client of an externalTrafficPolicy: Local Service. An external
 // client of an externalTrafficPolicy: Cluster Service, a Service with the
 // annotation, and the flag set to node show the node's address.
@@ -83,7 +83,7 @@ func TestBackendSeesTheClient(t *testing.T) {
 
 	// Both endpoints (pod1 "on this node", pod2 "on another"), by round robin.
 	seesOnly(t, l, "client", "http://10.96.0.10/", "10.251.19.20", 8)
-	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::20", 8)
+	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::1", 8) // IPv6 on the node's bridge: the node's (source.go)
 	seesOnly(t, l, "node", "http://10.96.0.10/", "192.168.50.1", 4)
 	seesOnly(t, l, "ext", "http://192.168.50.1:31341/", "10.251.19.1", 4) // eTP Cluster: masqueraded
 	seesOnly(t, l, "ext", "http://203.0.113.10/", "192.168.50.2", 4)      // eTP Local: the client
@@ -373,4 +373,35 @@ func grepLines(s, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// The interface modes of --detect-local-mode tell a pod of this node by
+// the interface the node routes it by: the pods' bridge, or an interface
+// of the name prefix. Such a pod keeps its address through a ClusterIP;
+// one the mode does not name shows the node's.
+func TestBackendSourceByInterface(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, service("web", "ClusterIP", "10.96.0.10", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`)+
+		slices("web", `{name: http, port: 8080, protocol: TCP}`, false))
+	for _, tc := range []struct {
+		args []string
+		sees string
+	}{
+		{[]string{"--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "br0"}, "10.251.19.20"},
+		{[]string{"--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "br"}, "10.251.19.20"},
+		{[]string{"--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cni0"}, "10.251.19.1"},
+		{[]string{"--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"}, "10.251.19.1"},
+	} {
+		d := l.Daemon(append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node"}, tc.args...)...)
+		waitFor(t, "web served", func() bool { return l.Curl("client", "http://10.96.0.10/") != "" })
+		for i := 0; i < 6; i++ {
+			if got := peerOf(l.Curl("client", "http://10.96.0.10/")); got != tc.sees {
+				t.Fatalf("%v: the backend saw %q, want %s\n%s", tc.args, got, tc.sees, tail(d.Output(), 3000))
+			}
+		}
+		_ = d.Cmd.Process.Signal(syscall.SIGTERM)
+		_ = d.Cmd.Wait()
+	}
 }
