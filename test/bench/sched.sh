@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # make bench-sched: new connections/s through the daemon with each scheduler
-# (rr, lc, sh, random; two endpoints) and with the PROXY protocol v2 on and
-# off (the same HAProxy behind, with and without accept-proxy), in one lab and
-# one daemon, interleaved, each figure the median of RUNS runs of DUR seconds.
+# (rr, lc, sh, random; two endpoints), with the PROXY protocol v2 on and off
+# (the same HAProxy behind, with and without accept-proxy), and with the
+# backend seeing the client's address (the conntrack source NAT: the client
+# is a pod of this node by --cluster-cidr) or the node's (the annotation; also
+# keep-alive requests/s, the NAT's cost per packet), in one lab and one
+# daemon, interleaved, each figure the median of RUNS runs of DUR seconds.
 # Needs root; cleans up on exit.
 set -u
 cd "$(dirname "$0")/../.."
@@ -42,17 +45,21 @@ svc() { # name vip annotations target-port endpoints...
   for ip in "$@"; do printf '%s{addresses: [%s]}' "$sep" "$ip"; sep=", "; done
   printf ']\n'
 }
-declare -A VIP=([rr]=10.96.8.1 [lc]=10.96.8.2 [sh]=10.96.8.3 [random]=10.96.8.4 [pp-off]=10.96.8.5 [pp-v2]=10.96.8.6)
+declare -A VIP=([rr]=10.96.8.1 [lc]=10.96.8.2 [sh]=10.96.8.3 [random]=10.96.8.4 [pp-off]=10.96.8.5 [pp-v2]=10.96.8.6
+  [src-node]=10.96.8.7 [src-client]=10.96.8.8)
+node="kube-userspace-proxy.io/backend-source-address: node" # all but src-client
 {
   for s in rr lc sh random; do
-    svc "s-$s" "${VIP[$s]}" "kube-userspace-proxy.io/scheduler: $s" 8080 10.251.19.12 10.251.19.8
+    svc "s-$s" "${VIP[$s]}" "kube-userspace-proxy.io/scheduler: $s, $node" 8080 10.251.19.12 10.251.19.8
   done
-  svc pp-off "${VIP[pp-off]}" "" 8091 10.251.19.12
-  svc pp-v2 "${VIP[pp-v2]}" "kube-userspace-proxy.io/proxy-protocol: v2" 8090 10.251.19.12
+  svc pp-off "${VIP[pp-off]}" "$node" 8091 10.251.19.12
+  svc pp-v2 "${VIP[pp-v2]}" "kube-userspace-proxy.io/proxy-protocol: v2, $node" 8090 10.251.19.12
+  svc src-node "${VIP[src-node]}" "$node" 8091 10.251.19.12
+  svc src-client "${VIP[src-client]}" "" 8091 10.251.19.12
 } >"$work/svc.yaml"
 N node "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
-  --metrics-bind-address "" --healthz-bind-address "" >"$work/proxy.log" 2>&1 &
-PATHS="rr lc sh random pp-off pp-v2"
+  --cluster-cidr 10.251.19.0/24 --metrics-bind-address "" --healthz-bind-address "" >"$work/proxy.log" 2>&1 &
+PATHS="rr lc sh random pp-off pp-v2 src-node src-client"
 for p in $PATHS; do
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[$p]}:8080/" || { echo "$p does not answer" >&2; cat "$work/proxy.log" "$work/haproxy.log" >&2; exit 1; }
 done
@@ -64,6 +71,18 @@ for run in $(seq "$RUNS"); do
     out=$(N client "$BIN/loadgen" -mode cps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
     record cps "$p" "$(echo "$out" | jsonval perSecond)"
   done
+  for p in src-node src-client; do
+    echo "run $run/$RUNS: $p keep-alive" >&2
+    out=$(N client "$BIN/loadgen" -mode rps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
+    record rps "$p" "$(echo "$out" | jsonval perSecond)"
+  done
+done
+# The backend saw whom it should: conntrack keeps the connections to HAProxy
+# (pod1:8091) of the last run, replying to the client's address (src-client)
+# and to the node's (src-node).
+for seen in 10.251.19.20 10.251.19.1; do
+  n=$(N node conntrack -L -p tcp --reply-src 10.251.19.12 --reply-port-src 8091 --reply-dst "$seen" 2>/dev/null | grep -c '^tcp')
+  [ "$n" -gt 0 ] || { echo "no connection to HAProxy showed it $seen" >&2; exit 1; }
 done
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(b>0) printf "%.2f×", a/b; else print "—"}'; }
 echo
@@ -72,3 +91,8 @@ echo "|---|---:|---:|"
 for p in rr lc sh random; do echo "| $p | $(value cps "$p") | $(ratio "$(value cps "$p")" "$(value cps rr)") |"; done
 echo "| PROXY v2 off (HAProxy, one endpoint) | $(value cps pp-off) | — |"
 echo "| PROXY v2 on (HAProxy accept-proxy) | $(value cps pp-v2) | $(ratio "$(value cps pp-v2)" "$(value cps pp-off)") |"
+echo
+echo "| the backend sees (HAProxy, one endpoint) | new connections/s | ÷ node's | keep-alive requests/s | ÷ node's |"
+echo "|---|---:|---:|---:|---:|"
+echo "| the node's address (the annotation) | $(value cps src-node) | — | $(value rps src-node) | — |"
+echo "| the client's (conntrack source NAT) | $(value cps src-client) | $(ratio "$(value cps src-client)" "$(value cps src-node)") | $(value rps src-client) | $(ratio "$(value rps src-client)" "$(value rps src-node)") |"

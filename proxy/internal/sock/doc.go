@@ -19,10 +19,13 @@
 //     one GSO send) and Receiver (recvmmsg into a pooled batch borrowed
 //     only while datagrams are taken, with the sender's and local
 //     addresses), without an allocation per datagram.
-//   - DialTCPFrom: DialTCP with the client's own address on the backend
-//     connection (a Source: bound when it is the node's, else through a
-//     ClientNAT, which creates the connection's conntrack entry with a
-//     source NAT before its first packet).
+//   - DialTCPFrom: DialTCP with the client's own address (and port) on the
+//     backend connection (a Source: bound when it is the node's, else
+//     through a ClientNAT, which creates the connection's conntrack entry
+//     with a source NAT before its first packet, taking over the entry of
+//     the client's earlier connection from that port once it is in
+//     TIME_WAIT). The ClientNAT owns its netlink sockets; the entries are
+//     the kernel's, each released by the dial that made it if it fails.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
 //     a UDP port unreachable) and RaiseFileLimit.
