@@ -14,18 +14,12 @@ package proxy
 // IPv4 for now); the node itself is bound.
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"slices"
 	"strings"
-	"sync"
-	"syscall"
-	"time"
-	"unsafe"
 
 	"github.com/sirupsen/logrus"
 
@@ -216,166 +210,6 @@ func (c *clientNAT) repliesComeBack(client, ep netip.Addr) bool {
 	return bridge && c.bridged[familyIndex(config.Family(client))]
 }
 
-// nodeLinks are the node's connected prefixes by interface, read at most
-// once every linksTTL: which link an address is on, and whether that link
-// is a bridge.
-type nodeLinks struct {
-	mu     sync.Mutex // guards the fields below
-	read   time.Time
-	links  []nodeLink
-	routes []nodeRoute // the main table's, longest prefix first
-}
-
-// nodeRoute is a route of the main table: its destination and the name of
-// the interface it leaves by.
-type nodeRoute struct {
-	dst netip.Prefix
-	dev string
-}
-
-type nodeLink struct {
-	name     string
-	bridge   bool
-	prefixes []netip.Prefix
-}
-
-const linksTTL = 10 * time.Second
-
-// sameLink returns the link both addresses are on, if any.
-func (n *nodeLinks) sameLink(a, b netip.Addr) (name string, bridge, ok bool) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if time.Since(n.read) > linksTTL {
-		n.refresh()
-	}
-	for _, l := range n.links {
-		if slices.ContainsFunc(l.prefixes, func(p netip.Prefix) bool { return p.Contains(a) }) &&
-			slices.ContainsFunc(l.prefixes, func(p netip.Prefix) bool { return p.Contains(b) }) {
-			return l.name, l.bridge, true
-		}
-	}
-	return "", false, false
-}
-
-// routeDev is the interface of the main table's route to addr.
-func (n *nodeLinks) routeDev(addr netip.Addr) (string, bool) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if time.Since(n.read) > linksTTL {
-		n.refresh()
-	}
-	for _, r := range n.routes {
-		if r.dst.Contains(addr) {
-			return r.dev, true
-		}
-	}
-	return "", false
-}
-
-// refresh reads the interfaces' prefixes and the main table's routes; on
-// an error the old ones stay.
-func (n *nodeLinks) refresh() {
-	n.read = time.Now()
-	if routes, err := mainRoutes(); err == nil {
-		n.routes = routes
-	}
-	n.refreshLinks()
-}
-
-// mainRoutes reads the main routing table's unicast routes (both
-// families), longest prefix first.
-func mainRoutes() ([]nodeRoute, error) {
-	rib, err := syscall.NetlinkRIB(syscall.RTM_GETROUTE, syscall.AF_UNSPEC)
-	if err != nil {
-		return nil, os.NewSyscallError("netlink route dump", err)
-	}
-	msgs, err := syscall.ParseNetlinkMessage(rib)
-	if err != nil {
-		return nil, err
-	}
-	ifs, err := net.Interfaces()
-	if err != nil {
-		return nil, err
-	}
-	names := make(map[int]string, len(ifs))
-	for _, ifc := range ifs {
-		names[ifc.Index] = ifc.Name
-	}
-	var routes []nodeRoute
-	for _, m := range msgs {
-		if m.Header.Type != syscall.RTM_NEWROUTE || len(m.Data) < syscall.SizeofRtMsg {
-			continue
-		}
-		rt := (*syscall.RtMsg)(unsafe.Pointer(&m.Data[0]))
-		if rt.Type != syscall.RTN_UNICAST || (rt.Family != syscall.AF_INET && rt.Family != syscall.AF_INET6) {
-			continue
-		}
-		attrs, err := syscall.ParseNetlinkRouteAttr(&m)
-		if err != nil {
-			continue
-		}
-		table, oif := uint32(rt.Table), -1
-		dst := netip.IPv4Unspecified()
-		if rt.Family == syscall.AF_INET6 {
-			dst = netip.IPv6Unspecified()
-		}
-		for _, a := range attrs {
-			switch a.Attr.Type {
-			case syscall.RTA_TABLE:
-				if len(a.Value) >= 4 {
-					table = binary.NativeEndian.Uint32(a.Value)
-				}
-			case syscall.RTA_OIF:
-				if len(a.Value) >= 4 {
-					oif = int(binary.NativeEndian.Uint32(a.Value))
-				}
-			case syscall.RTA_DST:
-				if d, ok := netip.AddrFromSlice(a.Value); ok {
-					dst = d
-				}
-			}
-		}
-		dev, ok := names[oif]
-		if table != syscall.RT_TABLE_MAIN || !ok {
-			continue
-		}
-		if p, err := dst.Prefix(int(rt.Dst_len)); err == nil {
-			routes = append(routes, nodeRoute{dst: p, dev: dev})
-		}
-	}
-	slices.SortStableFunc(routes, func(a, b nodeRoute) int { return b.dst.Bits() - a.dst.Bits() })
-	return routes, nil
-}
-
-// refreshLinks reads the interfaces' prefixes.
-func (n *nodeLinks) refreshLinks() {
-	ifs, err := net.Interfaces()
-	if err != nil {
-		return
-	}
-	links := make([]nodeLink, 0, len(ifs))
-	for _, ifc := range ifs {
-		addrs, err := ifc.Addrs()
-		if err != nil {
-			continue
-		}
-		l := nodeLink{name: ifc.Name}
-		for _, a := range addrs {
-			if ipn, ok := a.(*net.IPNet); ok {
-				if p, err := netip.ParsePrefix(ipn.String()); err == nil && p.Bits() < p.Addr().BitLen() {
-					l.prefixes = append(l.prefixes, p.Masked())
-				}
-			}
-		}
-		if len(l.prefixes) > 0 {
-			_, err := os.Stat("/sys/class/net/" + ifc.Name + "/bridge")
-			l.bridge = err == nil
-			links = append(links, l)
-		}
-	}
-	n.links = links
-}
-
 // forFamily is the source NAT for addr's family, or nil.
 func (c *clientNAT) forFamily(addr netip.Addr) *sock.ClientNAT {
 	if c == nil || !c.families[familyIndex(config.Family(addr))] {
@@ -413,9 +247,9 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		if fam == 6 {
 			// A bridged IPv6 reply de-NATed by br_netfilter was lost now
 			// and then in the lab (Linux 6.18: the dial timed out, or the
-			// next connection went out without its NAT): pods on this
-			// node's bridge show the node's address; routed IPv6 keeps
-			// the client's.
+			// next connection went out without its NAT).
+			cfg.log().WithField("family", fam).Info("IPv6 pods calling a pod on this node's bridge show it the node's address; " +
+				"routed IPv6 clients keep theirs")
 			continue
 		}
 		sysctl := "bridge-nf-call-iptables"

@@ -19,7 +19,8 @@ import (
 // sourceManifest is lab/web (ClusterIP, NodePort 31341) with pod1 on this
 // node and pod2 on another, lab/local the same with externalTrafficPolicy
 // Local, an externalIP and a LoadBalancer IP (203.0.113.12), and lab/opaque the same as web with the
-// annotation that keeps the node's address.
+// annotation that keeps the node's address, and lab/retry on port 8081,
+// where only pod1 listens (pod2 refuses).
 func sourceManifest() string {
 	other := func(s string) string {
 		s = strings.ReplaceAll(s, "- {addresses: [10.251.19.8], nodeName: node}", "- {addresses: [10.251.19.8], nodeName: other}")
@@ -32,7 +33,9 @@ func sourceManifest() string {
 	opaque := "---\n" + strings.Replace(service("opaque", "ClusterIP", "10.96.0.12", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`),
 		"metadata: {name: opaque, namespace: lab}", "metadata: {name: opaque, namespace: lab, annotations: {kube-userspace-proxy.io/backend-source-address: node}}", 1) +
 		other(slices("opaque", `{name: http, port: 8080, protocol: TCP}`, false))
-	return web + local + opaque
+	retry := "---\n" + service("retry", "ClusterIP", "10.96.0.14", "", `{name: http, port: 80, targetPort: 8081, protocol: TCP}`) +
+		slices("retry", `{name: http, port: 8081, protocol: TCP}`, false)
+	return web + local + opaque + retry
 }
 
 // peerOf is the client address a backend reports ("pod1 (client A:P)"
@@ -90,6 +93,20 @@ func TestBackendSeesTheClient(t *testing.T) {
 	seesOnly(t, l, "ext", "http://192.168.50.1:31342/", "192.168.50.2", 4)
 	seesOnly(t, l, "ext", "http://203.0.113.12/", "192.168.50.2", 4)
 	seesOnly(t, l, "client", "http://10.96.0.12/", "10.251.19.1", 4) // the annotation
+
+	// A refused dial costs a retry, as without the source NAT: every
+	// request answered by pod1, which sees the client.
+	l.Start("pod1", filepath.Join(binDir, "backend"), "--name", "pod1-8081", "--tcp", ":8081")
+	waitFor(t, "pod1's second backend", func() bool { return l.Curl("node", "http://10.251.19.12:8081/") != "" })
+	for i := range 10 {
+		body := l.Curl("client", "http://10.96.0.14/")
+		if !strings.HasPrefix(body, "pod1-8081 ") || peerOf(body) != "10.251.19.20" {
+			t.Fatalf("request %d to lab/retry: %q, want pod1-8081 seeing 10.251.19.20", i, body)
+		}
+	}
+	if !strings.Contains(d.Output(), `endpoint="10.251.19.8:8081" error="dial tcp 10.251.19.8:8081: connection refused"`) {
+		t.Fatalf("no refused dial to pod2:8081 in the log")
+	}
 
 	// Hairpin: pod1 through its own Service reaches itself from the
 	// node's address (as kube-proxy masquerades it), pod2 from its own.
