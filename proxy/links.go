@@ -16,12 +16,14 @@ import (
 	"unsafe"
 )
 
-// nodeLinks are the node's connected prefixes by interface, read at most
-// once every linksTTL: which link an address is on, and whether that link
-// is a bridge.
+// nodeLinks are the node's connected prefixes by interface and its main
+// routes, each read at most
+// once every linksTTL: which link an address is on, whether that link
+// is a bridge, and which interface routes it.
 type nodeLinks struct {
 	mu     sync.Mutex // guards the fields below
-	read   time.Time
+	read   time.Time  // of links
+	routed time.Time  // of routes (read only for the interface modes)
 	links  []nodeLink
 	routes []nodeRoute // the main table's, longest prefix first
 }
@@ -46,7 +48,7 @@ func (n *nodeLinks) sameLink(a, b netip.Addr) (name string, bridge, ok bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if time.Since(n.read) > linksTTL {
-		n.refresh()
+		n.refreshLinks()
 	}
 	for _, l := range n.links {
 		if slices.ContainsFunc(l.prefixes, func(p netip.Prefix) bool { return p.Contains(a) }) &&
@@ -61,8 +63,11 @@ func (n *nodeLinks) sameLink(a, b netip.Addr) (name string, bridge, ok bool) {
 func (n *nodeLinks) routeDev(addr netip.Addr) (string, bool) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if time.Since(n.read) > linksTTL {
-		n.refresh()
+	if time.Since(n.routed) > linksTTL {
+		n.routed = time.Now()
+		if routes, err := mainRoutes(); err == nil {
+			n.routes = routes
+		}
 	}
 	for _, r := range n.routes {
 		if r.dst.Contains(addr) {
@@ -70,16 +75,6 @@ func (n *nodeLinks) routeDev(addr netip.Addr) (string, bool) {
 		}
 	}
 	return "", false
-}
-
-// refresh reads the interfaces' prefixes and the main table's routes; on
-// an error the old ones stay.
-func (n *nodeLinks) refresh() {
-	n.read = time.Now()
-	if routes, err := mainRoutes(); err == nil {
-		n.routes = routes
-	}
-	n.refreshLinks()
 }
 
 // mainRoutes reads the main routing table's unicast routes (both
@@ -147,8 +142,10 @@ func mainRoutes() ([]nodeRoute, error) {
 	return routes, nil
 }
 
-// refreshLinks reads the interfaces' prefixes.
+// refreshLinks reads the interfaces' prefixes; on an error the old ones
+// stay.
 func (n *nodeLinks) refreshLinks() {
+	n.read = time.Now()
 	ifs, err := net.Interfaces()
 	if err != nil {
 		return
