@@ -17,9 +17,8 @@ import (
 )
 
 // nodeLinks are the node's connected prefixes by interface and its main
-// routes, each read at most
-// once every linksTTL: which link an address is on, whether that link
-// is a bridge, and which interface routes it.
+// routes, each read at most once every linksTTL: which link an address is
+// on, whether that link is a bridge, and which interface routes it.
 type nodeLinks struct {
 	mu     sync.Mutex // guards the fields below
 	read   time.Time  // of links
