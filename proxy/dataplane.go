@@ -26,6 +26,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/sirupsen/logrus"
+
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
@@ -49,6 +51,9 @@ type dataplane struct {
 	clientNAT atomic.Pointer[clientNAT]
 	// connLogLimit bounds the connection log (connlog.go).
 	connLogLimit *connLogLimit
+	// noLocalPortWarned is when the last "no local port" warning was
+	// logged (Unix ns): one a minute says it without flooding the log.
+	noLocalPortWarned atomic.Int64
 
 	mu  sync.Mutex     // guards acc
 	acc *sock.Acceptor // made for the first TCP listener, closed by closeListeners
@@ -75,6 +80,19 @@ const (
 	workerMaxIdle   = 10 * time.Second
 	workerMaxParked = 1024
 )
+
+// ranOutOfLocalPorts logs, at most once a minute, that a dial to ep found
+// no local port: the node's limit, which an operator lifts, not the
+// endpoint's fault.
+func (d *dataplane) ranOutOfLocalPorts(log logrus.FieldLogger, ep netip.AddrPort) {
+	now := time.Now().UnixNano()
+	last := d.noLocalPortWarned.Load()
+	if last != 0 && now-last < int64(time.Minute) || !d.noLocalPortWarned.CompareAndSwap(last, now) {
+		return
+	}
+	log.WithField("endpoint", ep).Warn("No local port left for connections to the endpoint (the node's earlier connections to it wait out TIME_WAIT); " +
+		"not the endpoint's fault, so it is not ejected. Set net.ipv4.tcp_tw_reuse=1 or widen net.ipv4.ip_local_port_range (docs/operations.md)")
+}
 
 // start runs the dataplane's goroutines until stop; ctx is the daemon's
 // lifetime, which dials and read loops follow.

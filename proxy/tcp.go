@@ -129,6 +129,12 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
+		if sock.IsNoLocalPort(err) {
+			// No port left towards ep: the node's limit, no ejection;
+			// another endpoint has ports of its own.
+			f.dp.ranOutOfLocalPorts(f.log(), ep)
+			continue
+		}
 		f.report(ep, failure)
 	}
 	return nil, CauseDialFailed

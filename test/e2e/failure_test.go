@@ -6,9 +6,13 @@ package e2e
 // curl, dig).
 
 import (
+	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -580,4 +584,96 @@ for i in range(20000):
 		t.Errorf("no line counts the dropped connection log lines (%d written)", lines)
 	}
 	t.Logf("%d connection log lines written for 20 000 flows", lines)
+}
+
+// getClosingFirst makes one HTTP/1.1 request to addr from ns and closes the
+// connection itself once the answer is in, as a client with keep-alive does
+// when it is done: the daemon then closes its backend connection first, and
+// that side waits out TIME_WAIT in the node's namespace.
+func getClosingFirst(ns, addr string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := cluster.DialContextIn(ns)(ctx, "tcp", addr)
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: lab\r\n\r\n"); err != nil {
+		return "", err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	return string(body), err
+}
+
+// The node runs out of local ports towards the endpoints — clients that
+// close first leave the daemon's side of each backend connection in
+// TIME_WAIT, 60 s — and the dials that fail say "no local port": the
+// healthy endpoints are not ejected, one warning names the remedy, and once
+// it is applied (tcp_tw_reuse) every connection gets through at once.
+func TestNoLocalPortIsNotTheEndpoints(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	// 200 ports per endpoint instead of 28 232: a few seconds of load use
+	// them up.
+	l.MustExec("node", "sysctl", "-qw", "net.ipv4.ip_local_port_range=61000 61199", "net.ipv4.tcp_tw_reuse=0")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, service("ports", "ClusterIP", "10.96.0.22", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`)+
+		splitSlices("ports", "h", "TCP", "10.251.19.12:8080", "10.251.19.8:8080"))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--proxy-port-range", "20000-20099")
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	}()
+	waitFor(t, "lab/ports served", func() bool { _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); return err == nil })
+
+	ok, failed := 0, 0
+	for i := 0; i < 1000 && failed < 20; i++ {
+		if _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); err != nil {
+			failed++
+		} else {
+			ok++
+		}
+	}
+	t.Logf("%d connections answered before 20 failed", ok)
+	if failed < 20 {
+		t.Fatalf("1000 connections, %d failed: the node's 200 local ports per endpoint never ran out", failed)
+	}
+	fams := scrape(t, l)
+	if v := metricSum(fams, "kube_userspace_proxy_dial_failures_total", map[string]string{"reason": "no local port"}); v < 20 {
+		t.Errorf("dial failures for want of a local port: %v, want at least 20", v)
+	}
+	if v := metricSum(fams, "kube_userspace_proxy_dial_failures_total", map[string]string{"reason": "unreachable"}); v != 0 {
+		t.Errorf("%v dials counted as unreachable endpoints", v)
+	}
+	if strings.Contains(d.Output(), "Endpoint ejected") {
+		t.Errorf("a healthy endpoint was ejected for the node's own want of ports")
+	}
+	if n := strings.Count(d.Output(), "No local port left"); n != 1 {
+		t.Errorf("%d warnings about local ports, want 1 (one a minute)", n)
+	}
+
+	// The remedy: reuse of ports in TIME_WAIT for new connections. Both
+	// endpoints answer again as soon as the kernel allows it (a port's
+	// TIME_WAIT must be a second old).
+	l.MustExec("node", "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1")
+	waitFor(t, "a connection through lab/ports", func() bool { _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); return err == nil })
+	seen := map[string]int{}
+	for i := range 40 {
+		body, err := getClosingFirst(l.NS("client"), "10.96.0.22:80")
+		if err != nil {
+			t.Fatalf("connection %d after tcp_tw_reuse=1: %v", i, err)
+		}
+		name, _, _ := strings.Cut(body, " ")
+		seen[name]++
+	}
+	if seen["pod1"] == 0 || seen["pod2"] == 0 {
+		t.Fatalf("after tcp_tw_reuse=1, 40 connections went to %v: want both endpoints", seen)
+	}
 }

@@ -242,7 +242,7 @@ func dialError(ep netip.AddrPort, err error) error {
 
 // DialFailure names why a dial failed, in the words of the log line and the
 // dial failure metric: "refused", "timeout", "unreachable", "reset",
-// "file limit", "cancelled" or "error".
+// "file limit", "no local port", "cancelled" or "error".
 func DialFailure(err error) string {
 	var errno syscall.Errno
 	switch {
@@ -252,16 +252,27 @@ func DialFailure(err error) string {
 		return "timeout"
 	case IsFileLimit(err):
 		return "file limit"
+	case IsNoLocalPort(err):
+		return "no local port"
 	case !errors.As(err, &errno):
 		return "error"
 	}
 	switch errno {
 	case syscall.ECONNREFUSED:
 		return "refused"
-	case syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.EHOSTDOWN, syscall.ENETDOWN, syscall.EADDRNOTAVAIL:
+	case syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.EHOSTDOWN, syscall.ENETDOWN:
 		return "unreachable"
 	case syscall.ECONNRESET, syscall.ECONNABORTED:
 		return "reset"
 	}
 	return "error"
+}
+
+// IsNoLocalPort reports whether a dial failed for want of a local port: the
+// connect found no free port towards the endpoint (EADDRNOTAVAIL), most
+// often because the node's earlier connections to it wait out TIME_WAIT.
+// That is the node's limit, not the endpoint's fault.
+func IsNoLocalPort(err error) bool {
+	var se *os.SyscallError
+	return errors.As(err, &se) && se.Syscall == "connect" && errors.Is(se.Err, syscall.EADDRNOTAVAIL)
 }

@@ -206,7 +206,7 @@ func TestDialFailure(t *testing.T) {
 	}
 	for errno, want := range map[syscall.Errno]string{
 		syscall.EHOSTUNREACH: "unreachable", syscall.ENETUNREACH: "unreachable", syscall.EMFILE: "file limit",
-		syscall.ECONNRESET: "reset", syscall.EPERM: "error",
+		syscall.ECONNRESET: "reset", syscall.EPERM: "error", syscall.EADDRNOTAVAIL: "no local port",
 	} {
 		if got := DialFailure(dialError(netip.AddrPortFrom(loopback, 1), errno)); got != want {
 			t.Errorf("%v: %q, want %q", errno, got, want)
