@@ -227,7 +227,7 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 	if cfg.BackendSource == BackendSourceNode {
 		return nil
 	}
-	nat, err := sock.NewClientNAT(sockets)
+	nat, err := sock.NewClientNAT(sockets, cfg.PortRange.Base, cfg.PortRange.Size)
 	if err != nil {
 		cfg.log().WithError(err).Warn("Backends see the node's address, not their clients': no conntrack netlink socket (is nf_conntrack_netlink loaded?)")
 		return nil

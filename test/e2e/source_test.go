@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -420,5 +421,69 @@ func TestBackendSourceByInterface(t *testing.T) {
 		}
 		_ = d.Cmd.Process.Signal(syscall.SIGTERM)
 		_ = d.Cmd.Wait()
+	}
+}
+
+// A client that closes first leaves each backend connection's port in
+// TIME_WAIT for a minute. The source NAT's dials bind their ports from the
+// proxy port range, never from the node's own: a high rate of such
+// connections keeps the client's address and never takes the ports the
+// node's other connections need (which a port the kernel picks for bind
+// would: the kernel's choice for every other connect skips it while its
+// TIME_WAIT lasts).
+func TestBackendSourceKeepsTheNodesPorts(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	// 200 ports of the node's own, without reuse of TIME_WAIT: the old
+	// way ran out of them after 200 connections.
+	l.MustExec("node", "sysctl", "-qw", "net.ipv4.ip_local_port_range=61000 61199", "net.ipv4.tcp_tw_reuse=0")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, service("ports", "ClusterIP", "10.96.0.22", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`)+
+		splitSlices("ports", "h", "TCP", "10.251.19.12:8080", "10.251.19.8:8080"))
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
+		"--proxy-port-range", "20000-20999", "--cluster-cidr", "10.251.19.0/24,fd00:251::/64")
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	}()
+	waitFor(t, "lab/ports served", func() bool { _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); return err == nil })
+
+	// 1 500 connections: more than the node's 200 ports, fewer than the
+	// 2 000 that 1 000 ports to two endpoints give within a TIME_WAIT.
+	for i := range 1500 {
+		body, err := getClosingFirst(l.NS("client"), "10.96.0.22:80")
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		if got := peerOf(body); got != "10.251.19.20" {
+			t.Fatalf("connection %d: the backend saw %q (%q), want the client 10.251.19.20", i, got, body)
+		}
+	}
+	// The node's own connections still find a port (the scrape connects
+	// from the node).
+	fams := scrape(t, l)
+	if v := metricSum(fams, "kube_userspace_proxy_backend_source_total", map[string]string{"source": "fallback"}); v > 0 {
+		t.Errorf("%v connections fell back to the node's address", v)
+	}
+	if v := metricSum(fams, "kube_userspace_proxy_dial_failures_total", nil); v > 0 {
+		t.Errorf("%v dials failed", v)
+	}
+	out := l.MustExec("node", "ss", "-Htan", "state", "time-wait")
+	inRange := 0
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 {
+			continue
+		}
+		local, err := netip.ParseAddrPort(f[2])
+		if err == nil && local.Port() >= 20000 && local.Port() <= 20999 {
+			inRange++
+		} else if err == nil && local.Port() >= 61000 && local.Port() <= 61199 && strings.Contains(f[3], ":8080") {
+			t.Fatalf("a backend connection in TIME_WAIT on the node's own port: %s", line)
+		}
+	}
+	if inRange < 1000 {
+		t.Errorf("%d backend connections in TIME_WAIT on the proxy port range, want 1 500 less those reused: %s", inRange, tail(out, 600))
 	}
 }

@@ -34,6 +34,7 @@ type ClientNAT struct {
 	socks  chan int
 	closed chan struct{}
 	seq    atomic.Uint32
+	ports  *sourcePorts // nil: ports the kernel picks (sourceports.go)
 }
 
 // Netlink and ctnetlink constants (linux/netfilter/nfnetlink.h,
@@ -81,9 +82,15 @@ const (
 	natEntryTimeout = 120
 )
 
-// NewClientNAT opens n netlink sockets (at least one).
-func NewClientNAT(n int) (*ClientNAT, error) {
+// NewClientNAT opens n netlink sockets (at least one). Its dials bind
+// local ports first..first+count-1, a range the kernel's automatic choice
+// of ports never takes (sourceports.go); count 0 leaves the ports to the
+// kernel.
+func NewClientNAT(n int, first, count int) (*ClientNAT, error) {
 	c := &ClientNAT{socks: make(chan int, max(n, 1)), closed: make(chan struct{})}
+	if count > 0 {
+		c.ports = &sourcePorts{base: first, size: count}
+	}
 	for range cap(c.socks) {
 		fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
 		if err != nil {

@@ -168,7 +168,7 @@ func TestDialFromClientThroughConntrack(t *testing.T) {
 	l := newNATLab(t)
 	var nat *ClientNAT
 	var err error
-	in(t, l.node, func() { nat, err = NewClientNAT(2) })
+	in(t, l.node, func() { nat, err = NewClientNAT(2, 20000, 64) })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,15 +184,16 @@ func TestDialFromClientThroughConntrack(t *testing.T) {
 	} {
 		peers := l.peers(t, tc.listen)
 		ep, client := netip.MustParseAddrPort(tc.ep), netip.MustParseAddr(tc.client)
-		// Many in a row: every dial binds a new port and creates its entry;
-		// none may be left to the kernel's choice.
-		for i := range 50 {
+		// Many in a row, more than the 64 ports of the range: every dial
+		// binds a port of the range and creates its entry; none may be
+		// left to the kernel's choice.
+		for i := range 100 {
 			d := l.dialFrom(t, ep, Source{Client: client, NAT: nat})
 			if d.SourceErr != nil || d.Sees != client {
 				t.Fatalf("dial %d to %s: %+v, want the backend to see %s", i, ep, d, client)
 			}
-			if p := <-peers; p.Addr() != client {
-				t.Fatalf("dial %d to %s: the backend saw %s, want %s", i, ep, p, client)
+			if p := <-peers; p.Addr() != client || p.Port() < 20000 || p.Port() >= 20064 {
+				t.Fatalf("dial %d to %s: the backend saw %s, want %s from a port of 20000-20063", i, ep, p, client)
 			}
 		}
 		// The client's port too, again and again at once: each dial finds
@@ -252,7 +253,7 @@ func TestDialFromFallsBackToTheNode(t *testing.T) {
 	l := newNATLab(t)
 	var nat *ClientNAT
 	var err error
-	in(t, l.node, func() { nat, err = NewClientNAT(1) })
+	in(t, l.node, func() { nat, err = NewClientNAT(1, 0, 0) })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,5 +273,75 @@ func TestDialFromFallsBackToTheNode(t *testing.T) {
 	}
 	if p := <-peers; p.Addr().String() != "10.0.2.1" {
 		t.Fatalf("a loopback client: the backend saw %s", p)
+	}
+}
+
+func TestSourcePortsInTurn(t *testing.T) {
+	s := &sourcePorts{base: 100, size: 3}
+	a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	var got []uint16
+	for range 3 {
+		p, ok := s.take(a)
+		if !ok {
+			t.Fatalf("take %v: none free", got)
+		}
+		got = append(got, p)
+	}
+	if fmt.Sprint(got) != "[100 101 102]" {
+		t.Fatalf("ports taken: %v, want 100 101 102", got)
+	}
+	if p, ok := s.take(a); ok {
+		t.Fatalf("a fourth port %d from a range of 3", p)
+	}
+	// Another address has ports of its own.
+	if p, ok := s.take(b); !ok || p != 100 {
+		t.Fatalf("first port for another address: %d %v, want 100", p, ok)
+	}
+	// A port given back comes round again only after the others.
+	s.put(a, 100)
+	s.put(a, 102)
+	if p, _ := s.take(a); p != 100 {
+		t.Fatalf("after 102 the search wraps to 100, got %d", p)
+	}
+	if p, _ := s.take(a); p != 102 {
+		t.Fatalf("then 102, got %d", p)
+	}
+	s.put(b, 999) // outside the range: ignored
+}
+
+// Without TCP timestamps the kernel cannot reuse a connection's TIME_WAIT
+// for the next one to the same endpoint from the same port: once every
+// port of the range is held by one, a dial goes out from the node's
+// address (with the reason), never fails.
+func TestDialFromPortsInTimeWait(t *testing.T) {
+	l := newNATLab(t)
+	in(t, l.node, func() {
+		if err := os.WriteFile("/proc/sys/net/ipv4/tcp_timestamps", []byte("0"), 0); err != nil {
+			t.Fatal(err)
+		}
+	})
+	var nat *ClientNAT
+	var err error
+	in(t, l.node, func() { nat, err = NewClientNAT(1, 20000, 4) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nat.Close()
+	ep, client := netip.MustParseAddrPort("10.0.2.2:8080"), netip.MustParseAddr("10.0.1.2")
+	peers := l.peers(t, ep.String())
+	for i := range 4 {
+		if d := l.dialFrom(t, ep, Source{Client: client, NAT: nat}); d.Sees != client {
+			t.Fatalf("dial %d: %+v", i, d)
+		}
+		<-peers
+	}
+	// The dialled sockets closed first: the four ports are in TIME_WAIT
+	// with ep.
+	d := l.dialFrom(t, ep, Source{Client: client, NAT: nat})
+	if d.Sees.IsValid() || d.SourceErr == nil || !strings.Contains(d.SourceErr.Error(), "TIME_WAIT") {
+		t.Fatalf("with every port in TIME_WAIT: %+v, want the node's address and why", d)
+	}
+	if p := <-peers; p.Addr().String() != "10.0.2.1" {
+		t.Fatalf("the backend saw %s, want the node's 10.0.2.1", p)
 	}
 }

@@ -37,6 +37,8 @@ type Conn struct {
 	mu   sync.Mutex  // orders Abort against the deadlines of a dial and of Copy
 	done atomic.Bool // Abort or Close was called: errors after it are net.ErrClosed
 
+	onClose func() // the owner's: gives back the port a source-NATed dial bound (sourceports.go)
+
 	parked atomic.Pointer[parked] // in a Parker's set (park.go)
 	inSet  bool                   // registered in the Parker's epoll set, armed or not (its mu)
 }
@@ -84,7 +86,12 @@ func (c *Conn) Abort() {
 // uses c: like os.File.Close it waits for system calls in flight on c.
 func (c *Conn) Close() error {
 	c.done.Store(true)
-	return c.f.Close()
+	err := c.f.Close()
+	if c.onClose != nil {
+		c.onClose()
+		c.onClose = nil
+	}
+	return err
 }
 
 // setWriteDeadline sets the write deadline unless c was aborted (which

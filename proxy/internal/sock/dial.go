@@ -52,73 +52,104 @@ type Dialed struct {
 // (src.Client, src.Bind) where it can; where it cannot, the node's, never
 // a failed connection.
 func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src Source) (*Conn, Dialed, error) {
+	for range 8 {
+		c, d, ownPort, err := dialFrom(ctx, ep, timeout, src)
+		// A port of the source NAT's range whose last connection to ep
+		// is still in TIME_WAIT (and not reusable): the next port.
+		if !ownPort || !IsNoLocalPort(err) {
+			return c, d, err
+		}
+	}
+	// Ports in a row still in TIME_WAIT with ep: the node's address
+	// rather than no connection.
+	c, _, _, err := dialFrom(ctx, ep, timeout, Source{})
+	return c, Dialed{SourceErr: fmt.Errorf("8 ports of the proxy port range in a row still in TIME_WAIT with %s (see net.ipv4.tcp_tw_reuse)", ep)}, err
+}
+
+// dialFrom is one try of DialTCPFrom; ownPort says the socket was bound to
+// a port of the source NAT's range.
+func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src Source) (_ *Conn, _ Dialed, ownPort bool, _ error) {
 	family := familyOf(ep)
 	sfd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(family)), unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if errno != 0 {
-		return nil, Dialed{}, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
+		return nil, Dialed{}, false, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
 	}
 	fd := int(sfd)
 	for _, o := range connOptions {
 		_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
 	}
-	local, d, err := bindSource(fd, ep, src)
+	b, err := bindSource(fd, ep, src)
 	if err != nil {
-		d = Dialed{SourceErr: err}
+		b.Dialed = Dialed{SourceErr: err} // from the node's address, on the port bound if any
+	}
+	ownPort = b.putPort != nil
+	failed := func() {
+		if b.local.IsValid() {
+			_ = src.NAT.release(unix.IPPROTO_TCP, b.local, ep)
+		}
+		if b.putPort != nil {
+			b.putPort()
+		}
 	}
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
 	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n))
 	if errno != 0 && errno != unix.EINPROGRESS && errno != unix.EINTR {
 		unix.Close(fd)
-		src.release(local, ep)
-		return nil, d, dialError(ep, errno)
+		failed()
+		return nil, b.Dialed, ownPort, dialError(ep, errno)
 	}
 	c, err := newConn(fd)
 	if err != nil {
-		src.release(local, ep)
-		return nil, d, err
+		failed()
+		return nil, b.Dialed, ownPort, err
 	}
 	// The handshake has often finished inside connect: look at the state
 	// before waiting, which saves a park on the poller.
 	if err := c.awaitConnect(ctx, timeout); err != nil {
 		c.Close()
-		src.release(local, ep)
-		return nil, d, dialError(ep, err)
+		failed()
+		return nil, b.Dialed, ownPort, dialError(ep, err)
 	}
-	return c, d, nil
+	c.onClose = b.putPort
+	return c, b.Dialed, ownPort, nil
 }
 
-// bindSource binds fd as src asks before it connects to ep and returns
-// the bound address when it created a conntrack entry for it.
-func bindSource(fd int, ep netip.AddrPort, src Source) (netip.AddrPort, Dialed, error) {
+// boundSource is what bindSource made of a Source.
+type boundSource struct {
+	Dialed
+	local   netip.AddrPort // the bound address of a conntrack entry it created
+	putPort func()         // gives the bound port back once the socket is closed
+}
+
+// bindSource binds fd as src asks before it connects to ep. On an error
+// the socket may still hold a port of the range (putPort set).
+func bindSource(fd int, ep netip.AddrPort, src Source) (boundSource, error) {
 	client := src.Client.Unmap()
 	if !client.IsValid() || client.IsLoopback() {
-		return netip.AddrPort{}, Dialed{}, nil
+		return boundSource{}, nil
 	}
 	if client.Is4() != ep.Addr().Is4() {
-		return netip.AddrPort{}, Dialed{}, fmt.Errorf("the client %s and the endpoint %s are of two families", client, ep)
+		return boundSource{}, fmt.Errorf("the client %s and the endpoint %s are of two families", client, ep)
 	}
 	// A client on the node itself: its own address, if it is one of ours.
 	err := bindTo(fd, netip.AddrPortFrom(client, 0))
 	if err == nil {
-		return netip.AddrPort{}, Dialed{Sees: client}, nil
+		return boundSource{Dialed: Dialed{Sees: client}}, nil
 	}
 	if !errors.Is(err, syscall.EADDRNOTAVAIL) {
-		return netip.AddrPort{}, Dialed{}, err
+		return boundSource{}, err
 	}
 	if src.NAT == nil {
-		return netip.AddrPort{}, Dialed{}, nil
+		return boundSource{}, nil
 	}
 	from, err := routeSource(ep)
 	if err != nil {
-		return netip.AddrPort{}, Dialed{}, err
+		return boundSource{}, err
 	}
-	if err := bindTo(fd, netip.AddrPortFrom(from, 0)); err != nil {
-		return netip.AddrPort{}, Dialed{}, err
-	}
-	local, err := localAddr(fd)
+	local, putPort, err := src.NAT.bindSourcePort(fd, from)
 	if err != nil {
-		return netip.AddrPort{}, Dialed{}, err
+		return boundSource{}, err
 	}
 	as := netip.AddrPortFrom(client, src.Port)
 	err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
@@ -130,7 +161,7 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (netip.AddrPort, Dialed, 
 		// once), taken over only when over; else the client's address
 		// from this socket's port.
 		if err := src.NAT.release(unix.IPPROTO_TCP, local, ep); err != nil && !errors.Is(err, syscall.ENOENT) {
-			return netip.AddrPort{}, Dialed{}, fmt.Errorf("conntrack source NAT to %s: %w", as, err)
+			return boundSource{putPort: putPort}, fmt.Errorf("conntrack source NAT to %s: %w", as, err)
 		}
 		if as.Port() != 0 && src.NAT.takeOver(ep, as) != nil {
 			as = netip.AddrPortFrom(client, 0)
@@ -142,16 +173,9 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (netip.AddrPort, Dialed, 
 		err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
 	}
 	if err != nil {
-		return netip.AddrPort{}, Dialed{}, fmt.Errorf("conntrack source NAT to %s: %w", client, err)
+		return boundSource{putPort: putPort}, fmt.Errorf("conntrack source NAT to %s: %w", client, err)
 	}
-	return local, Dialed{Sees: client}, nil
-}
-
-// release deletes the conntrack entry a failed dial from local created.
-func (src Source) release(local, ep netip.AddrPort) {
-	if local.IsValid() {
-		_ = src.NAT.release(unix.IPPROTO_TCP, local, ep)
-	}
+	return boundSource{Dialed: Dialed{Sees: client}, local: local, putPort: putPort}, nil
 }
 
 // bindTo binds fd to ap.

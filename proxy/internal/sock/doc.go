@@ -24,8 +24,10 @@
 //     through a ClientNAT, which creates the connection's conntrack entry
 //     with a source NAT before its first packet, taking over the entry of
 //     the client's earlier connection from that port once it is in
-//     TIME_WAIT). The ClientNAT owns its netlink sockets; the entries are
-//     the kernel's, each released by the dial that made it if it fails.
+//     TIME_WAIT). The ClientNAT owns its netlink sockets and the ports of
+//     its range (sourceports.go), each lent to one dial and given back when
+//     its Conn is closed; the entries are the kernel's, each released by
+//     the dial that made it if it fails.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
 //     a UDP port unreachable) and RaiseFileLimit.
