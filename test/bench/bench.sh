@@ -24,18 +24,9 @@ bash test/setup.sh bench # haproxy, iperf3, socat, sockperf when missing
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 . test/lab/lab.sh
-. test/bench/results.sh # record, jsonval, median, value, bench_lab, N
+. test/bench/results.sh # record, jsonval, median, value, cell, ratio, bench_lab, N, P, L
 bench_lab kb
 
-# A pinned lab: the proxy under test (ours or a peer) on PROXY_CPUS, the load
-# generators and the backend on LOAD_CPUS, the same for every path, so that
-# neither steals the other's CPU (floating, "proxy ÷ direct" read above 1).
-NCPU=$(nproc)
-PROXY_CPUS=${PROXY_CPUS:-$((NCPU - 1))}
-LOAD_CPUS=${LOAD_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo 0)}
-PROXY_NCPU=$(taskset -c "$PROXY_CPUS" nproc)
-P() { N node taskset -c "$PROXY_CPUS" "$@"; }        # a proxy under test, in the node
-L() { N "$1" taskset -c "$LOAD_CPUS" "${@:2}"; }    # a load generator or backend, in namespace $1
 
 # Ports in TIME_WAIT are reused, as on a busy node: after 5000 idle connections through HAProxy and then
 # nginx, the client and node held 10 000 ports in TIME_WAIT, and the daemon's 5000 that followed were reset.
@@ -386,12 +377,6 @@ for p in nginx proxy; do
   record udp_flow_kib "$p" "$(awk -v a="$rss0" -v b="$rss1" -v f="$((fd1 - fd0))" 'BEGIN{if(f>0) printf "%.1f", (b-a)/f}')"
 done
 
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
-# cell METRIC PATH: the median and, with more than one run, the spread of the runs (min–max).
-cell() {
-  awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | sort -g |
-    awk '{v[NR]=$1} END{if(NR==0){print "—"} else if(NR==1 || v[1]==v[NR]){print v[int((NR+1)/2)]} else {printf "%s (%s–%s)\n", v[int((NR+1)/2)], v[1], v[NR]}}'
-}
 
 table="$work/table.md"
 {

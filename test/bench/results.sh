@@ -1,6 +1,6 @@
 # Shared by the benchmark scripts: figures recorded as "metric key value"
-# lines in $results, read back as the median over runs; and the lab setup of
-# bench.sh and sched.sh.
+# lines in $results, read back as the median over runs (with their spread);
+# the pinning of proxies and load; and the lab setup of bench.sh and sched.sh.
 # record METRIC KEY VALUE keeps one figure. A value that is not a number, or
 # is outside what a working measurement of METRIC can read on any machine
 # (sane_range), stops the script: a renamed field or a failed measurement
@@ -33,6 +33,22 @@ sane_range() {
 jsonval() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; } # a number from loadgen's JSON on stdin
 median() { sort -g | awk '{v[NR]=$1} END{if(NR==0){print "—"}else{print v[int((NR+1)/2)]}}'; }
 value() { awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | median; } # metric key → median
+# cell METRIC KEY: the median and, with more than one run, the spread of the runs (min–max).
+cell() {
+  awk -v m="$1" -v p="$2" '$1==m && $2==p {print $3}' "$results" | sort -g |
+    awk '{v[NR]=$1} END{if(NR==0){print "—"} else if(NR==1 || v[1]==v[NR]){print v[int((NR+1)/2)]} else {printf "%s (%s–%s)\n", v[int((NR+1)/2)], v[1], v[NR]}}'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—"}else{printf "%.2f×", a/b}}'; }
+
+# A pinned lab: the proxy under test (ours or a peer) on PROXY_CPUS, the load
+# generators and the backend on LOAD_CPUS, the same for every path, so that
+# neither steals the other's CPU (floating, "proxy ÷ direct" read above 1).
+NCPU=$(nproc)
+PROXY_CPUS=${PROXY_CPUS:-$((NCPU - 1))}
+LOAD_CPUS=${LOAD_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo 0)}
+PROXY_NCPU=$(taskset -c "$PROXY_CPUS" nproc)
+P() { N node taskset -c "$PROXY_CPUS" "$@"; }     # a proxy under test, in the node
+L() { N "$1" taskset -c "$LOAD_CPUS" "${@:2}"; } # a load generator or backend, in namespace $1
 
 # bench_lab PREFIX: the lab of test/lab/lab.sh (sourced before) under the name
 # $LAB when set, else PREFIX<pid>, a work directory $work, both removed on

@@ -5,19 +5,21 @@
 # backend seeing the client's address (the conntrack source NAT: the client
 # is a pod of this node by --cluster-cidr) or the node's (the annotation; also
 # keep-alive requests/s, the NAT's cost per packet), in one lab and one
-# daemon, interleaved, each figure the median of RUNS runs of DUR seconds.
-# Needs root; cleans up on exit.
+# daemon, interleaved, each figure the median of RUNS runs of DUR seconds
+# with their spread, pinned as make bench: the daemon on the last CPU, the
+# load generator and the backends on the others. Needs root; cleans up on
+# exit.
 set -u
 cd "$(dirname "$0")/../.."
-RUNS=${RUNS:-3}; DUR=${DUR:-5}; BIN=${BIN:-bin}
+RUNS=${RUNS:-5}; DUR=${DUR:-5}; BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
 command -v haproxy >/dev/null || { echo "haproxy is needed (apt-get install haproxy)" >&2; exit 1; }
 ulimit -n 20000 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 . test/lab/lab.sh
-. test/bench/results.sh # record, jsonval, median, value, bench_lab, N
+. test/bench/results.sh # record, jsonval, value, cell, ratio, bench_lab, N, P, L
 bench_lab ks
 
-for pod in pod1 pod2; do N "$pod" "$BIN/backend" --name "$pod" --tcp :8080 --udp "" >/dev/null 2>&1 & done
+for pod in pod1 pod2; do L "$pod" "$BIN/backend" --name "$pod" --tcp :8080 --udp "" >/dev/null 2>&1 & done
 cat > "$work/haproxy.cfg" <<'CFG'
 global
   maxconn 7000
@@ -33,7 +35,7 @@ frontend proxied
   bind :8090 accept-proxy
   http-request return status 200 content-type text/plain string "ok"
 CFG
-N pod1 haproxy -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+L pod1 haproxy -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
 
 svc() { # name vip annotations target-port endpoints...
   local name=$1 vip=$2 ann=$3 port=$4; shift 4
@@ -57,7 +59,7 @@ node="kube-userspace-proxy.io/backend-source-address: node" # all but src-client
   svc src-node "${VIP[src-node]}" "$node" 8091 10.251.19.12
   svc src-client "${VIP[src-client]}" "" 8091 10.251.19.12
 } >"$work/svc.yaml"
-N node "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
+P "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
   --cluster-cidr 10.251.19.0/24 --metrics-bind-address "" --healthz-bind-address "" >"$work/proxy.log" 2>&1 &
 PATHS="rr lc sh random pp-off pp-v2 src-node src-client"
 for p in $PATHS; do
@@ -68,12 +70,12 @@ results="$work/results"
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
     echo "run $run/$RUNS: $p" >&2
-    out=$(N client "$BIN/loadgen" -mode cps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
+    out=$(L client "$BIN/loadgen" -mode cps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
     record cps "$p" "$(echo "$out" | jsonval perSecond)"
   done
   for p in src-node src-client; do
     echo "run $run/$RUNS: $p keep-alive" >&2
-    out=$(N client "$BIN/loadgen" -mode rps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
+    out=$(L client "$BIN/loadgen" -mode rps -addr "${VIP[$p]}:8080" -d "${DUR}s" -c 32)
     record rps "$p" "$(echo "$out" | jsonval perSecond)"
   done
 done
@@ -84,15 +86,14 @@ for seen in 10.251.19.20 10.251.19.1; do
   n=$(N node conntrack -L -p tcp --reply-src 10.251.19.12 --reply-port-src 8091 --reply-dst "$seen" 2>/dev/null | grep -c '^tcp')
   [ "$n" -gt 0 ] || { echo "no connection to HAProxy showed it $seen" >&2; exit 1; }
 done
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(b>0) printf "%.2f×", a/b; else print "—"}'; }
 echo
 echo "| scheduler / header | new connections/s | ÷ rr (or ÷ header off) |"
 echo "|---|---:|---:|"
-for p in rr lc sh random; do echo "| $p | $(value cps "$p") | $(ratio "$(value cps "$p")" "$(value cps rr)") |"; done
-echo "| PROXY v2 off (HAProxy, one endpoint) | $(value cps pp-off) | — |"
-echo "| PROXY v2 on (HAProxy accept-proxy) | $(value cps pp-v2) | $(ratio "$(value cps pp-v2)" "$(value cps pp-off)") |"
+for p in rr lc sh random; do echo "| $p | $(cell cps "$p") | $(ratio "$(value cps "$p")" "$(value cps rr)") |"; done
+echo "| PROXY v2 off (HAProxy, one endpoint) | $(cell cps pp-off) | — |"
+echo "| PROXY v2 on (HAProxy accept-proxy) | $(cell cps pp-v2) | $(ratio "$(value cps pp-v2)" "$(value cps pp-off)") |"
 echo
 echo "| the backend sees (HAProxy, one endpoint) | new connections/s | ÷ node's | keep-alive requests/s | ÷ node's |"
 echo "|---|---:|---:|---:|---:|"
-echo "| the node's address (the annotation) | $(value cps src-node) | — | $(value rps src-node) | — |"
-echo "| the client's (conntrack source NAT) | $(value cps src-client) | $(ratio "$(value cps src-client)" "$(value cps src-node)") | $(value rps src-client) | $(ratio "$(value rps src-client)" "$(value rps src-node)") |"
+echo "| the node's address (the annotation) | $(cell cps src-node) | — | $(cell rps src-node) | — |"
+echo "| the client's (conntrack source NAT) | $(cell cps src-client) | $(ratio "$(value cps src-client)" "$(value cps src-node)") | $(cell rps src-client) | $(ratio "$(value rps src-client)" "$(value rps src-node)") |"

@@ -35,6 +35,7 @@ type ClientNAT struct {
 	closed chan struct{}
 	seq    atomic.Uint32
 	ports  *sourcePorts // nil: ports the kernel picks (sourceports.go)
+	routes routeCache
 }
 
 // Netlink and ctnetlink constants (linux/netfilter/nfnetlink.h,

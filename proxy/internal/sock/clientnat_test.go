@@ -345,3 +345,27 @@ func TestDialFromPortsInTimeWait(t *testing.T) {
 		t.Fatalf("the backend saw %s, want the node's 10.0.2.1", p)
 	}
 }
+
+func TestRouteCache(t *testing.T) {
+	var c routeCache
+	ep := netip.MustParseAddrPort("127.0.0.2:80")
+	if from, err := c.from(ep); err != nil || from != netip.MustParseAddr("127.0.0.1") {
+		t.Fatalf("route to %s: %s %v, want 127.0.0.1", ep, from, err)
+	}
+	// Within its lifetime an entry is the answer; after it, or once
+	// forgotten, the route is looked up again.
+	other := netip.MustParseAddr("192.0.2.9")
+	c.entries[ep.Addr()] = cachedRoute{other, time.Now().Add(time.Minute)}
+	if from, _ := c.from(ep); from != other {
+		t.Fatalf("a live entry: %s, want %s", from, other)
+	}
+	c.entries[ep.Addr()] = cachedRoute{other, time.Now().Add(-time.Second)}
+	if from, _ := c.from(ep); from != netip.MustParseAddr("127.0.0.1") {
+		t.Fatalf("an expired entry: %s, want the route's 127.0.0.1", from)
+	}
+	c.entries[ep.Addr()] = cachedRoute{other, time.Now().Add(time.Minute)}
+	c.forget(ep)
+	if from, _ := c.from(ep); from != netip.MustParseAddr("127.0.0.1") {
+		t.Fatalf("a forgotten entry: %s, want the route's 127.0.0.1", from)
+	}
+}

@@ -143,11 +143,14 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (boundSource, error) {
 	if src.NAT == nil {
 		return boundSource{}, nil
 	}
-	from, err := routeSource(ep)
+	from, err := src.NAT.routes.from(ep)
 	if err != nil {
 		return boundSource{}, err
 	}
 	local, putPort, err := src.NAT.bindSourcePort(fd, from)
+	if errors.Is(err, syscall.EADDRNOTAVAIL) {
+		src.NAT.routes.forget(ep)
+	}
 	if err != nil {
 		return boundSource{}, err
 	}

@@ -20,6 +20,7 @@ import (
 	"net/netip"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -112,4 +113,55 @@ func (c *ClientNAT) bindSourcePort(fd int, from netip.Addr) (netip.AddrPort, fun
 		return local, func() { c.ports.put(from, port) }, nil
 	}
 	return netip.AddrPort{}, nil, fmt.Errorf("%w (%s)", errNoSourcePort, from)
+}
+
+// routeCache remembers the node's address on the route to each endpoint
+// for a while: looking it up (a socket, a connect, a getsockname and a
+// close) cost as much as the rest of a source-NATed dial. Any address of
+// the node would do for the socket's side of the conntrack entry; the one
+// on the route is taken so that what the tools show reads as the node's
+// connection, and the short lifetime follows a change of the routes.
+type routeCache struct {
+	mu      sync.Mutex
+	entries map[netip.Addr]cachedRoute
+}
+
+type cachedRoute struct {
+	from    netip.Addr
+	expires time.Time
+}
+
+const (
+	routeCacheTTL  = 5 * time.Second
+	routeCacheSize = 4096 // beyond it the cache starts afresh: a bound, and rare
+)
+
+// from is the node's address on the route to ep.
+func (c *routeCache) from(ep netip.AddrPort) (netip.Addr, error) {
+	now := time.Now()
+	c.mu.Lock()
+	r, ok := c.entries[ep.Addr()]
+	c.mu.Unlock()
+	if ok && now.Before(r.expires) {
+		return r.from, nil
+	}
+	from, err := routeSource(ep)
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	c.mu.Lock()
+	if c.entries == nil || len(c.entries) >= routeCacheSize {
+		c.entries = make(map[netip.Addr]cachedRoute)
+	}
+	c.entries[ep.Addr()] = cachedRoute{from, now.Add(routeCacheTTL)}
+	c.mu.Unlock()
+	return from, nil
+}
+
+// forget drops ep's entry: its address could not be bound (gone from the
+// node).
+func (c *routeCache) forget(ep netip.AddrPort) {
+	c.mu.Lock()
+	delete(c.entries, ep.Addr())
+	c.mu.Unlock()
 }
