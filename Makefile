@@ -100,7 +100,8 @@ bench-sched: bench-tools
 	BIN=$(BIN) bash test/bench/sched.sh
 
 # N Services × M endpoints (default 10000 × 5) on the real control plane of
-# test/cluster, for our daemon and kube-proxy (nftables and iptables mode),
+# test/cluster, for our daemon and kube-proxy (nftables mode, iptables mode on
+# iptables-nft and on the legacy binaries),
 # each in its own namespace: memory, start → serving, one change's latency, a
 # churn of endpoint changes, the node tax at that scale; writes its table into
 # docs/benchmarks.md (root, ~20 minutes; PROXIES=kube-userspace-proxy for ours alone).

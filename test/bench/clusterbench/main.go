@@ -61,8 +61,8 @@ func main() {
 	var proxies string
 	flag.IntVar(&o.n, "n", 10000, "Services (one TCP port, one EndpointSlice each)")
 	flag.IntVar(&o.m, "m", 5, "endpoints per Service")
-	flag.StringVar(&proxies, "proxies", strings.Join([]string{ours, kubeNft, kubeIptable}, ","),
-		"the proxies measured, in this order, comma-separated: "+strings.Join([]string{ours, kubeNft, kubeIptable}, ", "))
+	flag.StringVar(&proxies, "proxies", strings.Join(allProxies, ","),
+		"the proxies measured, in this order, comma-separated: "+strings.Join(allProxies, ", "))
 	flag.DurationVar(&o.churn, "churn", 60*time.Second, "how long the endpoint churn lasts")
 	flag.IntVar(&o.rate, "rate", 50, "endpoint changes per second during the churn")
 	flag.IntVar(&o.runs, "runs", 5, "add/change/delete latencies measured")
@@ -84,8 +84,8 @@ func main() {
 		if p = strings.TrimSpace(p); p == "" {
 			continue
 		}
-		if !slices.Contains([]string{ours, kubeNft, kubeIptable}, p) || slices.Contains(o.proxies, p) {
-			fmt.Fprintf(os.Stderr, "clusterbench: -proxies: %q is not one of %s, %s, %s (each once)\n", p, ours, kubeNft, kubeIptable)
+		if !slices.Contains(allProxies, p) || slices.Contains(o.proxies, p) {
+			fmt.Fprintf(os.Stderr, "clusterbench: -proxies: %q is not one of %s (each once)\n", p, strings.Join(allProxies, ", "))
 			os.Exit(2)
 		}
 		o.proxies = append(o.proxies, p)
