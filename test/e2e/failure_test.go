@@ -617,21 +617,9 @@ func getClosingFirst(ns, addr string) (string, error) {
 // healthy endpoints are not ejected, one warning names the remedy, and once
 // it is applied (tcp_tw_reuse) every connection gets through at once.
 func TestNoLocalPortIsNotTheEndpoints(t *testing.T) {
-	l := NewLab(t)
-	l.Backends()
 	// 200 ports per endpoint instead of 28 232: a few seconds of load use
 	// them up.
-	l.MustExec("node", "sysctl", "-qw", "net.ipv4.ip_local_port_range=61000 61199", "net.ipv4.tcp_tw_reuse=0")
-	m := filepath.Join(t.TempDir(), "m.yaml")
-	writeManifest(t, m, service("ports", "ClusterIP", "10.96.0.22", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`)+
-		splitSlices("ports", "h", "TCP", "10.251.19.12:8080", "10.251.19.8:8080"))
-	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--proxy-port-range", "20000-20099")
-	defer func() {
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
-		}
-	}()
-	waitFor(t, "lab/ports served", func() bool { _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); return err == nil })
+	l, d := fewPortsLab(t, "--proxy-port-range", "20000-20099")
 
 	ok, failed := 0, 0
 	for i := 0; i < 1000 && failed < 20; i++ {
@@ -676,4 +664,26 @@ func TestNoLocalPortIsNotTheEndpoints(t *testing.T) {
 	if seen["pod1"] == 0 || seen["pod2"] == 0 {
 		t.Fatalf("after tcp_tw_reuse=1, 40 connections went to %v: want both endpoints", seen)
 	}
+}
+
+// fewPortsLab is a lab whose node has 200 local ports of its own and no
+// reuse of TIME_WAIT, serving lab/ports (10.96.0.22:80, two endpoints) with
+// a daemon started with flags; it returns once a connection that closes
+// first got through. The daemon's log is shown if the test fails.
+func fewPortsLab(t *testing.T, flags ...string) (*Lab, *Proc) {
+	t.Helper()
+	l := NewLab(t)
+	l.Backends()
+	l.MustExec("node", "sysctl", "-qw", "net.ipv4.ip_local_port_range=61000 61199", "net.ipv4.tcp_tw_reuse=0")
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, service("ports", "ClusterIP", "10.96.0.22", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`)+
+		splitSlices("ports", "h", "TCP", "10.251.19.12:8080", "10.251.19.8:8080"))
+	d := l.Daemon(append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node"}, flags...)...)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	})
+	waitFor(t, "lab/ports served", func() bool { _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); return err == nil })
+	return l, d
 }

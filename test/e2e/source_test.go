@@ -440,22 +440,9 @@ func TestBackendSourceByInterface(t *testing.T) {
 // would: the kernel's choice for every other connect skips it while its
 // TIME_WAIT lasts).
 func TestBackendSourceKeepsTheNodesPorts(t *testing.T) {
-	l := NewLab(t)
-	l.Backends()
 	// 200 ports of the node's own, without reuse of TIME_WAIT: the old
 	// way ran out of them after 200 connections.
-	l.MustExec("node", "sysctl", "-qw", "net.ipv4.ip_local_port_range=61000 61199", "net.ipv4.tcp_tw_reuse=0")
-	m := filepath.Join(t.TempDir(), "m.yaml")
-	writeManifest(t, m, service("ports", "ClusterIP", "10.96.0.22", "", `{name: h, port: 80, targetPort: 8080, protocol: TCP}`)+
-		splitSlices("ports", "h", "TCP", "10.251.19.12:8080", "10.251.19.8:8080"))
-	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
-		"--proxy-port-range", "20000-20999", "--cluster-cidr", "10.251.19.0/24,fd00:251::/64")
-	defer func() {
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
-		}
-	}()
-	waitFor(t, "lab/ports served", func() bool { _, err := getClosingFirst(l.NS("client"), "10.96.0.22:80"); return err == nil })
+	l, _ := fewPortsLab(t, "--proxy-port-range", "20000-20999", "--cluster-cidr", "10.251.19.0/24,fd00:251::/64")
 
 	// 1 500 connections: more than the node's 200 ports, fewer than the
 	// 2 000 that 1 000 ports to two endpoints give within a TIME_WAIT.

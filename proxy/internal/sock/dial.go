@@ -49,7 +49,7 @@ type Dialed struct {
 }
 
 // DialTCPFrom is DialTCP from src: the backend sees the client's address
-// (src.Client, src.Bind) where it can; where it cannot, the node's, never
+// (src.Client, and src.Port where free) where it can; where it cannot, the node's, never
 // a failed connection.
 func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src Source) (*Conn, Dialed, error) {
 	for range 8 {
@@ -63,7 +63,7 @@ func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, 
 	// Ports in a row still in TIME_WAIT with ep: the node's address
 	// rather than no connection.
 	c, _, _, err := dialFrom(ctx, ep, timeout, Source{})
-	return c, Dialed{SourceErr: fmt.Errorf("8 ports of the proxy port range in a row still in TIME_WAIT with %s (see net.ipv4.tcp_tw_reuse)", ep)}, err
+	return c, Dialed{SourceErr: fmt.Errorf("8 ports of the proxy port range in a row still in TIME_WAIT with %s, which the kernel reuses only with TCP timestamps (net.ipv4.tcp_timestamps)", ep)}, err
 }
 
 // dialFrom is one try of DialTCPFrom; ownPort says the socket was bound to
