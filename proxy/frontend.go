@@ -59,28 +59,6 @@ type frontend struct {
 	noLocal atomic.Uint32
 }
 
-const (
-	noLocalInternal = 1 << iota
-	noLocalExternal
-)
-
-// noLocalPolicies are the Local policies of sp that key's frontend serves
-// without a local endpoint (usable: its endpoints) while the cluster has
-// some, as kube-proxy counts them.
-func noLocalPolicies(key frontendKey, sp *config.ServicePort, usable int, node, zone string) uint32 {
-	if !key.localOnly(sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
-		return 0
-	}
-	var m uint32
-	if key.Kind.ClusterIPs() && sp.InternalLocal {
-		m |= noLocalInternal
-	}
-	if key.Kind.External() && sp.ExternalLocal && sp.HasExternal() {
-		m |= noLocalExternal
-	}
-	return m
-}
-
 // tcpServer is a frontend's TCP listener; the accept loop is the
 // dataplane's, the connections are in its connection table (conns.go).
 type tcpServer struct {
@@ -98,53 +76,6 @@ func (k frontendKey) localOnly(sp *config.ServicePort) bool {
 		return false // kube-proxy's short-circuit: every endpoint
 	}
 	return sp.InternalLocal // KindAll: both policies agree
-}
-
-// frontendKeys appends the keys of the listeners sp needs to keys, without
-// allocating when keys has room: one per family, or two when internal and
-// external traffic policies differ (they select different endpoints, and a
-// UDP datagram cannot tell which address it was sent to once redirected),
-// and a third for clients on this node when both policies are Local (the
-// short-circuit needs every endpoint; see config.KindLocalClients).
-// It is the one enumeration of a Service port's frontends; serves says
-// which families may open (nil: every one).
-func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort, serves func(int) bool) []frontendKey {
-	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
-	localClients := sp.HasExternal() && sp.InternalLocal && sp.ExternalLocal
-	for _, fam := range sp.Families() {
-		if serves != nil && !serves(fam) {
-			continue
-		}
-		if split {
-			keys = append(keys, frontendKey{Name: name, Kind: config.KindInternal, Family: fam}, frontendKey{Name: name, Kind: config.KindExternal, Family: fam})
-		} else {
-			keys = append(keys, frontendKey{Name: name, Kind: config.KindAll, Family: fam})
-		}
-		if localClients {
-			keys = append(keys, frontendKey{Name: name, Kind: config.KindLocalClients, Family: fam})
-		}
-	}
-	return keys
-}
-
-// allFrontendKeys lists every key a frontend of the port name may have.
-func allFrontendKeys(name config.ServicePortName) []frontendKey {
-	keys := make([]frontendKey, 0, 6)
-	for _, fam := range []int{4, 6} {
-		for _, kind := range config.Kinds {
-			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
-		}
-	}
-	return keys
-}
-
-// claimsFirst orders the Services that claim NodePorts: the oldest first,
-// then by name.
-func claimsFirst(a, b *config.ServicePort) bool {
-	if !a.Created.Equal(b.Created) {
-		return a.Created.Before(b.Created)
-	}
-	return a.Name.String() < b.Name.String()
 }
 
 // bindFor returns the address listeners of a family bind to, given
@@ -178,12 +109,6 @@ func (fe *frontend) debug(fields logrus.Fields, err error, msg string) {
 		l = l.WithError(err)
 	}
 	l.Debug(msg)
-}
-
-// holdsNodePort reports whether the frontend holds the service's NodePort,
-// as its listener or as a socket that only keeps others off it.
-func (fe *frontend) holdsNodePort() bool {
-	return fe.hold != nil || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
 }
 
 // stop stops accepting; established TCP connections go on (they belong to
@@ -253,72 +178,4 @@ func (fe *frontend) serveAgain() error {
 func (fe *frontend) discard() {
 	fe.stop()
 	fe.release()
-}
-
-// warnAnnotations warns once about each of sp's annotations that has a value
-// the proxy does not know, when the value is new (prev is nil for a listener
-// just opened): a sync that changes nothing else says nothing again.
-func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
-	if prev == nil {
-		prev = &config.ServicePort{}
-	}
-	if sp.ProxyProtocol != prev.ProxyProtocol && !KnownProxyProtocol(sp.ProxyProtocol) {
-		log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
-			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
-	}
-	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
-		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
-			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
-	}
-	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(BackendSourceAuto) && v != string(BackendSourceNode) {
-		log.WithField("annotation", config.AnnotationBackendSource).WithField("value", v).
-			Warn("Unknown value (want \"auto\" or \"node\"); using auto")
-	}
-	if v := sp.OutlierDetection; v != prev.OutlierDetection && v != "" && v != "on" && v != "off" {
-		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
-			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
-	}
-}
-
-// listenerLinesMax is how many listeners one sync opens (or closes) with a
-// log line each; beyond, one summary line says how many, and the lines of
-// each go to debug level: a start at 10k service ports wrote 10k lines.
-const listenerLinesMax = 10
-
-// listenerLines collects the listeners a sync opened and closed, for its log.
-type listenerLines struct{ opened, closed []*frontend }
-
-func (l *listenerLines) flush(log logrus.FieldLogger) {
-	for _, x := range []struct {
-		fes []*frontend
-		msg string
-	}{{l.opened, "Listening"}, {l.closed, "Listener closed"}} {
-		if len(x.fes) <= listenerLinesMax {
-			for _, fe := range x.fes {
-				fe.log().Info(x.msg)
-			}
-			continue
-		}
-		if debugEnabled(log) {
-			for _, fe := range x.fes {
-				fe.log().Debug(x.msg)
-			}
-		}
-		log.WithField("listeners", len(x.fes)).Info(x.msg + " (one line per listener at debug level)")
-	}
-	clear(l.opened)
-	clear(l.closed)
-	l.opened, l.closed = l.opened[:0], l.closed[:0]
-}
-
-// debugEnabled says whether log writes debug lines: a line per listener
-// is not even made otherwise.
-func debugEnabled(log logrus.FieldLogger) bool {
-	switch l := log.(type) {
-	case *logrus.Entry:
-		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
-	case *logrus.Logger:
-		return l.IsLevelEnabled(logrus.DebugLevel)
-	}
-	return true
 }

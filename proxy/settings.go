@@ -163,3 +163,15 @@ func (c *Config) connLog() logrus.FieldLogger {
 	}
 	return c.ConnLog
 }
+
+// debugEnabled says whether log writes debug lines: a line per listener
+// is not even made otherwise.
+func debugEnabled(log logrus.FieldLogger) bool {
+	switch l := log.(type) {
+	case *logrus.Entry:
+		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
+	case *logrus.Logger:
+		return l.IsLevelEnabled(logrus.DebugLevel)
+	}
+	return true
+}
