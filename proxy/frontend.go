@@ -65,19 +65,6 @@ type tcpServer struct {
 	ln *sock.Listener
 }
 
-// localOnly says whether the frontend's traffic policy is Local.
-func (k frontendKey) localOnly(sp *config.ServicePort) bool {
-	switch k.Kind {
-	case config.KindInternal:
-		return sp.InternalLocal
-	case config.KindExternal:
-		return sp.ExternalLocal
-	case config.KindLocalClients:
-		return false // kube-proxy's short-circuit: every endpoint
-	}
-	return sp.InternalLocal // KindAll: both policies agree
-}
-
 // bindFor returns the address listeners of a family bind to, given
 // --bind-address b.
 func bindFor(b netip.Addr, family int) netip.Addr {

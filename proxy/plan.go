@@ -2,10 +2,12 @@ package proxy
 
 import (
 	"maps"
+	"net/netip"
 	"slices"
 	"sort"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/sirupsen/logrus"
 )
 
 // syncPlan is what one sync does to the frontends, decided before any of it
@@ -25,15 +27,37 @@ type syncPlan struct {
 	// (the one replacement that is break-before-make). gone: removed,
 	// they stop once the rest is served. stale: replaced, they stop once
 	// the rules point at their successors.
-	retake                  []frontendKey
-	closeNow, gone, stale   []*frontend
-	closed                  []config.ServicePortName // the ports of every frontend closed
-	unserved                []config.ServicePortName // those of closed that no frontend serves any more
-	closing                 map[frontendKey]bool     // the keys of closeNow, gone and stale
-	view                    []config.Frontend        // the view of the ports not visited
-	unchanged               int                      // len(view) before carryOut appends to it
-	serve                   []*config.ServicePort    // in the order they are served (serveOrder)
-	keysScratch, keysOfPort []frontendKey
+	retake                []frontendKey
+	closeNow, gone, stale []*frontend
+	closed                []config.ServicePortName // the ports of every frontend closed
+	unserved              []config.ServicePortName // those of closed that no frontend serves any more
+	closing               map[frontendKey]bool     // the keys of closeNow, gone and stale
+	view                  []config.Frontend        // the view of the ports not visited
+	unchanged             int                      // len(view) before carryOut appends to it
+	serve                 []portServe              // in the order they are served (serveOrder)
+	keysScratch           []frontendKey
+}
+
+// portServe is what serving one port does: a frontend per key.
+type portServe struct {
+	sp   *config.ServicePort
+	keys []keyServe
+}
+
+// keyServe is what becomes of the frontend of one key. update: its
+// frontend takes sp's settings and endpoints (a listener just opened always
+// does); eps are the endpoints its balancer gets, noLocal its Local
+// policies that find no endpoint on this node (noLocalPolicies).
+type keyServe struct {
+	key     frontendKey
+	update  bool
+	eps     []netip.AddrPort
+	noLocal uint32
+	source  *sourcePolicy
+	outlier OutlierConfig
+	// serving are the endpoints a UDP frontend that stays keeps its flows
+	// to (nil: a new frontend, no flows yet).
+	serving map[netip.AddrPort]bool
 }
 
 // plan decides the sync of d: which ports it visits (the changed ones, or
@@ -61,7 +85,7 @@ func (r *reconciler) plan(d config.Delta, verify bool) *syncPlan {
 		}
 	}
 	ports := p.startView(r)
-	p.serve = p.serveOrder(r, ports)
+	p.serve = p.decide(r, p.serveOrder(r, ports))
 	return p
 }
 
@@ -185,11 +209,75 @@ func (p *syncPlan) needsListener(r *reconciler, keys []frontendKey) bool {
 	return false
 }
 
-// keys returns the keys of sp's frontends, in scratch space the next call
-// reuses.
-func (p *syncPlan) keys(sp *config.ServicePort, serves func(int) bool) []frontendKey {
-	p.keysOfPort = frontendKeys(p.keysOfPort[:0], sp.Name, sp, serves)
-	return p.keysOfPort
+// decide says, for every key of every port of ports, what serving it
+// does: whether its frontend takes sp's settings (new, replaced, retaken,
+// of a port that changed, or of a new zone) and what they are. The keys of all ports
+// share one backing array.
+func (p *syncPlan) decide(r *reconciler, ports []*config.ServicePort) []portServe {
+	out := make([]portServe, len(ports))
+	all := make([]frontendKey, 0, len(ports)+len(ports)/4)
+	for i, sp := range ports {
+		from := len(all)
+		all = frontendKeys(all, sp.Name, sp, r.cfg.serves)
+		out[i] = portServe{sp: sp}
+		for _, key := range all[from:len(all):len(all)] {
+			fe := r.frontends[key]
+			ks := keyServe{key: key, update: fe == nil || p.closing[key] || p.rezone || slices.Contains(p.retake, key) ||
+				config.ComparePorts(fe.spec, sp) != config.PortSame}
+			if ks.update {
+				ks.eps = config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), p.st.Node, p.st.Zone)
+				ks.noLocal = noLocalPolicies(key, sp, len(ks.eps), p.st.Node, p.st.Zone)
+				ks.source = newSourcePolicy(r.cfg, key, sp)
+				ks.outlier = r.cfg.outlierFor(sp)
+				var prev *config.ServicePort // nil: a new listener
+				if fe != nil && !p.closing[key] && !slices.Contains(p.retake, key) {
+					prev = fe.spec
+				}
+				warnAnnotations(r.cfg.log().WithFields(logrus.Fields{"service": key.Name.String(), "family": key.Family, "kind": key.Kind}), prev, sp)
+				if prev != nil && sp.Protocol == config.UDP {
+					ks.serving = servingEndpoints(sp)
+				}
+			}
+			out[i].keys = append(out[i].keys, ks)
+		}
+	}
+	return out
+}
+
+// localOnly says whether the frontend of k serves sp's endpoints on this
+// node alone.
+func (k frontendKey) localOnly(sp *config.ServicePort) bool {
+	switch k.Kind {
+	case config.KindInternal:
+		return sp.InternalLocal
+	case config.KindExternal:
+		return sp.ExternalLocal
+	case config.KindLocalClients:
+		return false // kube-proxy's short-circuit: every endpoint
+	}
+	return sp.InternalLocal // KindAll: both policies agree
+}
+
+const (
+	noLocalInternal = 1 << iota
+	noLocalExternal
+)
+
+// noLocalPolicies are the Local policies of sp that key's frontend serves
+// without a local endpoint (usable: its endpoints) while the cluster has
+// some, as kube-proxy counts them.
+func noLocalPolicies(key frontendKey, sp *config.ServicePort, usable int, node, zone string) uint32 {
+	if !key.localOnly(sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
+		return 0
+	}
+	var m uint32
+	if key.Kind.ClusterIPs() && sp.InternalLocal {
+		m |= noLocalInternal
+	}
+	if key.Kind.External() && sp.ExternalLocal && sp.HasExternal() {
+		m |= noLocalExternal
+	}
+	return m
 }
 
 // claimsFirst orders the Services that claim NodePorts: the oldest first,
@@ -237,4 +325,41 @@ func allFrontendKeys(name config.ServicePortName) []frontendKey {
 		}
 	}
 	return keys
+}
+
+// servingEndpoints are the addresses of sp's endpoints that serve, ready or
+// terminating.
+func servingEndpoints(sp *config.ServicePort) map[netip.AddrPort]bool {
+	set := make(map[netip.AddrPort]bool, len(sp.Endpoints))
+	for _, ep := range sp.Endpoints {
+		if ep.Ready || ep.Serving {
+			set[ep.Addr] = true
+		}
+	}
+	return set
+}
+
+// warnAnnotations warns once about each of sp's annotations that has a value
+// the proxy does not know, when the value is new (prev is nil for a listener
+// just opened): a sync that changes nothing else says nothing again.
+func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
+	if prev == nil {
+		prev = &config.ServicePort{}
+	}
+	if sp.ProxyProtocol != prev.ProxyProtocol && !KnownProxyProtocol(sp.ProxyProtocol) {
+		log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
+			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
+	}
+	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
+		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
+			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
+	}
+	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(BackendSourceAuto) && v != string(BackendSourceNode) {
+		log.WithField("annotation", config.AnnotationBackendSource).WithField("value", v).
+			Warn("Unknown value (want \"auto\" or \"node\"); using auto")
+	}
+	if v := sp.OutlierDetection; v != prev.OutlierDetection && v != "" && v != "on" && v != "off" {
+		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
+			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
+	}
 }

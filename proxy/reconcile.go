@@ -7,10 +7,11 @@ package proxy
 //	  → plan         (plan.go) decide, changing nothing: the ports to visit
 //	                 (the changed ones, or all), what becomes of each live
 //	                 frontend of them (kept, retaken, closed now, closed
-//	                 after the serve, closed after the rule write), and the
+//	                 after the serve, closed after the rule write), the
 //	                 order to serve the ports in (NodePort claims first,
 //	                 the oldest Service winning; then new listeners in name
-//	                 order, so that a restart opens the same ports)
+//	                 order, so that a restart opens the same ports), and
+//	                 what each frontend takes (its endpoints, settings)
 //	  → carryOut     (serve.go) do it: close, retake NodePorts, open what
 //	                 is missing (dataplane.open), hand the balancers their
 //	                 endpoints, refuse where none serves; out comes the

@@ -2,11 +2,8 @@ package proxy
 
 import (
 	"fmt"
-	"net/netip"
 	"slices"
 	"time"
-
-	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
@@ -39,10 +36,9 @@ func (r *reconciler) carryOut(p *syncPlan, start time.Time) (w *ruleWrite, kept 
 	kept = len(r.frontends)
 	r.zone = p.st.Zone
 	view := p.view
-	for _, sp := range p.serve {
-		view = r.serve(view, p, sp, retaken)
+	for _, ps := range p.serve {
+		view = r.serve(view, p, ps, retaken)
 	}
-	r.countFailures(view)
 	for _, fe := range p.gone {
 		r.stop(fe)
 	}
@@ -82,14 +78,16 @@ func (r *reconciler) retakeNodePort(key frontendKey, sp *config.ServicePort) *fr
 	return nf
 }
 
-// serve makes sure a frontend serves sp for each of its keys (opening the
-// ones missing, or taking the one retaken) and appends them to view.
-func (r *reconciler) serve(view []config.Frontend, p *syncPlan, sp *config.ServicePort, retaken map[frontendKey]*frontend) []config.Frontend {
-	for _, key := range p.keys(sp, r.cfg.serves) {
+// serve makes sure a frontend serves ps.sp for each of its keys (opening
+// the ones missing, or taking the one retaken), has it take what p decided,
+// and appends them to view.
+func (r *reconciler) serve(view []config.Frontend, p *syncPlan, ps portServe, retaken map[frontendKey]*frontend) []config.Frontend {
+	sp := ps.sp
+	for _, ks := range ps.keys {
+		key := ks.key
 		failed := config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol}
 		fe := r.frontends[key]
-		opened := fe == nil
-		if opened {
+		if fe == nil {
 			if fe = retaken[key]; fe == nil {
 				var err error
 				if fe, err = r.open(key, sp, p.st.Node); err != nil {
@@ -103,12 +101,8 @@ func (r *reconciler) serve(view []config.Frontend, p *syncPlan, sp *config.Servi
 			r.frontends[key] = fe
 			r.mu.Unlock()
 		}
-		if opened || p.rezone || config.ComparePorts(fe.spec, sp) != config.PortSame {
-			prev := fe.spec
-			if opened {
-				prev = nil
-			}
-			if err := r.update(fe, prev, sp, p.st); err != nil {
+		if ks.update { // always for a frontend just opened or retaken
+			if err := r.update(fe, sp, ks); err != nil {
 				failed.Err = err
 				view = append(view, failed)
 				continue
@@ -138,21 +132,18 @@ func (r *reconciler) open(key frontendKey, sp *config.ServicePort, node string) 
 	return fe, nil
 }
 
-// update has fe serve sp (prev: what it served, nil when just opened): its
-// settings, its balancer's endpoints, its UDP flows off endpoints that left,
-// and refusing while no endpoint can serve.
-func (r *reconciler) update(fe *frontend, prev, sp *config.ServicePort, st *config.State) error {
-	key := fe.key
-	warnAnnotations(fe.log(), prev, sp)
+// update has fe serve sp as ks says: its settings, its balancer's
+// endpoints, its UDP flows off endpoints that left, and refusing while no
+// endpoint can serve.
+func (r *reconciler) update(fe *frontend, sp *config.ServicePort, ks keyServe) error {
 	fe.proxyProto.Store(sp.ProxyProtocol)
-	fe.sourcePolicy.Store(newSourcePolicy(r.cfg, key, sp))
-	eps := config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), st.Node, st.Zone)
-	fe.bal.Update(eps, sp.AffinityTimeout, r.cfg.outlierFor(sp), sp.Scheduler)
-	fe.noLocal.Store(noLocalPolicies(key, sp, len(eps), st.Node, st.Zone))
-	if fe.udp != nil && prev != nil {
-		fe.udp.endFlowsOff(servingEndpoints(sp))
+	fe.sourcePolicy.Store(ks.source)
+	fe.bal.Update(ks.eps, sp.AffinityTimeout, ks.outlier, sp.Scheduler)
+	fe.noLocal.Store(ks.noLocal)
+	if fe.udp != nil && ks.serving != nil {
+		fe.udp.endFlowsOff(ks.serving)
 	}
-	return r.refuseUnless(fe, len(eps) > 0)
+	return r.refuseUnless(fe, len(ks.eps) > 0)
 }
 
 // refuseUnless has fe refuse connections while no endpoint can serve it,
@@ -175,80 +166,4 @@ func (r *reconciler) refuseUnless(fe *frontend, serving bool) error {
 	r.stop(fe)
 	r.unreleased = append(r.unreleased, fe)
 	return err
-}
-
-// servingEndpoints are the addresses of sp's endpoints that serve, ready or
-// terminating.
-func servingEndpoints(sp *config.ServicePort) map[netip.AddrPort]bool {
-	set := make(map[netip.AddrPort]bool, len(sp.Endpoints))
-	for _, ep := range sp.Endpoints {
-		if ep.Ready || ep.Serving {
-			set[ep.Addr] = true
-		}
-	}
-	return set
-}
-
-const (
-	noLocalInternal = 1 << iota
-	noLocalExternal
-)
-
-// noLocalPolicies are the Local policies of sp that key's frontend serves
-// without a local endpoint (usable: its endpoints) while the cluster has
-// some, as kube-proxy counts them.
-func noLocalPolicies(key frontendKey, sp *config.ServicePort, usable int, node, zone string) uint32 {
-	if !key.localOnly(sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
-		return 0
-	}
-	var m uint32
-	if key.Kind.ClusterIPs() && sp.InternalLocal {
-		m |= noLocalInternal
-	}
-	if key.Kind.External() && sp.ExternalLocal && sp.HasExternal() {
-		m |= noLocalExternal
-	}
-	return m
-}
-
-// warnAnnotations warns once about each of sp's annotations that has a value
-// the proxy does not know, when the value is new (prev is nil for a listener
-// just opened): a sync that changes nothing else says nothing again.
-func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
-	if prev == nil {
-		prev = &config.ServicePort{}
-	}
-	if sp.ProxyProtocol != prev.ProxyProtocol && !KnownProxyProtocol(sp.ProxyProtocol) {
-		log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
-			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
-	}
-	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
-		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
-			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
-	}
-	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(BackendSourceAuto) && v != string(BackendSourceNode) {
-		log.WithField("annotation", config.AnnotationBackendSource).WithField("value", v).
-			Warn("Unknown value (want \"auto\" or \"node\"); using auto")
-	}
-	if v := sp.OutlierDetection; v != prev.OutlierDetection && v != "" && v != "on" && v != "off" {
-		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
-			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
-	}
-}
-
-// countFailures counts the frontends of view that could not open their
-// listener or NodePort: the sync goroutine tries them again.
-func (r *reconciler) countFailures(view []config.Frontend) {
-	r.failing, r.listenFailures, r.failingNames = 0, 0, r.failingNames[:0]
-	for _, fe := range view {
-		if fe.Err != nil {
-			r.listenFailures++
-		}
-		if fe.Err != nil || fe.NodePortErr != nil {
-			r.failing++
-			r.failingNames = append(r.failingNames, fe.Service.Name)
-		}
-	}
-	listenerFailures.Set(float64(r.listenFailures))
-	nodePortConflicts.Set(float64(r.failing - r.listenFailures))
 }

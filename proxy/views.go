@@ -186,9 +186,11 @@ func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained 
 }
 
 // publish makes the sync of p, whose rule write is w, what readers see: the
-// view, the listeners' log lines, the sync's own line, and the metrics of
-// the ports no longer served (else churn would grow /metrics forever).
+// failures to retry, the view, the listeners' log lines, the sync's own
+// line, and the metrics of the ports no longer served (else churn would
+// grow /metrics forever).
 func (r *reconciler) publish(p *syncPlan, w *ruleWrite, kept int) {
+	r.countFailures(w.view)
 	r.synced = p.st
 	r.mu.Lock()
 	r.view, r.sorted = w.view, nil // sorted when first read: sorting 10k costs ms
@@ -254,4 +256,21 @@ func (l *listenerLines) flush(log logrus.FieldLogger) {
 	clear(l.opened)
 	clear(l.closed)
 	l.opened, l.closed = l.opened[:0], l.closed[:0]
+}
+
+// countFailures counts the frontends of view that could not open their
+// listener or NodePort: the sync goroutine tries them again.
+func (r *reconciler) countFailures(view []config.Frontend) {
+	r.failing, r.listenFailures, r.failingNames = 0, 0, r.failingNames[:0]
+	for _, fe := range view {
+		if fe.Err != nil {
+			r.listenFailures++
+		}
+		if fe.Err != nil || fe.NodePortErr != nil {
+			r.failing++
+			r.failingNames = append(r.failingNames, fe.Service.Name)
+		}
+	}
+	listenerFailures.Set(float64(r.listenFailures))
+	nodePortConflicts.Set(float64(r.failing - r.listenFailures))
 }
