@@ -27,7 +27,7 @@ type endLine struct {
 	attempts    int           // TCP: dials tried
 	dialLatency time.Duration // TCP: of the dial that succeeded
 	dialErrors  []string      // TCP: "failure endpoint" of each failed dial
-	backendSees string        // TCP: the source address the backend saw, or "node"; "" without a backend
+	backendSees string        // the source address the backend saw, or "node"; "" without a backend
 }
 
 // connLogLimit is the rate limit of the connection log.
@@ -88,14 +88,14 @@ func (f *frontend) logEnd(l endLine) {
 		fields["endpoint"] = l.endpoint.String()
 		fields["reason"] = string(l.reason)
 	}
+	if l.backendSees != "" {
+		fields["backendSees"] = l.backendSees
+	}
 	msg := "UDP flow closed"
 	if l.protocol == config.TCP {
 		msg = "Connection closed"
 		fields["attempts"] = l.attempts
 		fields["dialLatency"] = l.dialLatency.Round(time.Microsecond).String()
-		if l.backendSees != "" {
-			fields["backendSees"] = l.backendSees
-		}
 		if len(l.dialErrors) > 0 {
 			// Why each failed attempt failed: refused, timeout, unreachable …
 			fields["dialErrors"] = strings.Join(l.dialErrors, ", ")

@@ -10,8 +10,9 @@ package proxy
 // A pod reaching itself through its Service (hairpin) also gets the node's,
 // as kube-proxy masquerades it, and so does any client whose endpoint would
 // answer it on a shared link past this node's netfilter (repliesComeBack).
-// The client's address is set by a conntrack source NAT (sock.ClientNAT,
-// IPv4 for now); the node itself is bound.
+// The client's address is set by a conntrack source NAT (sock.ClientNAT),
+// for TCP connections and UDP flows, IPv4 and IPv6; the node itself is
+// bound.
 
 import (
 	"errors"
@@ -108,8 +109,8 @@ func (p *sourcePolicy) choose(cfg *Config, nat *clientNAT, client netip.Addr, in
 }
 
 // source is the Source of a dial to ep for a connection from client to
-// dst, and whether the client's address is wanted (a Source that cannot
-// give it is a fallback).
+// dst (invalid: not known, a UDP flow's), and whether the client's address
+// is wanted (a Source that cannot give it is a fallback).
 func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 	p := f.sourcePolicy.Load()
 	addr := client.Addr().Unmap()
@@ -119,8 +120,11 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 		// masquerades this case too.
 		return sock.Source{}, false
 	}
-	internal := p != nil && (p.internalOnly || slices.Contains(p.clusterIPs, dst.Addr().Unmap()))
 	nat := f.dp.clientNAT.Load()
+	internal := p != nil && (p.internalOnly || slices.Contains(p.clusterIPs, dst.Addr().Unmap()))
+	if p != nil && !dst.IsValid() {
+		internal = p.udpInternal(f.dp.cfg, nat, addr)
+	}
 	switch p.choose(f.dp.cfg, nat, addr, internal) {
 	case sourceBindIfLocal:
 		return sock.Source{Client: addr}, false
@@ -137,19 +141,33 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 	return sock.Source{}, false
 }
 
+// udpInternal says whether a UDP flow from client is taken for internal
+// traffic. Its datagrams arrive redirected: the address the client sent
+// them to is only in conntrack. A pod of this node is taken for a
+// ClusterIP client; another client is internal only where the external
+// policy would not keep its address anyway (so the node itself binds its
+// own, an external client gets the node's).
+func (p *sourcePolicy) udpInternal(cfg *Config, nat *clientNAT, client netip.Addr) bool {
+	return p.internalOnly || nat.localPod(cfg, client) || !p.externalLocal
+}
+
 // backendSees says in words whose address a backend of fe sees for a
 // connection from client to the Service's address of kind as (explain).
 func (p *Proxier) backendSees(fe config.Frontend, as string, client netip.Addr) string {
 	key := keyOf(fe)
 	pol := newSourcePolicy(&p.cfg, key, fe.Service)
+	nat := p.dp.clientNAT.Load()
 	internal := pol.internalOnly || as == AsClusterIP
-	switch pol.choose(&p.cfg, p.dp.clientNAT.Load(), client.Unmap(), internal) { // ep not known here: the bridge case is not told
+	if fe.Protocol == config.UDP {
+		internal = pol.udpInternal(&p.cfg, nat, client.Unmap())
+	}
+	switch pol.choose(&p.cfg, nat, client.Unmap(), internal) { // ep not known here: the bridge case is not told
 	case sourceOff:
 		return "the node's address (--backend-source-address node, or the Service's annotation " + config.AnnotationBackendSource + ")"
 	case sourceBindIfLocal:
 		return "the client's own address if it is one of this node's, else the node's (a client that is not a pod of this node by --detect-local-mode)"
 	case sourceClientNAT:
-		if p.dp.clientNAT.Load().forFamily(client.Unmap()) == nil {
+		if nat.forFamily(client.Unmap()) == nil {
 			return "the node's address: the client's cannot be set on this node (see the start log and kube_userspace_proxy_client_address_available)"
 		}
 		return "the client's own address (" + client.Unmap().String() + "), by a conntrack source NAT"
@@ -263,9 +281,9 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 	return c
 }
 
-// countSource counts whose address the backend of c saw, and says at debug
+// countSource counts whose address the backend of client's connection saw, and says at debug
 // level why it was not the client's when it should have been.
-func (f *frontend) countSource(c *connRecord, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
+func (f *frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
 	switch {
 	case wanted && !dialed.Sees.IsValid():
 		backendSources.WithLabelValues("fallback").Inc()
@@ -273,7 +291,7 @@ func (f *frontend) countSource(c *connRecord, ep netip.AddrPort, dialed sock.Dia
 		if err == nil {
 			err = errors.New("the source NAT is not available for this client and endpoint (see the start log)")
 		}
-		f.debug(logrus.Fields{"client": c.Client, "endpoint": ep}, err, "Backend sees the node's address, not the client's")
+		f.debug(logrus.Fields{"client": client, "endpoint": ep}, err, "Backend sees the node's address, not the client's")
 	case dialed.Sees.IsValid():
 		backendSources.WithLabelValues("client").Inc()
 	default:

@@ -110,7 +110,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		}
 		if err == nil {
 			c.setDialed(time.Since(start), dialed.Sees)
-			f.countSource(c, ep, dialed, wanted)
+			f.countSource(c.Client, ep, dialed, wanted)
 			f.report(ep, "")
 			return conn, causeNone
 		}

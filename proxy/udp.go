@@ -53,6 +53,8 @@ type udpFlow struct {
 	endpoint netip.AddrPort
 	reason   Reason
 	backend  *net.UDPConn
+	sees     netip.Addr    // the source address the backend sees; invalid: the node's
+	release  func()        // gives back backend's source NAT entry and port, once it is closed
 	out      *sock.Sender  // to backend; used by the frontend's read loop only
 	elem     *list.Element // in udpFlows.lru
 	start    time.Time
@@ -202,11 +204,13 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 			u.bal.Done(ep)
 			continue // the endpoint that just failed: the next pick moves on
 		}
-		c, err := sock.DialUDP(ep)
+		src, wanted := u.source(client, netip.AddrPort{}, ep)
+		c, dialed, release, err := sock.DialUDPFrom(ep, src)
 		var out *sock.Sender
 		if err == nil {
 			if out, err = sock.NewSender(c, config.Family(ep.Addr())); err != nil {
 				c.Close()
+				release()
 			}
 		}
 		if err != nil {
@@ -218,7 +222,9 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 			}
 			continue
 		}
+		u.countSource(client, ep, dialed, wanted)
 		fl.endpoint, fl.reason, fl.backend, fl.out, fl.start = ep, why, c, out, time.Now()
+		fl.sees, fl.release = dialed.Sees, release
 		break
 	}
 	fl.touch()
@@ -240,6 +246,7 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 	if t.closed {
 		t.mu.Unlock()
 		fl.backend.Close()
+		fl.release()
 		u.bal.Done(fl.endpoint)
 		return nil
 	}
@@ -248,6 +255,7 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 		// datagram): keep that one.
 		t.mu.Unlock()
 		fl.backend.Close()
+		fl.release()
 		u.bal.Done(fl.endpoint)
 		return cur
 	}
@@ -311,6 +319,7 @@ type errBox struct{ error }
 func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
 	defer u.flows.wg.Done()
 	defer u.bal.Done(fl.endpoint)
+	defer fl.release() // its socket is closed by then: every way out of the loop closes it
 	timeout := u.dp.cfg.udpTimeout()
 	// This goroutine's own, as they hold the datagram in flight.
 	toClient, serr := sock.NewSender(u.sk.conn, u.sk.family)
@@ -362,7 +371,7 @@ func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
 	// origDst stays out: the datagram arrived redirected, on fl.local, and
 	// the address and port the client sent to are only in conntrack.
 	l := endLine{protocol: config.UDP, client: fl.client, endpoint: fl.endpoint, reason: fl.reason,
-		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load())}
+		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load()), backendSees: seesName(fl.sees)}
 	if e, ok := fl.err.Load().(errBox); ok {
 		l.err = e.error
 	}

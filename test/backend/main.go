@@ -1,6 +1,7 @@
 // Command backend is the lab's pod: an HTTP server on TCP that answers every
 // request with its name, and a UDP server that answers every datagram with
-// "name:" followed by the datagram. Used by make demo and the netns tests.
+// "name:" followed by the datagram ("peer?" is answered "name (client
+// A:P)", the address it came from). Used by make demo and the netns tests.
 package main
 
 import (
@@ -67,7 +68,12 @@ func main() {
 	}
 	if *udp != "" {
 		go func() {
-			errc <- serveUDP(*udp, func(q []byte) []byte { return append([]byte(*name+":"), q...) })
+			errc <- serveUDP(*udp, func(q []byte, from net.Addr) []byte {
+				if string(q) == "peer?" {
+					return []byte(fmt.Sprintf("%s (client %s)", *name, from))
+				}
+				return append([]byte(*name+":"), q...)
+			})
 		}()
 	}
 	if *tcp != "" {
@@ -107,8 +113,8 @@ func serveBytes(w http.ResponseWriter, r *http.Request) {
 var udpBuffer int
 
 // serveUDP answers every datagram on addr with what answer returns for it
-// (nothing for nil), until reading fails.
-func serveUDP(addr string, answer func([]byte) []byte) error {
+// and its sender (nothing for nil), until reading fails.
+func serveUDP(addr string, answer func(q []byte, from net.Addr) []byte) error {
 	c, err := net.ListenPacket("udp", addr)
 	if err != nil {
 		log.Fatal(err)
@@ -122,7 +128,7 @@ func serveUDP(addr string, answer func([]byte) []byte) error {
 		if err != nil {
 			return err
 		}
-		if reply := answer(buf[:n]); reply != nil {
+		if reply := answer(buf[:n], from); reply != nil {
 			_, _ = c.WriteTo(reply, from)
 		}
 	}
@@ -147,7 +153,7 @@ func setBuffers(c *net.UDPConn, size int) {
 
 // dnsAnswer answers a DNS query's first question with the A record
 // 192.0.2.1, or returns nil for anything that is not a query.
-func dnsAnswer(q []byte) []byte {
+func dnsAnswer(q []byte, _ net.Addr) []byte {
 	if len(q) < 12 || q[2]&0x80 != 0 || q[4] != 0 || q[5] == 0 {
 		return nil // too short, a response, or no question
 	}

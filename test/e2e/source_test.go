@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/netip"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -237,6 +238,63 @@ func getFromPort(ns string, port int, addr string) (string, error) {
 		return err
 	})
 	return body, err
+}
+
+// UDP flows keep the client's address as TCP connections do: a pod of this
+// node through a ClusterIP (its port too), the node itself, an external
+// client of an externalTrafficPolicy: Local Service; an external client of
+// an externalTrafficPolicy: Cluster Service and IPv6 on the node's bridge
+// show the node's. A flow that ends gives its conntrack entry back: the
+// client's next flow from the same port keeps that port.
+func TestUDPBackendSeesTheClient(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, sourceManifest())
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
+		"--cluster-cidr", "10.251.19.0/24,fd00:251::/64", "--connection-log", "all", "--udp-timeout", "1s")
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	}()
+	waitFor(t, "web's UDP port served", func() bool { return l.UDP("client", "10.96.0.10", "53", "peer?") != "" })
+
+	sees := func(ns, host, port, want string) {
+		t.Helper()
+		for range 2 { // both endpoints, by round robin
+			reply := l.udpExchange(ns, host, port, "peer?", "-w", "1")
+			if got := peerOf(reply); got != want {
+				t.Fatalf("%s → %s:%s over UDP: the backend saw %q (%q), want %s", ns, host, port, got, reply, want)
+			}
+		}
+	}
+	sees("client", "10.96.0.10", "53", "10.251.19.20")
+	sees("client", "fd00:96::10", "53", "fd00:251::1") // IPv6 on the node's bridge: the node's (source.go)
+	sees("node", "10.96.0.10", "53", "192.168.50.1")
+	sees("ext", "192.168.50.1", "31341", "10.251.19.1") // eTP Cluster: masqueraded
+	sees("ext", "203.0.113.10", "53", "192.168.50.2")   // eTP Local: the client
+	sees("ext", "192.168.50.1", "31342", "192.168.50.2")
+
+	// One fixed source port: the port too. Once the flow has idled out
+	// (its end logged), the next flow from that port gets it again: the
+	// first one's conntrack entry went with it (three rounds: round robin
+	// sends the third to the first one's endpoint, whose reply tuple that
+	// entry would still hold).
+	ended := regexp.MustCompile(`msg="UDP flow closed" backendSees=10\.251\.19\.20 [^\n]*client="10\.251\.19\.20:5353"`)
+	for round := range 3 {
+		before := len(ended.FindAllString(d.Output(), -1))
+		if reply := l.UDPFrom(5353, "10.96.0.10", "53", "peer?"); !strings.Contains(reply, "(client 10.251.19.20:5353)") {
+			t.Fatalf("round %d from port 5353: the backend answered %q, want it to see 10.251.19.20:5353", round, reply)
+		}
+		waitFor(t, "the flow from port 5353 ended and logged, the backend seeing the client", func() bool {
+			return len(ended.FindAllString(d.Output(), -1)) > before
+		})
+	}
+	metrics := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/metrics")
+	if !strings.Contains(metrics, `kube_userspace_proxy_backend_source_total{source="client"}`) {
+		t.Fatalf("/metrics lacks the client source count")
+	}
 }
 
 // An endpoint on another node of a routed cluster (lab_far): its replies

@@ -369,3 +369,115 @@ func TestRouteCache(t *testing.T) {
 		t.Fatalf("a forgotten entry: %s, want the route's 127.0.0.1", from)
 	}
 }
+
+// udpPeers answers every datagram on listen, in the backend namespace, with
+// the address it came from.
+func (l natLab) udpPeers(t *testing.T, listen string) {
+	t.Helper()
+	var c net.PacketConn
+	var err error
+	in(t, l.backend, func() { c, err = net.ListenPacket("udp", listen) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	go func() {
+		var b [64]byte
+		for {
+			_, from, err := c.ReadFrom(b[:])
+			if err != nil {
+				return
+			}
+			_, _ = c.WriteTo([]byte(from.(*net.UDPAddr).AddrPort().String()), from)
+		}
+	}()
+}
+
+// udpFlow opens a UDP socket from the node namespace to ep with src, and
+// returns it with what its backend saw: the reply, addressed to whoever
+// the backend saw, found the socket.
+func (l natLab) udpFlow(t *testing.T, ep netip.AddrPort, src Source) (*net.UDPConn, Dialed, func(), netip.AddrPort) {
+	t.Helper()
+	var c *net.UDPConn
+	var d Dialed
+	var release func()
+	var err error
+	in(t, l.node, func() { c, d, release, err = DialUDPFrom(ep, src) })
+	if err != nil {
+		t.Fatalf("UDP socket to %s from %+v: %v", ep, src, err)
+	}
+	if _, err := c.Write([]byte("who?")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var b [64]byte
+	n, err := c.Read(b[:])
+	if err != nil {
+		t.Fatalf("UDP socket to %s from %+v: no reply: %v", ep, src, err)
+	}
+	return c, d, release, netip.MustParseAddrPort(string(b[:n]))
+}
+
+// UDP flows as TCP dials: the client's address and port through the
+// conntrack entry, the ports of the range and the entries given back by
+// release (so a flow from the client's port can follow one at once), the
+// client's address from another port while its port is another flow's.
+func TestDialUDPFromClientThroughConntrack(t *testing.T) {
+	l := newNATLab(t)
+	var nat *ClientNAT
+	var err error
+	in(t, l.node, func() { nat, err = NewClientNAT(2, 20000, 64) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nat.Close()
+	for _, tc := range []struct{ listen, ep, client, node string }{
+		{"10.0.2.2:8081", "10.0.2.2:8081", "10.0.1.2", "10.0.2.1"},
+		{"[fd00:2::2]:8081", "[fd00:2::2]:8081", "fd00:1::2", "fd00:2::1"},
+	} {
+		l.udpPeers(t, tc.listen)
+		ep, client := netip.MustParseAddrPort(tc.ep), netip.MustParseAddr(tc.client)
+		from5353 := netip.AddrPortFrom(client, 5353)
+		// More flows in a row than the range has ports, each from the
+		// client's port 5353: each one's release gives its port and its
+		// entry back.
+		for i := range 100 {
+			c, d, release, saw := l.udpFlow(t, ep, Source{Client: client, Port: 5353, NAT: nat})
+			c.Close()
+			release()
+			if d.SourceErr != nil || d.Sees != client || saw != from5353 {
+				t.Fatalf("flow %d to %s: %+v, the backend saw %s, want %s", i, ep, d, saw, from5353)
+			}
+		}
+		// While one flow holds the client's port, a second one from it
+		// keeps the client's address from a port of the range.
+		c1, _, release1, saw := l.udpFlow(t, ep, Source{Client: client, Port: 5353, NAT: nat})
+		if saw != from5353 {
+			t.Fatalf("the held flow: the backend saw %s", saw)
+		}
+		c2, d, release2, saw := l.udpFlow(t, ep, Source{Client: client, Port: 5353, NAT: nat})
+		if d.Sees != client || saw.Addr() != client || saw.Port() < 20000 || saw.Port() >= 20064 {
+			t.Fatalf("a second flow from the held port: %+v, the backend saw %s, want %s from a port of 20000-20063", d, saw, client)
+		}
+		for _, c := range []*net.UDPConn{c1, c2} {
+			c.Close()
+		}
+		release1()
+		release2()
+		// Without a source the backend sees the node; the node as client
+		// is bound.
+		if c, d, release, saw := l.udpFlow(t, ep, Source{}); d.Sees.IsValid() || saw.Addr().String() != tc.node {
+			t.Fatalf("zero Source: %+v, the backend saw %s", d, saw)
+		} else {
+			c.Close()
+			release()
+		}
+		node := netip.MustParseAddr(tc.node)
+		if c, d, release, saw := l.udpFlow(t, ep, Source{Client: node, NAT: nat}); d.Sees != node || saw.Addr() != node {
+			t.Fatalf("the node as client: %+v, the backend saw %s", d, saw)
+		} else {
+			c.Close()
+			release()
+		}
+	}
+}

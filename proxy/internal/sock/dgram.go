@@ -63,6 +63,57 @@ func DialUDP(ep netip.AddrPort) (*net.UDPConn, error) {
 	return c, nil
 }
 
+// DialUDPFrom is DialUDP from src, as DialTCPFrom: the backend sees the
+// client's address (and its port where no other flow holds it) where it
+// can, the node's where it cannot, never a failed socket. release gives
+// back what src took (the conntrack entry, the port): the caller calls it
+// once, after closing the socket. The conntrack entry lives as long as
+// conntrack keeps a UDP entry (nf_conntrack_udp_timeout_stream once
+// answered); a flow idle past that goes on from the node's address.
+func DialUDPFrom(ep netip.AddrPort, src Source) (_ *net.UDPConn, _ Dialed, release func(), _ error) {
+	if !src.Client.IsValid() {
+		c, err := DialUDP(ep)
+		return c, Dialed{}, func() {}, err
+	}
+	family := familyOf(ep)
+	opErr := func(call string, err error) error {
+		return &net.OpError{Op: "dial", Net: "udp", Addr: net.UDPAddrFromAddrPort(ep), Err: os.NewSyscallError(call, err)}
+	}
+	fd, err := unix.Socket(domain(family), unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, Dialed{}, nil, opErr("socket", err)
+	}
+	b, err := bindSource(fd, ep, src, unix.IPPROTO_UDP)
+	if err != nil {
+		b.Dialed = Dialed{SourceErr: err} // from the node's address, on the port bound if any
+	}
+	release = func() {
+		if b.local.IsValid() {
+			_ = src.NAT.release(unix.IPPROTO_UDP, b.local, ep)
+		}
+		if b.putPort != nil {
+			b.putPort()
+		}
+	}
+	var sa unix.RawSockaddrInet6
+	n := putSockaddr(&sa, ep, family)
+	if _, _, errno := unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {
+		unix.Close(fd)
+		release()
+		return nil, b.Dialed, nil, opErr("connect", errno)
+	}
+	f := os.NewFile(uintptr(fd), "udp")
+	fc, err := net.FileConn(f) // a duplicate of fd, on Go's poller
+	f.Close()
+	if err != nil {
+		release()
+		return nil, b.Dialed, nil, err
+	}
+	c := fc.(*net.UDPConn)
+	setBuffers(c, udpFlowBuffer)
+	return c, b.Dialed, release, nil
+}
+
 // setBuffers sets both buffers of c to size: SO_RCVBUFFORCE and
 // SO_SNDBUFFORCE with CAP_NET_ADMIN (which the daemon has to program
 // iptables), else the plain options, which the kernel caps at

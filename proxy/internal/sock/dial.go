@@ -78,7 +78,7 @@ func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src
 	for _, o := range connOptions {
 		_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
 	}
-	b, err := bindSource(fd, ep, src)
+	b, err := bindSource(fd, ep, src, unix.IPPROTO_TCP)
 	if err != nil {
 		b.Dialed = Dialed{SourceErr: err} // from the node's address, on the port bound if any
 	}
@@ -122,9 +122,10 @@ type boundSource struct {
 	putPort func()         // gives the bound port back once the socket is closed
 }
 
-// bindSource binds fd as src asks before it connects to ep. On an error
-// the socket may still hold a port of the range (putPort set).
-func bindSource(fd int, ep netip.AddrPort, src Source) (boundSource, error) {
+// bindSource binds fd, a socket of proto (TCP or UDP), as src asks before
+// it connects to ep. On an error the socket may still hold a port of the
+// range (putPort set).
+func bindSource(fd int, ep netip.AddrPort, src Source, proto uint8) (boundSource, error) {
 	client := src.Client.Unmap()
 	if !client.IsValid() || client.IsLoopback() {
 		return boundSource{}, nil
@@ -147,7 +148,7 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (boundSource, error) {
 	if err != nil {
 		return boundSource{}, err
 	}
-	local, putPort, err := src.NAT.bindSourcePort(fd, from)
+	local, putPort, err := src.NAT.bindSourcePort(fd, from, proto == unix.IPPROTO_TCP)
 	if errors.Is(err, syscall.EADDRNOTAVAIL) {
 		src.NAT.routes.forget(ep)
 	}
@@ -155,25 +156,26 @@ func bindSource(fd int, ep netip.AddrPort, src Source) (boundSource, error) {
 		return boundSource{}, err
 	}
 	as := netip.AddrPortFrom(client, src.Port)
-	err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
+	err = src.NAT.claim(proto, local, ep, as)
 	if errors.Is(err, syscall.EEXIST) {
 		// An earlier connection's entry, which conntrack keeps for its
 		// TIME_WAIT (120 s): one from this socket's port (over: this
 		// socket holds the port now), or one of the client's from the
 		// same port to this endpoint (a client reusing its port at
 		// once), taken over only when over; else the client's address
-		// from this socket's port.
-		if err := src.NAT.release(unix.IPPROTO_TCP, local, ep); err != nil && !errors.Is(err, syscall.ENOENT) {
+		// from this socket's port. UDP has no TIME_WAIT: its entry
+		// from the client's port is another flow's, live.
+		if err := src.NAT.release(proto, local, ep); err != nil && !errors.Is(err, syscall.ENOENT) {
 			return boundSource{putPort: putPort}, fmt.Errorf("conntrack source NAT to %s: %w", as, err)
 		}
-		if as.Port() != 0 && src.NAT.takeOver(ep, as) != nil {
+		if as.Port() != 0 && (proto != unix.IPPROTO_TCP || src.NAT.takeOver(ep, as) != nil) {
 			as = netip.AddrPortFrom(client, 0)
 		}
-		err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
+		err = src.NAT.claim(proto, local, ep, as)
 	}
 	if errors.Is(err, syscall.EEXIST) && as.Port() != 0 {
 		as = netip.AddrPortFrom(client, 0)
-		err = src.NAT.claim(unix.IPPROTO_TCP, local, ep, as)
+		err = src.NAT.claim(proto, local, ep, as)
 	}
 	if err != nil {
 		return boundSource{putPort: putPort}, fmt.Errorf("conntrack source NAT to %s: %w", client, err)

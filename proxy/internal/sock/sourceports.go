@@ -81,8 +81,10 @@ var errNoSourcePort = errors.New("every port of the proxy port range is in use f
 
 // bindSourcePort binds fd to a port of the range on from, or with no range
 // to one the kernel picks. The returned release gives the port back once
-// the socket is closed.
-func (c *ClientNAT) bindSourcePort(fd int, from netip.Addr) (netip.AddrPort, func(), error) {
+// the socket is closed. reuse (TCP) binds with SO_REUSEADDR, past earlier
+// connections' TIME_WAIT; a UDP socket never does, as two UDP sockets with
+// it may share a port.
+func (c *ClientNAT) bindSourcePort(fd int, from netip.Addr, reuse bool) (netip.AddrPort, func(), error) {
 	if c.ports == nil {
 		if err := bindTo(fd, netip.AddrPortFrom(from, 0)); err != nil {
 			return netip.AddrPort{}, nil, err
@@ -90,8 +92,10 @@ func (c *ClientNAT) bindSourcePort(fd int, from netip.Addr) (netip.AddrPort, fun
 		local, err := localAddr(fd)
 		return local, func() {}, err
 	}
-	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
-		return netip.AddrPort{}, nil, fmt.Errorf("setsockopt SO_REUSEADDR: %w", err)
+	if reuse {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+			return netip.AddrPort{}, nil, fmt.Errorf("setsockopt SO_REUSEADDR: %w", err)
+		}
 	}
 	// A port can be busy only with one of our listeners (the range is
 	// ours): a few tries find a free one unless listeners fill the range.
