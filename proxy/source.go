@@ -262,15 +262,10 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		}
 		c.families[familyIndex(fam)] = true
 		clientAddressAvailable.WithLabelValues(familyNames([]int{fam})...).Set(1)
-		if fam == 6 {
-			// A bridged IPv6 reply de-NATed by br_netfilter was lost now
-			// and then in the lab (Linux 6.18: the dial timed out, or the
-			// next connection went out without its NAT).
-			cfg.log().WithField("family", fam).Info("IPv6 pods calling a pod on this node's bridge show it the node's address; " +
-				"routed IPv6 clients keep theirs")
-			continue
-		}
 		sysctl := "bridge-nf-call-iptables"
+		if fam == 6 {
+			sysctl = "bridge-nf-call-ip6tables"
+		}
 		if v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl); err == nil && strings.TrimSpace(string(v)) == "1" {
 			c.bridged[familyIndex(fam)] = true
 		} else {

@@ -104,6 +104,14 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 		start := time.Now()
 		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
 		src, wanted := f.source(c.Client, dst, ep)
+		if attempt > 0 {
+			// An attempt that timed out may have left the endpoint
+			// half-open on the client's port: its late SYN-ACK would meet
+			// this attempt's conntrack entry and have it reset, and the
+			// SYN after that would pass without the NAT. A retry keeps
+			// the client's address from a port of its own.
+			src.Port = 0
+		}
 		conn, dialed, err := sock.DialTCPFrom(f.dp.ctx, ep, timeout, src)
 		if err == nil {
 			err = f.sendProxyHeader(conn, c)

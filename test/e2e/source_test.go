@@ -68,7 +68,7 @@ func seesOnly(t *testing.T, l *Lab, ns, url, want string, n int) {
 
 // The backend sees who called, wherever kube-proxy would not masquerade: a
 // pod of this node through a ClusterIP (the endpoint on this node's
-// bridge, IPv4; routed to another node: TestBackendBehindAnotherNode), the node itself, and an
+// bridge, IPv4 and IPv6; routed to another node: TestBackendBehindAnotherNode), the node itself, and an
 // external client of an externalTrafficPolicy: Local Service. An external
 // client of an externalTrafficPolicy: Cluster Service, a Service with the
 // annotation, and the flag set to node show the node's address.
@@ -88,7 +88,7 @@ func TestBackendSeesTheClient(t *testing.T) {
 
 	// Both endpoints (pod1 "on this node", pod2 "on another"), by round robin.
 	seesOnly(t, l, "client", "http://10.96.0.10/", "10.251.19.20", 8)
-	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::1", 8) // IPv6 on the node's bridge: the node's (source.go)
+	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::20", 8)
 	seesOnly(t, l, "node", "http://10.96.0.10/", "192.168.50.1", 4)
 	seesOnly(t, l, "ext", "http://192.168.50.1:31341/", "10.251.19.1", 4) // eTP Cluster: masqueraded
 	seesOnly(t, l, "ext", "http://203.0.113.10/", "192.168.50.2", 4)      // eTP Local: the client
@@ -134,39 +134,42 @@ func TestBackendSeesTheClient(t *testing.T) {
 	}
 
 	// 1 000 connections in a row and 200 at once, each through a new
-	// conntrack entry: every one answered, from the client's address.
+	// conntrack entry: every one answered, from the client's address,
+	// IPv4 and IPv6.
 	c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true, DialContext: cluster.DialContextIn(l.NS("client"))}}
-	get := func() error {
-		resp, err := c.Get("http://10.96.0.10/")
-		if err != nil {
-			return err
+	for _, tc := range []struct{ url, want string }{{"http://10.96.0.10/", "10.251.19.20"}, {"http://[fd00:96::10]/", "fd00:251::20"}} {
+		get := func() error {
+			resp, err := c.Get(tc.url)
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			if err != nil {
+				return err
+			}
+			if got := peerOf(string(body)); got != tc.want {
+				return fmt.Errorf("the backend saw %q (%q)", got, body)
+			}
+			return nil
 		}
-		defer resp.Body.Close()
-		body, err := io.ReadAll(resp.Body)
-		if err != nil {
-			return err
+		for i := range 1000 {
+			if err := get(); err != nil {
+				t.Fatalf("%s: connection %d in a row: %v", tc.url, i, err)
+			}
 		}
-		if got := peerOf(string(body)); got != "10.251.19.20" {
-			return fmt.Errorf("the backend saw %q (%q)", got, body)
+		var wg sync.WaitGroup
+		errs := make(chan error, 200)
+		for range 200 {
+			wg.Add(1)
+			go func() { defer wg.Done(); errs <- get() }()
 		}
-		return nil
-	}
-	for i := range 1000 {
-		if err := get(); err != nil {
-			t.Fatalf("connection %d in a row: %v", i, err)
-		}
-	}
-	var wg sync.WaitGroup
-	errs := make(chan error, 200)
-	for range 200 {
-		wg.Add(1)
-		go func() { defer wg.Done(); errs <- get() }()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Fatalf("one of 200 at once: %v", err)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatalf("%s: one of 200 at once: %v", tc.url, err)
+			}
 		}
 	}
 
@@ -241,10 +244,10 @@ func getFromPort(ns string, port int, addr string) (string, error) {
 }
 
 // UDP flows keep the client's address as TCP connections do: a pod of this
-// node through a ClusterIP (its port too), the node itself, an external
-// client of an externalTrafficPolicy: Local Service; an external client of
-// an externalTrafficPolicy: Cluster Service and IPv6 on the node's bridge
-// show the node's. A flow that ends gives its conntrack entry back: the
+// node through a ClusterIP (IPv4 and IPv6, its port too), the node itself,
+// an external client of an externalTrafficPolicy: Local Service; an
+// external client of an externalTrafficPolicy: Cluster Service shows the
+// node's. A flow that ends gives its conntrack entry back: the
 // client's next flow from the same port keeps that port.
 func TestUDPBackendSeesTheClient(t *testing.T) {
 	l := NewLab(t)
@@ -270,7 +273,7 @@ func TestUDPBackendSeesTheClient(t *testing.T) {
 		}
 	}
 	sees("client", "10.96.0.10", "53", "10.251.19.20")
-	sees("client", "fd00:96::10", "53", "fd00:251::1") // IPv6 on the node's bridge: the node's (source.go)
+	sees("client", "fd00:96::10", "53", "fd00:251::20")
 	sees("node", "10.96.0.10", "53", "192.168.50.1")
 	sees("ext", "192.168.50.1", "31341", "10.251.19.1") // eTP Cluster: masqueraded
 	sees("ext", "203.0.113.10", "53", "192.168.50.2")   // eTP Local: the client

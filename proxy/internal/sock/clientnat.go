@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -224,30 +225,53 @@ func (c *ClientNAT) replyState(remote, client netip.AddrPort) (int, error) {
 // entryTCPState is the TCP state of the conntrack entry in msg (a ctnetlink
 // message with its netlink header), or -1.
 func entryTCPState(msg []byte) int {
-	if len(msg) < unix.SizeofNlMsghdr+sizeofNfgenmsg {
-		return -1
+	if v := entryAttr(msg, ctaProtoinfo, ctaProtoinfoTCP, ctaProtoinfoTCPState); len(v) > 0 {
+		return int(v[0])
 	}
-	path := []uint16{ctaProtoinfo, ctaProtoinfoTCP, ctaProtoinfoTCPState}
+	return -1
+}
+
+// entryAttr is the value of the attribute at path (nested attribute types)
+// in the conntrack entry in msg, or nil.
+func entryAttr(msg []byte, path ...uint16) []byte {
+	if len(msg) < unix.SizeofNlMsghdr+sizeofNfgenmsg {
+		return nil
+	}
 	attrs := msg[unix.SizeofNlMsghdr+sizeofNfgenmsg:]
 	for len(attrs) >= unix.SizeofNlAttr {
 		l := int(binary.NativeEndian.Uint16(attrs))
 		if l < unix.SizeofNlAttr || l > len(attrs) {
-			return -1
+			return nil
 		}
 		typ, value := binary.NativeEndian.Uint16(attrs[2:])&nlaTypeMask, attrs[unix.SizeofNlAttr:l]
 		if typ == path[0] {
 			if len(path) == 1 {
-				if len(value) == 0 {
-					return -1
-				}
-				return int(value[0])
+				return value
 			}
 			path, attrs = path[1:], value
 			continue
 		}
 		attrs = attrs[min((l+3)&^3, len(attrs)):]
 	}
-	return -1
+	return nil
+}
+
+// natted says whether the TCP entry of the connection from local to remote
+// still replies to client: conntrack replaces a closed entry (a reset
+// while the handshake was under way, say a late SYN-ACK of an earlier
+// try) with one of its own, without the NAT, when the next SYN comes.
+func (c *ClientNAT) natted(local, remote netip.AddrPort, client netip.Addr) (bool, error) {
+	var dst []byte
+	b := putTuple(c.header(ctMsgGet, 0, local), ctaTupleOrig, unix.IPPROTO_TCP, local, remote)
+	attr := uint16(ctaIPv4Dst)
+	if !client.Is4() {
+		attr = ctaIPv6Dst
+	}
+	err := c.do(b, func(msg []byte) { dst = slices.Clone(entryAttr(msg, ctaTupleReply, ctaTupleIP, attr)) })
+	if err != nil {
+		return false, err
+	}
+	return slices.Equal(dst, client.AsSlice()), nil
 }
 
 // release deletes the entry of the connection from local to remote (after

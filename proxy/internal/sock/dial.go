@@ -52,8 +52,20 @@ type Dialed struct {
 // (src.Client, and src.Port where free) where it can; where it cannot, the node's, never
 // a failed connection.
 func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src Source) (*Conn, Dialed, error) {
+	replaced := false
 	for range 8 {
 		c, d, ownPort, err := dialFrom(ctx, ep, timeout, src)
+		if err == nil && errors.Is(d.SourceErr, errNATReplaced) && !replaced {
+			// The connection went out from the node's address after all:
+			// once more, from a port of the range (the client's own port
+			// is where the earlier state that reset it was), before the
+			// backend is sent anything.
+			replaced = true
+			_ = c.SetResetOnClose()
+			c.Close()
+			src.Port = 0
+			continue
+		}
 		// A port of the source NAT's range whose last connection to ep
 		// is still in TIME_WAIT (and not reusable): the next port.
 		if !ownPort || !IsNoLocalPort(err) {
@@ -112,8 +124,21 @@ func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src
 		return nil, b.Dialed, ownPort, dialError(ep, err)
 	}
 	c.onClose = b.putPort
+	if b.local.IsValid() {
+		// Conntrack may have replaced the entry during the handshake
+		// (natted): then the backend sees the node's address.
+		if ok, err := src.NAT.natted(b.local, ep, b.Sees); err != nil {
+			b.Dialed = Dialed{SourceErr: fmt.Errorf("%w: %w", errNATReplaced, err)}
+		} else if !ok {
+			b.Dialed = Dialed{SourceErr: errNATReplaced}
+		}
+	}
 	return c, b.Dialed, ownPort, nil
 }
+
+// errNATReplaced: the source NAT's entry was replaced during the handshake,
+// and the connection made from the node's address.
+var errNATReplaced = errors.New("conntrack replaced the source NAT's entry during the handshake")
 
 // boundSource is what bindSource made of a Source.
 type boundSource struct {
