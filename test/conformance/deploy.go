@@ -42,7 +42,10 @@ func ourManifests(repo string) ([]byte, error) {
 		all = append(all, data...)
 		all = append(all, []byte("\n---\n")...)
 	}
-	for old, repl := range map[string]string{"CONTROL_PLANE_ENDPOINT": bridgeAddr, daemonImageTag: ourImage} {
+	// The local-traffic detection kube-proxy gets here too (--cluster-cidr),
+	// by the Node's pod CIDRs, which this lab's controller manager allocates.
+	const nodeCIDR = "# - --detect-local-mode=NodeCIDR"
+	for old, repl := range map[string]string{"CONTROL_PLANE_ENDPOINT": bridgeAddr, daemonImageTag: ourImage, nodeCIDR: "- --detect-local-mode=NodeCIDR"} {
 		if !bytes.Contains(all, []byte(old)) {
 			return nil, fmt.Errorf("%s no longer names %q: update test/conformance", ourDeployDir, old)
 		}
