@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -61,6 +62,10 @@ func nodePodCIDRs(ctx context.Context, client kubernetes.Interface, manifests, n
 			} else if err == nil {
 				err = fmt.Errorf("Node %s has no spec.podCIDRs yet", node)
 			}
+		}
+		if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
+			// Waiting cannot help; the RBAC rule of docs/deploy/rbac.yaml can.
+			return nil, fmt.Errorf("--detect-local-mode NodeCIDR: cannot read Node %s (the daemon needs get on nodes): %w", node, err)
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("--detect-local-mode NodeCIDR: waited %v: %w", wait, err)

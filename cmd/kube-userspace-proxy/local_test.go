@@ -1,11 +1,21 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
@@ -59,5 +69,22 @@ func TestLocalDetectionSettings(t *testing.T) {
 	write("detectLocalMode: BridgeInterface\n")
 	if _, err := parseFlags([]string{"--manifests", "m.yaml", "--config", file}, io.Discard); err == nil || !strings.Contains(err.Error(), "detectLocal.bridgeInterface") {
 		t.Fatalf("a BridgeInterface mode without its bridge: %v", err)
+	}
+}
+
+// A daemon that may not read its Node says so at once instead of waiting
+// out the pod CIDRs' five minutes (and its liveness probe).
+func TestNodePodCIDRsForbiddenFailsAtOnce(t *testing.T) {
+	client := fake.NewSimpleClientset()
+	client.PrependReactor("get", "nodes", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "nodes"}, "node1", errors.New("RBAC: no get"))
+	})
+	start := time.Now()
+	_, err := nodePodCIDRs(context.Background(), client, "", "node1", time.Minute, logrus.New())
+	if err == nil || !strings.Contains(err.Error(), "needs get on nodes") {
+		t.Fatalf("error %v, want one naming the missing permission", err)
+	}
+	if took := time.Since(start); took > 30*time.Second {
+		t.Fatalf("took %v: it waited", took)
 	}
 }
