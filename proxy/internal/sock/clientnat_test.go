@@ -86,6 +86,20 @@ func in(t *testing.T, ns string, fn func()) {
 	}
 }
 
+// clientNAT is a ClientNAT of n sockets in the node namespace, its ports
+// count ports from first, closed when the test ends.
+func (l natLab) clientNAT(t *testing.T, n, first, count int) *ClientNAT {
+	t.Helper()
+	var nat *ClientNAT
+	var err error
+	in(t, l.node, func() { nat, err = NewClientNAT(n, first, count) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nat.Close)
+	return nat
+}
+
 // peers listens on addr in the backend and sends each accepted
 // connection's peer address to the channel.
 func (l natLab) peers(t *testing.T, addr string) <-chan netip.AddrPort {
@@ -166,13 +180,7 @@ func (l natLab) dialFrom(t *testing.T, ep netip.AddrPort, src Source) Dialed {
 
 func TestDialFromClientThroughConntrack(t *testing.T) {
 	l := newNATLab(t)
-	var nat *ClientNAT
-	var err error
-	in(t, l.node, func() { nat, err = NewClientNAT(2, 20000, 64) })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nat.Close()
+	nat := l.clientNAT(t, 2, 20000, 64)
 	for _, fam := range []int{4, 6} {
 		if err := nat.Probe(fam); err != nil {
 			t.Fatalf("probe IPv%d: %v", fam, err)
@@ -320,13 +328,7 @@ func TestDialFromPortsInTimeWait(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
-	var nat *ClientNAT
-	var err error
-	in(t, l.node, func() { nat, err = NewClientNAT(1, 20000, 4) })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nat.Close()
+	nat := l.clientNAT(t, 1, 20000, 4)
 	ep, client := netip.MustParseAddrPort("10.0.2.2:8080"), netip.MustParseAddr("10.0.1.2")
 	peers := l.peers(t, ep.String())
 	for i := range 4 {
@@ -424,13 +426,7 @@ func (l natLab) udpFlow(t *testing.T, ep netip.AddrPort, src Source) (*net.UDPCo
 // client's address from another port while its port is another flow's.
 func TestDialUDPFromClientThroughConntrack(t *testing.T) {
 	l := newNATLab(t)
-	var nat *ClientNAT
-	var err error
-	in(t, l.node, func() { nat, err = NewClientNAT(2, 20000, 64) })
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nat.Close()
+	nat := l.clientNAT(t, 2, 20000, 64)
 	for _, tc := range []struct{ listen, ep, client, node string }{
 		{"10.0.2.2:8081", "10.0.2.2:8081", "10.0.1.2", "10.0.2.1"},
 		{"[fd00:2::2]:8081", "[fd00:2::2]:8081", "fd00:1::2", "fd00:2::1"},

@@ -87,14 +87,7 @@ func DialUDPFrom(ep netip.AddrPort, src Source) (_ *net.UDPConn, _ Dialed, relea
 	if err != nil {
 		b.Dialed = Dialed{SourceErr: err} // from the node's address, on the port bound if any
 	}
-	release = func() {
-		if b.local.IsValid() {
-			_ = src.NAT.release(unix.IPPROTO_UDP, b.local, ep)
-		}
-		if b.putPort != nil {
-			b.putPort()
-		}
-	}
+	release = func() { b.undo(src.NAT, unix.IPPROTO_UDP, ep) }
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
 	if _, _, errno := unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n)); errno != 0 {

@@ -95,14 +95,7 @@ func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src
 		b.Dialed = Dialed{SourceErr: err} // from the node's address, on the port bound if any
 	}
 	ownPort = b.putPort != nil
-	failed := func() {
-		if b.local.IsValid() {
-			_ = src.NAT.release(unix.IPPROTO_TCP, b.local, ep)
-		}
-		if b.putPort != nil {
-			b.putPort()
-		}
-	}
+	failed := func() { b.undo(src.NAT, unix.IPPROTO_TCP, ep) }
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
 	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n))
@@ -145,6 +138,17 @@ type boundSource struct {
 	Dialed
 	local   netip.AddrPort // the bound address of a conntrack entry it created
 	putPort func()         // gives the bound port back once the socket is closed
+}
+
+// undo gives back what bindSource took for a socket of proto to ep that is
+// closed or never used: the conntrack entry it created, the port it bound.
+func (b boundSource) undo(nat *ClientNAT, proto uint8, ep netip.AddrPort) {
+	if b.local.IsValid() {
+		_ = nat.release(proto, b.local, ep)
+	}
+	if b.putPort != nil {
+		b.putPort()
+	}
 }
 
 // bindSource binds fd, a socket of proto (TCP or UDP), as src asks before
