@@ -4,12 +4,14 @@ package proxy
 //
 //	serve reads a datagram (with IP_PKTINFO: the address it arrived on)
 //	  → flowFor finds or creates the client's flow (balancer pick, connected
-//	    socket to the endpoint; the least recently used flow is evicted when
-//	    the table is full)
+//	    socket to the endpoint from the address the backend should see,
+//	    source.go and sock.DialUDPFrom; the least recently used flow is
+//	    evicted when the table is full)
 //	  → the datagram is written to the endpoint
 //	replies copies the endpoint's datagrams back to the client, sent from
 //	the address the client's datagram arrived on so that conntrack can undo
-//	the REDIRECT, until the flow has been idle for the UDP timeout.
+//	the REDIRECT, until the flow has been idle for the UDP timeout; then
+//	the flow's source NAT entry and port are given back (fl.release).
 
 import (
 	"container/list"

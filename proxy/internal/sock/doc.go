@@ -24,10 +24,13 @@
 //     through a ClientNAT, which creates the connection's conntrack entry
 //     with a source NAT before its first packet, taking over the entry of
 //     the client's earlier connection from that port once it is in
-//     TIME_WAIT). The ClientNAT owns its netlink sockets and the ports of
-//     its range (sourceports.go), each lent to one dial and given back when
-//     its Conn is closed; the entries are the kernel's, each released by
-//     the dial that made it if it fails.
+//     TIME_WAIT, and checking after the handshake that conntrack kept it).
+//     DialUDPFrom does the same for a UDP flow's socket. The ClientNAT owns
+//     its netlink sockets and the ports of its range (sourceports.go), each
+//     lent to one dial and given back when its Conn is closed (a UDP
+//     socket's by the release DialUDPFrom returns, which its owner calls
+//     after closing it); the entries are the kernel's, each released by the
+//     dial that made it if it fails, and a UDP flow's when it ends.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
 //     a UDP port unreachable) and RaiseFileLimit.
