@@ -40,6 +40,25 @@ func sourceManifest() string {
 	return web + local + opaque + retry
 }
 
+// sourceLab is the lab of sourceManifest with its backends and a daemon
+// (extra flags in flags) that detects this node's pods by --cluster-cidr
+// and logs every connection; the daemon's log is shown if the test fails.
+func sourceLab(t *testing.T, flags ...string) (*Lab, *Proc) {
+	t.Helper()
+	l := NewLab(t)
+	l.Backends()
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, sourceManifest())
+	d := l.Daemon(append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
+		"--cluster-cidr", "10.251.19.0/24,fd00:251::/64", "--connection-log", "all"}, flags...)...)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	})
+	return l, d
+}
+
 // peerOf is the client address a backend reports ("pod1 (client A:P)"
 // → "A").
 func peerOf(body string) string {
@@ -73,17 +92,7 @@ func seesOnly(t *testing.T, l *Lab, ns, url, want string, n int) {
 // client of an externalTrafficPolicy: Cluster Service, a Service with the
 // annotation, and the flag set to node show the node's address.
 func TestBackendSeesTheClient(t *testing.T) {
-	l := NewLab(t)
-	l.Backends()
-	m := filepath.Join(t.TempDir(), "m.yaml")
-	writeManifest(t, m, sourceManifest())
-	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
-		"--cluster-cidr", "10.251.19.0/24,fd00:251::/64", "--connection-log", "all")
-	defer func() {
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
-		}
-	}()
+	l, d := sourceLab(t)
 	waitFor(t, "web served", func() bool { return l.Curl("client", "http://10.96.0.10/") != "" })
 
 	// Both endpoints (pod1 "on this node", pod2 "on another"), by round robin.
@@ -250,17 +259,7 @@ func getFromPort(ns string, port int, addr string) (string, error) {
 // node's. A flow that ends gives its conntrack entry back: the
 // client's next flow from the same port keeps that port.
 func TestUDPBackendSeesTheClient(t *testing.T) {
-	l := NewLab(t)
-	l.Backends()
-	m := filepath.Join(t.TempDir(), "m.yaml")
-	writeManifest(t, m, sourceManifest())
-	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
-		"--cluster-cidr", "10.251.19.0/24,fd00:251::/64", "--connection-log", "all", "--udp-timeout", "1s")
-	defer func() {
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
-		}
-	}()
+	l, d := sourceLab(t, "--udp-timeout", "1s")
 	waitFor(t, "web's UDP port served", func() bool { return l.UDP("client", "10.96.0.10", "53", "peer?") != "" })
 
 	sees := func(ns, host, port, want string) {
