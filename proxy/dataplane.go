@@ -49,6 +49,9 @@ type dataplane struct {
 	// clientNAT sets the client's address on backend connections
 	// (source.go); set by start, nil when off or unavailable.
 	clientNAT atomic.Pointer[clientNAT]
+	// inherited are the sockets a predecessor handed over (handover.go);
+	// nil without one. Set before start.
+	inherited *inherited
 	// connLogLimit bounds the connection log (connlog.go).
 	connLogLimit *connLogLimit
 	// noLocalPortWarned is when the last "no local port" warning was
@@ -173,7 +176,10 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		var err error
 		if d.cfg.NodePortsRestricted {
 			hold, err = sock.HoldPort(sp.Protocol == config.UDP, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+		} else if inh, ok := d.inherit(key, roleNodePort, sp.Protocol, bind); ok && inh.port == sp.NodePort {
+			ln = inh
 		} else {
+			inh.close()
 			// The listener itself sits on the NodePort: it holds the port
 			// against other processes, costs no extra descriptor, and
 			// serves even a connection that reaches it without a redirect.
@@ -183,6 +189,12 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 			// Logged by the caller: a retry that fails again stays quiet.
 			nodePortErr = fmt.Errorf("NodePort %d/%s is already in use by another process on this node (%w); serving the other addresses only, retrying", sp.NodePort, sp.Protocol, err)
 		}
+	}
+	onNodePort := ln.port != 0
+	if inh, ok := d.inherit(key, roleRange, sp.Protocol, bind); ok && ln.port == 0 {
+		ln, release = inh, d.alloc.adopt(sp.Protocol, bind, inh.port)
+	} else {
+		inh.close()
 	}
 	if ln.port == 0 {
 		var err error
@@ -202,6 +214,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: NewBalancer(sp.Scheduler), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(ln.port)),
 		nodePortErr: nodePortErr,
+		onNodePort:  onNodePort,
 		hold:        hold,
 		release:     release,
 	}
@@ -211,6 +224,15 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 	}
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	return fe, nil
+}
+
+// inherit takes the socket a predecessor handed over for key's role, if
+// any (see inherited.take).
+func (d *dataplane) inherit(key frontendKey, role string, proto config.Protocol, bind netip.Addr) (listener, bool) {
+	if d.inherited == nil {
+		return listener{}, false
+	}
+	return d.inherited.take(key, role, proto, bind)
 }
 
 // serve has fe serve on ln: a TCP listener through the accept loop, a UDP

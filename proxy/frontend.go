@@ -34,6 +34,7 @@ type frontend struct {
 	bal         *EndpointBalancer
 	listen      netip.AddrPort
 	nodePortErr error      // the NodePort could not be taken
+	onNodePort  bool       // the listener sits on the NodePort itself
 	hold        *sock.Hold // holds the NodePort when the listener is elsewhere, or nil
 	release     func()
 

@@ -171,6 +171,19 @@ func (a *portAllocator) listen(proto config.Protocol, ip netip.Addr, key string)
 	return listener{}, nil, ErrPortsExhausted
 }
 
+// adopt marks port, of a socket a predecessor handed over, taken and
+// returns its release.
+func (a *portAllocator) adopt(proto config.Protocol, ip netip.Addr, port int) (release func()) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.used == nil {
+		a.used = make(map[usedPort]bool)
+	}
+	u := usedPort{proto, ip.Is6() && !ip.Is4In6(), port}
+	a.used[u] = true
+	return func() { a.release(u) }
+}
+
 // preferredPort is the port of r that a listener named key tries first: the
 // same after a restart and after a quick remove and re-add, so that the
 // conntrack entries of UDP clients that keep their source port still point at

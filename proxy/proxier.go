@@ -21,6 +21,7 @@ package proxy
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -36,6 +37,16 @@ type Proxier struct {
 	writer   *ruleWriter
 	activity activity
 	kick     chan struct{} // capacity 1: merges bursts of Updates
+	calls    chan func()   // run on the sync goroutine: a handover's steps (handover.go)
+	serving  chan struct{} // closed after the first rule write
+	released atomic.Bool   // Release was called
+
+	// The sync goroutine's.
+	frozen      bool         // a handover is under way: no syncs
+	handedOver  bool         // Release was called: nothing is served any more
+	freeze      func() error // called before the first sync (Adopt)
+	servingShut bool         // serving is closed
+	stopWriter  context.CancelFunc
 
 	mu         sync.Mutex    // guards the fields below
 	pending    *config.Delta // the changes given to Update and not synced yet, merged
@@ -46,7 +57,7 @@ type Proxier struct {
 
 // New returns a Proxier; nothing happens until Run.
 func New(cfg Config) *Proxier {
-	p := &Proxier{cfg: cfg, kick: make(chan struct{}, 1)}
+	p := &Proxier{cfg: cfg, kick: make(chan struct{}, 1), calls: make(chan func()), serving: make(chan struct{})}
 	p.dp = newDataplane(&p.cfg)
 	p.rec = newReconciler(&p.cfg, p.dp)
 	p.writer = newRuleWriter(cfg.Rules, p.cfg.log(), &p.activity, familyNames(cfg.Families))
@@ -76,6 +87,11 @@ func (p *Proxier) Update(st *config.State) {
 	serviceChangesPending.Add(float64(svcChanges))
 	endpointChangesTotal.Add(float64(epChanges))
 	endpointChangesPending.Add(float64(epChanges))
+	p.wake()
+}
+
+// wake has the sync goroutine look at the pending changes.
+func (p *Proxier) wake() {
 	select {
 	case p.kick <- struct{}{}:
 	default:
@@ -89,7 +105,10 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	p.dp.start(ctx)
 	running.add(p)
 	defer running.remove(p)
-	p.writer.start(ctx)
+	writerCtx, stopWriter := context.WithCancel(ctx)
+	defer stopWriter()
+	p.stopWriter = stopWriter
+	p.writer.start(writerCtx)
 	t := newSyncTimers(&p.cfg)
 	defer t.stop()
 	for {
@@ -98,8 +117,14 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		case <-ctx.Done():
 			p.shutdown(ctx, grace)
 			return
+		case fn := <-p.calls:
+			fn()
+			continue
 		case <-p.kick:
 		case <-t.period.C:
+			if p.frozen {
+				continue
+			}
 			if p.writer.check(ctx) {
 				continue // a drift found syncs (below)
 			}
@@ -109,11 +134,22 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			p.rec.written(w)
 			if w.err != nil {
 				t.retry.Reset(t.retryIn)
+			} else if !p.servingShut {
+				p.servingShut = true
+				if p.dp.inherited != nil {
+					if n := p.dp.inherited.closeRest(); n > 0 {
+						p.cfg.log().WithField("sockets", n).Info("Closed the handed-over sockets of Services gone meanwhile")
+					}
+				}
+				close(p.serving)
 			}
 			continue
 		case <-t.retry.C:
 			verify = true
 		case <-t.reopen.C:
+		}
+		if p.frozen {
+			continue // a handover is under way: the changes wait (Thaw)
 		}
 		// A token bucket, as kube-proxy's BoundedFrequencyRunner: a lone
 		// change, or a Service and then its slice, syncs at once; under
@@ -149,6 +185,15 @@ func (p *Proxier) syncPending(verify bool) bool {
 	}
 	serviceChangesPending.Set(0)
 	endpointChangesPending.Set(0)
+	if p.freeze != nil {
+		// The predecessor stops changing anything: from this sync on,
+		// the frontends and the rules are ours.
+		freeze := p.freeze
+		p.freeze = nil
+		if err := freeze(); err != nil {
+			p.cfg.log().WithError(err).Warn("The predecessor did not freeze; syncing anyway")
+		}
+	}
 	p.activity.enter()
 	w := p.rec.apply(*d, verify)
 	p.activity.leave()
@@ -168,11 +213,13 @@ func (p *Proxier) syncPending(verify bool) bool {
 // the draining connections: on Linux 6.18 with nf_tables, deleting the
 // last REDIRECT rule stops the NAT of flows already redirected.
 func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
-	for _, w := range p.writer.stop(ctx.Err()) {
-		p.rec.written(w)
+	if !p.handedOver { // else Release did this
+		for _, w := range p.writer.stop(ctx.Err()) {
+			p.rec.written(w)
+		}
+		p.rec.closeAll()
+		p.dp.closeListeners()
 	}
-	p.rec.closeAll()
-	p.dp.closeListeners()
 	p.dp.conns.drain(grace)
 	p.dp.stop()
 }

@@ -60,12 +60,12 @@ func startTestHTTP(t *testing.T, h http.Handler, limits serverLimits) string {
 	log := logrus.New()
 	log.SetOutput(io.Discard)
 	ctx, cancel := context.WithCancel(context.Background())
-	done, err := startHTTP(ctx, addr, h, limits, true, time.Second, log)
+	done, err := startHTTP(ctx, addr, nil, h, limits, true, time.Second, log)
 	if err != nil {
 		cancel()
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(func() { cancel(); <-done.done })
 	return addr
 }
 

@@ -9,9 +9,11 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
+	"os"
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 
@@ -244,18 +246,41 @@ func releaseAfterLargeAnswer(rules int) {
 	}
 }
 
-// startHTTP serves h on addr until ctx ends. A bind error is returned at
+// httpServing is one HTTP server started by startHTTP.
+type httpServing struct {
+	done <-chan struct{} // closed when it has stopped
+	mu   sync.Mutex
+	ln   net.Listener // once bound
+}
+
+// lend returns a duplicate of the server's listening socket for a
+// successor (handover.go), or nil while it is not bound.
+func (s *httpServing) lend() (*os.File, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ln == nil {
+		return nil, nil
+	}
+	return dupListener(s.ln)
+}
+
+// startHTTP serves h on addr until ctx ends, on inherited when a
+// predecessor handed that over. A bind error is returned at
 // once with hardFail (kube-proxy's bindAddressHardFail); otherwise it is
 // logged and the bind retried every retry until it succeeds, as
 // kube-proxy does, so that a daemon started beside a running one takes
 // the address over once the other is gone.
-func startHTTP(ctx context.Context, addr string, h http.Handler, limits serverLimits, hardFail bool, retry time.Duration, log logrus.FieldLogger) (<-chan struct{}, error) {
+func startHTTP(ctx context.Context, addr string, inherited net.Listener, h http.Handler, limits serverLimits, hardFail bool, retry time.Duration, log logrus.FieldLogger) (*httpServing, error) {
 	done := make(chan struct{})
+	s := &httpServing{done: done}
 	if addr == "" {
 		close(done)
-		return done, nil
+		return s, nil
 	}
-	ln, err := net.Listen("tcp", addr)
+	ln, err := inherited, error(nil)
+	if ln == nil {
+		ln, err = net.Listen("tcp", addr)
+	}
 	if err != nil && hardFail {
 		return nil, fmt.Errorf("serving on %s: %w", addr, err)
 	}
@@ -276,12 +301,15 @@ func startHTTP(ctx context.Context, addr string, h http.Handler, limits serverLi
 				log.WithError(err).WithField("address", addr).Debug("Cannot serve HTTP yet; retrying")
 			}
 		}
-		log.WithField("address", ln.Addr().String()).Info("Serving HTTP")
+		s.mu.Lock()
+		s.ln = ln
+		s.mu.Unlock()
+		log.WithField("address", ln.Addr().String()).WithField("inherited", inherited != nil).Info("Serving HTTP")
 		if err := srv.Serve(limits.listener(ln)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.WithError(err).Error("HTTP server failed")
 		}
 	}()
-	return done, nil
+	return s, nil
 }
 
 // newRegistry holds every metric the daemon exports.

@@ -78,10 +78,10 @@ func TestHTTPBindRetriesUnlessHardFail(t *testing.T) {
 	log.SetOutput(io.Discard)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if _, err := startHTTP(ctx, addr, http.NotFoundHandler(), metricsLimits, true, 10*time.Millisecond, log); err == nil {
+	if _, err := startHTTP(ctx, addr, nil, http.NotFoundHandler(), metricsLimits, true, 10*time.Millisecond, log); err == nil {
 		t.Fatal("hard fail: a taken address was not an error")
 	}
-	done, err := startHTTP(ctx, addr, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "mine") }),
+	done, err := startHTTP(ctx, addr, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "mine") }),
 		metricsLimits, false, 20*time.Millisecond, log)
 	if err != nil {
 		t.Fatalf("soft fail: %v", err)
@@ -104,7 +104,7 @@ func TestHTTPBindRetriesUnlessHardFail(t *testing.T) {
 	}
 	cancel()
 	select {
-	case <-done:
+	case <-done.done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("the server did not stop with its context")
 	}

@@ -80,6 +80,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err != nil {
 		return err
 	}
+	// Everything is checked: take the sockets of a daemon that runs.
+	pred := takeOver(ctx, o.handoverSocket, log.WithField("component", "handover"))
+	defer pred.close()
 	events, stopEvents := eventRecorder(ctx, client, node)
 	defer stopEvents()
 	hc := &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
@@ -87,11 +90,12 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
 	}
 	p := newProxier(o, rules, hc, events, log)
+	pred.adopt(ctx, p)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()
-	healthDone, err := startHTTP(httpCtx, o.healthzAddr, healthMux(p, o.syncPeriod), healthLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "healthz"))
+	health, err := startHTTP(httpCtx, o.healthzAddr, pred.listener(httpHealthz, o.healthzAddr), healthMux(p, o.syncPeriod), healthLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "healthz"))
 	if err != nil {
 		return err
 	}
@@ -100,10 +104,10 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node),
 		health: healthHandler(p, o.syncPeriod, true, true), audit: log.WithField("component", "debug"),
 		drainOnMetrics: o.drainOnMetrics, adminSocket: o.adminSocket}
-	metricsDone, err := startHTTP(httpCtx, o.metricsAddr, dbg.routes(newRegistry(), o.profiling), metricsLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
+	metrics, err := startHTTP(httpCtx, o.metricsAddr, pred.listener(httpMetrics, o.metricsAddr), dbg.routes(newRegistry(), o.profiling), metricsLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()
-		<-healthDone
+		<-health.done
 		return err
 	}
 	closed := make(chan struct{})
@@ -117,7 +121,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 			adminDone = serveAdmin(httpCtx, ln, dbg.adminRoutes(), log.WithField("component", "admin"))
 		}
 	}
-	defer func() { stopHTTP(); <-healthDone; <-metricsDone; <-adminDone }()
+	defer func() { stopHTTP(); <-health.done; <-metrics.done; <-adminDone }()
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
 	// The proxier's sync goroutine starts first: a source hands it the first
@@ -134,6 +138,11 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		return err
 	}
 	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}).Info("Started")
+	g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
+		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
+		log: log.WithField("component", "handover")}
+	handoversDone := serveHandovers(srcCtx, o.handoverSocket, pred, p, g, log.WithField("component", "handover"))
+	defer func() { stopSource(); <-handoversDone }()
 
 	<-proxierDone // after ctx ends and connections drained
 	hc.Close()    // the sync goroutine fed it: after that is done

@@ -1,0 +1,202 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+)
+
+// A daemon started beside a running one takes its sockets over (package
+// handover): the HTTP listeners here, the frontends' in the Proxier
+// (proxy.Proxier.Adopt). Once it serves it tells the predecessor, which
+// stops serving, and opens the handover socket for its own successor.
+
+// The HTTP listeners' names in a handover.
+const (
+	httpHealthz = "http healthz"
+	httpMetrics = "http metrics"
+)
+
+// predecessor is the running daemon handing over to this one; nil: none.
+type predecessor struct {
+	*handover.Predecessor
+	used map[int]bool // Sockets taken by this file (the HTTP listeners)
+}
+
+// takeOver asks a running daemon for its sockets; nil with none, or
+// when the exchange fails (said in the log: the start is then plain).
+func takeOver(ctx context.Context, path string, log logrus.FieldLogger) *predecessor {
+	if path == "" {
+		return nil
+	}
+	start := time.Now()
+	p, err := handover.Take(ctx, path)
+	switch {
+	case err != nil:
+		log.WithError(err).Warn("No handover from the running daemon; starting on our own")
+		return nil
+	case p == nil:
+		log.WithField("socket", path).Debug("No daemon running; starting on our own")
+		return nil
+	}
+	log.WithFields(logrus.Fields{"predecessor": p.PID, "sockets": len(p.Sockets), "took": time.Since(start).Round(time.Microsecond).String()}).
+		Info("Taking over from the running daemon")
+	return &predecessor{Predecessor: p, used: map[int]bool{}}
+}
+
+// listener is the inherited HTTP listener name on addr, or nil.
+func (p *predecessor) listener(name, addr string) net.Listener {
+	if p == nil {
+		return nil
+	}
+	for i, s := range p.Sockets {
+		if s.Name != name || s.Addr != addr || p.used[i] {
+			continue
+		}
+		p.used[i] = true
+		ln, err := net.FileListener(s.File)
+		s.File.Close()
+		if err != nil {
+			return nil
+		}
+		return ln
+	}
+	return nil
+}
+
+// adopt hands the frontends' sockets to the Proxier (the HTTP listeners
+// are startHTTP's, through listener), which freezes the
+// predecessor just before its first sync.
+func (p *predecessor) adopt(ctx context.Context, px *proxy.Proxier) {
+	if p == nil {
+		return
+	}
+	var rest []handover.Socket
+	for i, s := range p.Sockets {
+		if !p.used[i] && !strings.HasPrefix(s.Name, "http ") {
+			p.used[i] = true
+			rest = append(rest, s)
+		}
+	}
+	px.Adopt(rest, func() error { return p.Freeze(ctx) })
+}
+
+// close ends the exchange and closes what nobody took.
+func (p *predecessor) close() {
+	if p == nil {
+		return
+	}
+	for i, s := range p.Sockets {
+		if !p.used[i] {
+			p.used[i] = true
+			s.File.Close()
+		}
+	}
+	p.Close()
+}
+
+// giver is this daemon's side when a successor takes over.
+type giver struct {
+	p        *proxy.Proxier
+	http     map[string]*httpServing
+	addrs    map[string]string
+	stopHTTP func()
+	log      logrus.FieldLogger
+}
+
+func (g *giver) Lend(ctx context.Context) ([]handover.Socket, error) {
+	socks, err := g.p.Lend(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for name, s := range g.http {
+		f, err := s.lend()
+		if err != nil {
+			for _, s := range socks {
+				s.File.Close()
+			}
+			return nil, err
+		}
+		if f != nil {
+			socks = append(socks, handover.Socket{Name: name, Proto: "tcp", Addr: g.addrs[name], File: f})
+		}
+	}
+	return socks, nil
+}
+
+func (g *giver) Freeze(ctx context.Context) error { return g.p.Freeze(ctx) }
+func (g *giver) Thaw()                            { g.p.Thaw() }
+
+func (g *giver) Release(successor int) {
+	_ = g.p.Release(context.Background())
+	g.stopHTTP() // our copies: the successor serves on its own
+	g.log.WithField("successor", successor).Info("Serving nothing more: open connections go on until they end; stop with SIGTERM")
+}
+
+// serveHandovers tells the predecessor once this daemon serves, then
+// hands over to the next successor that asks, until ctx ends.
+func serveHandovers(ctx context.Context, path string, pred *predecessor, p *proxy.Proxier, g *giver, log logrus.FieldLogger) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if pred != nil {
+			select {
+			case <-p.Serving():
+			case <-ctx.Done():
+				pred.close()
+				return
+			}
+			if err := pred.Serving(ctx); err != nil {
+				log.WithError(err).Warn("The predecessor did not confirm the handover; it was stopped meanwhile, or stops serving by itself")
+			} else {
+				log.WithField("predecessor", pred.PID).Info("Took over: the predecessor serves nothing more")
+			}
+			pred.close()
+		}
+		if path == "" {
+			return
+		}
+		ln, err := handover.Listen(path)
+		if err != nil {
+			log.WithError(err).Warn("No handover socket: a successor will start on its own")
+			return
+		}
+		<-handover.Serve(ctx, ln, g, log)
+	}()
+	return done
+}
+
+// dupListener duplicates a TCP listener's descriptor without making it
+// blocking (net.TCPListener.File would, and the socket is shared).
+func dupListener(ln net.Listener) (*os.File, error) {
+	tl, ok := ln.(*net.TCPListener)
+	if !ok {
+		return nil, errors.New("not a TCP listener")
+	}
+	raw, err := tl.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var f *os.File
+	var ferr error
+	if err := raw.Control(func(fd uintptr) {
+		d, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			ferr = os.NewSyscallError("fcntl", err)
+			return
+		}
+		f = os.NewFile(uintptr(d), tl.Addr().String())
+	}); err != nil {
+		return nil, err
+	}
+	return f, ferr
+}

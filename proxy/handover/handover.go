@@ -1,0 +1,453 @@
+// Package handover passes a running daemon's sockets to its successor on
+// the same node, so that an upgrade or restart refuses no connection: the
+// listening sockets stay open in the kernel the whole time, first shared,
+// then the successor's alone.
+//
+// The exchange, over a unix SOCK_SEQPACKET socket in a root-only folder
+// (each message one JSON object; descriptors ride on the messages that
+// list them, SCM_RIGHTS):
+//
+//	successor                        running daemon
+//	hello {versions}          →
+//	                          ←      offer {version, pid, count} | refuse {reason}
+//	                          ←      sockets {sockets} + descriptors, until count
+//	                          ←      end
+//	freeze                    →      (stops changing anything the successor took)
+//	                          ←      frozen
+//	   (the successor syncs: it serves on the sockets it took and writes its rules)
+//	serving                   →      (closes its copies, serves nothing more)
+//	                          ←      released
+//
+// Until the running daemon is told "serving" it keeps serving: both accept
+// on the shared sockets meanwhile, each connection has one owner. If the
+// exchange breaks before that (either side killed), the running daemon
+// goes on as before and the successor, if alive, starts plainly; a broken
+// exchange after "serving" leaves the successor the only one serving.
+//
+// Who owns what: Serve's goroutine owns the listening unix socket and one
+// exchange at a time; a Predecessor (Take) owns its connection and the
+// descriptors it received until the caller takes them (Socket.File).
+package handover
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
+)
+
+// Version is the exchange's version; a successor and a running daemon
+// hand over only when they share one.
+const Version = 1
+
+// Socket is one socket handed over.
+type Socket struct {
+	// Name says what serves on it: the giver's and the taker's code agree
+	// on names ("http healthz", a frontend's key and role).
+	Name  string `json:"name"`
+	Proto string `json:"proto"` // "tcp" or "udp"
+	Addr  string `json:"addr"`  // the address it is bound to
+	// File is the descriptor: a duplicate the giver made for the exchange
+	// (it closes it after sending), the taker's own once received.
+	File *os.File `json:"-"`
+}
+
+// message is one message of the exchange.
+type message struct {
+	Type     string   `json:"type"`
+	Versions []int    `json:"versions,omitempty"`
+	Version  int      `json:"version,omitempty"`
+	PID      int      `json:"pid,omitempty"`
+	Count    int      `json:"count,omitempty"`
+	Reason   string   `json:"reason,omitempty"`
+	Sockets  []Socket `json:"sockets,omitempty"`
+}
+
+// perMessage bounds the descriptors of one message (the kernel's limit for
+// SCM_RIGHTS is 253).
+const perMessage = 200
+
+// maxMessage bounds one message: perMessage sockets with long names fit.
+const maxMessage = 256 << 10
+
+// stepTimeout bounds each step of the exchange but the wait for the
+// successor's first sync (its source may take long to answer).
+const stepTimeout = 10 * time.Second
+
+// Listen opens the handover socket at path: its folder made root-only, a
+// stale socket of a previous daemon replaced, the socket itself 0600.
+func Listen(path string) (*net.UnixListener, error) {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("handover socket folder %s: %w", dir, err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("handover socket folder %s: %w", dir, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("replacing %s: %w", path, err)
+	}
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, fmt.Errorf("handover socket: %w", err)
+	}
+	// The successor replaces the path with its own socket: ours must not
+	// remove that when it closes.
+	ln.SetUnlinkOnClose(false)
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("handover socket %s: %w", path, err)
+	}
+	return ln, nil
+}
+
+// Giver is the running daemon's side of an exchange.
+type Giver interface {
+	// Lend returns duplicates of the sockets to hand over; the daemon
+	// goes on serving on its own.
+	Lend(ctx context.Context) ([]Socket, error)
+	// Freeze stops every change to what was lent (no sync, no rule
+	// write) until Release or Thaw.
+	Freeze(ctx context.Context) error
+	// Thaw: the successor went away before it served; go on as before.
+	Thaw()
+	// Release: the successor serves. Stop serving, close the lent
+	// sockets' originals, never take anything back.
+	Release(successorPID int)
+}
+
+// Serve hands over to successors that connect to ln until one has taken
+// over (then it returns, having closed ln) or ctx ends. It refuses peers
+// that are neither root nor this process's user, and successors that
+// speak no version it knows; the exchange of one successor at a time.
+func Serve(ctx context.Context, ln *net.UnixListener, g Giver, log logrus.FieldLogger) <-chan struct{} {
+	done := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	go func() {
+		defer close(done)
+		defer stop()
+		defer ln.Close()
+		for {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				if ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
+					log.WithError(err).Error("Handover socket failed")
+				}
+				return
+			}
+			if give(ctx, c, g, log) {
+				return
+			}
+		}
+	}()
+	return done
+}
+
+// give serves one successor on c and reports whether it took over.
+func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger) bool {
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	p, err := peerOf(c)
+	if err != nil {
+		log.WithError(err).Warn("Handover refused: the peer's credentials are unreadable")
+		return false
+	}
+	log = log.WithField("successor", p.String())
+	_ = c.SetDeadline(time.Now().Add(stepTimeout))
+	hello, _, err := receive(c)
+	if p.uid != 0 && p.uid != uint32(os.Geteuid()) {
+		log.Warn("Handover refused: the peer is neither root nor this daemon's user")
+		_ = send(c, message{Type: "refuse", Reason: "not root"}, nil)
+		return false
+	}
+	if err != nil || hello.Type != "hello" {
+		log.WithError(err).WithField("message", hello.Type).Warn("Handover refused: no hello from the peer")
+		return false
+	}
+	if !slices.Contains(hello.Versions, Version) {
+		log.WithField("versions", fmt.Sprint(hello.Versions)).WithField("ours", Version).
+			Warn("Handover refused: the successor speaks no version of ours; it starts on its own, we go on until stopped")
+		_ = send(c, message{Type: "refuse", Reason: fmt.Sprintf("version %d only", Version), Version: Version}, nil)
+		return false
+	}
+	start := time.Now()
+	socks, err := g.Lend(ctx)
+	if err != nil {
+		log.WithError(err).Error("Handover refused: cannot lend the sockets")
+		_ = send(c, message{Type: "refuse", Reason: err.Error()}, nil)
+		return false
+	}
+	sent := sendSockets(c, socks)
+	for _, s := range socks {
+		s.File.Close() // the duplicates: the successor has its own now, or none
+	}
+	if sent != nil {
+		log.WithError(sent).Warn("Handover broke off while sending the sockets; serving on")
+		return false
+	}
+	// The successor now starts its source and syncs once it has the
+	// whole picture, which can take long: no deadline but ctx and the peer.
+	_ = c.SetDeadline(time.Time{})
+	m, _, err := receive(c)
+	if err != nil || m.Type != "freeze" {
+		log.WithError(err).WithField("message", m.Type).Warn("Handover broke off before the successor synced; serving on")
+		return false
+	}
+	if err := g.Freeze(ctx); err != nil {
+		log.WithError(err).Warn("Handover broke off: cannot freeze; serving on")
+		return false
+	}
+	thaw := true
+	defer func() {
+		if thaw {
+			g.Thaw()
+		}
+	}()
+	if err := send(c, message{Type: "frozen"}, nil); err != nil {
+		log.WithError(err).Warn("Handover broke off; serving on")
+		return false
+	}
+	m, _, err = receive(c)
+	if err != nil || m.Type != "serving" {
+		log.WithError(err).WithField("message", m.Type).Warn("Handover broke off during the successor's first sync; serving on")
+		return false
+	}
+	thaw = false
+	g.Release(int(p.pid))
+	_ = c.SetDeadline(time.Now().Add(stepTimeout))
+	_ = send(c, message{Type: "released"}, nil)
+	log.WithFields(logrus.Fields{"sockets": len(socks), "took": time.Since(start).Round(time.Microsecond).String()}).
+		Info("Handed over to the successor; serving nothing more")
+	return true
+}
+
+// sendSockets sends the offer, socks in messages of perMessage, and the end.
+func sendSockets(c *net.UnixConn, socks []Socket) error {
+	if err := send(c, message{Type: "offer", Version: Version, PID: os.Getpid(), Count: len(socks)}, nil); err != nil {
+		return err
+	}
+	for chunk := range slices.Chunk(socks, perMessage) {
+		fds := make([]int, len(chunk))
+		for i, s := range chunk {
+			fds[i] = int(s.File.Fd())
+		}
+		if err := send(c, message{Type: "sockets", Sockets: chunk}, fds); err != nil {
+			return err
+		}
+	}
+	return send(c, message{Type: "end"}, nil)
+}
+
+// ErrRefused is Take's error when the running daemon would not hand over.
+var ErrRefused = errors.New("the running daemon refused the handover")
+
+// Predecessor is a running daemon that is handing over to this one.
+type Predecessor struct {
+	c   *net.UnixConn
+	PID int
+	// Sockets are what it handed over; the caller owns their Files.
+	Sockets []Socket
+}
+
+// Take asks the daemon on path for its sockets. With none there (no
+// socket, nobody listening) it returns nil, nil: a plain start. Any
+// error means a plain start too; the caller says so.
+func Take(ctx context.Context, path string) (*Predecessor, error) {
+	var d net.Dialer
+	dctx, cancel := context.WithTimeout(ctx, stepTimeout)
+	defer cancel()
+	nc, err := d.DialContext(dctx, "unixpacket", path)
+	if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("handover socket %s: %w", path, err)
+	}
+	c := nc.(*net.UnixConn)
+	p := &Predecessor{c: c}
+	ok := false
+	defer func() {
+		if !ok {
+			for _, s := range p.Sockets {
+				s.File.Close()
+			}
+			p.Close()
+		}
+	}()
+	cred, err := peerOf(c)
+	if err != nil {
+		return nil, fmt.Errorf("handover socket %s: %w", path, err)
+	}
+	if cred.uid != 0 && cred.uid != uint32(os.Geteuid()) {
+		return nil, fmt.Errorf("handover socket %s: served by %s, neither root nor us", path, cred)
+	}
+	_ = c.SetDeadline(time.Now().Add(stepTimeout))
+	if err := send(c, message{Type: "hello", Versions: []int{Version}, PID: os.Getpid()}, nil); err != nil {
+		return nil, fmt.Errorf("handover: %w", err)
+	}
+	offer, _, err := receive(c)
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("handover: %w", err)
+	case offer.Type == "refuse":
+		return nil, fmt.Errorf("%w: %s", ErrRefused, offer.Reason)
+	case offer.Type != "offer" || offer.Version != Version:
+		return nil, fmt.Errorf("handover: unexpected %q version %d", offer.Type, offer.Version)
+	}
+	p.PID = offer.PID
+	for {
+		m, files, err := receive(c)
+		if err != nil {
+			return nil, fmt.Errorf("handover: after %d of %d sockets: %w", len(p.Sockets), offer.Count, err)
+		}
+		if m.Type == "end" {
+			break
+		}
+		if m.Type != "sockets" || len(files) != len(m.Sockets) {
+			closeAll(files)
+			return nil, fmt.Errorf("handover: %q with %d descriptors for %d sockets", m.Type, len(files), len(m.Sockets))
+		}
+		for i := range m.Sockets {
+			m.Sockets[i].File = files[i]
+		}
+		p.Sockets = append(p.Sockets, m.Sockets...)
+	}
+	if len(p.Sockets) != offer.Count {
+		return nil, fmt.Errorf("handover: %d sockets of the %d offered", len(p.Sockets), offer.Count)
+	}
+	_ = c.SetDeadline(time.Time{})
+	ok = true
+	return p, nil
+}
+
+// Freeze tells the predecessor that this daemon syncs now: it stops
+// changing anything until Serving (or until this connection ends).
+func (p *Predecessor) Freeze(ctx context.Context) error {
+	return p.step(ctx, "freeze", "frozen")
+}
+
+// Serving tells the predecessor that this daemon serves: it closes its
+// copies and serves nothing more.
+func (p *Predecessor) Serving(ctx context.Context) error {
+	return p.step(ctx, "serving", "released")
+}
+
+func (p *Predecessor) step(ctx context.Context, say, want string) error {
+	stop := context.AfterFunc(ctx, func() { p.c.Close() })
+	defer stop()
+	_ = p.c.SetDeadline(time.Now().Add(stepTimeout))
+	if err := send(p.c, message{Type: say}, nil); err != nil {
+		return fmt.Errorf("handover %s: %w", say, err)
+	}
+	m, _, err := receive(p.c)
+	if err != nil {
+		return fmt.Errorf("handover %s: %w", say, err)
+	}
+	if m.Type != want {
+		return fmt.Errorf("handover %s: answered %q", say, m.Type)
+	}
+	return nil
+}
+
+// Close ends the exchange; the sockets' Files stay the caller's.
+func (p *Predecessor) Close() { p.c.Close() }
+
+// send writes one message with fds.
+func send(c *net.UnixConn, m message, fds []int) error {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	_, _, err = c.WriteMsgUnix(b, oob, nil)
+	return err
+}
+
+// receive reads one message and the descriptors it carries.
+func receive(c *net.UnixConn) (message, []*os.File, error) {
+	buf := make([]byte, maxMessage)
+	oob := make([]byte, unix.CmsgSpace(perMessage*4))
+	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return message{}, nil, err
+	}
+	files, ferr := parseRights(oob[:oobn])
+	switch {
+	case ferr != nil:
+		return message{}, nil, ferr
+	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0:
+		closeAll(files)
+		return message{}, nil, errors.New("message truncated")
+	case n == 0:
+		closeAll(files)
+		return message{}, nil, errors.New("closed by the peer")
+	}
+	var m message
+	if err := json.Unmarshal(buf[:n], &m); err != nil {
+		closeAll(files)
+		return message{}, nil, fmt.Errorf("bad message: %w", err)
+	}
+	return m, files, nil
+}
+
+func parseRights(oob []byte) ([]*os.File, error) {
+	cmsgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("control message: %w", err)
+	}
+	var files []*os.File
+	for _, cm := range cmsgs {
+		fds, err := unix.ParseUnixRights(&cm)
+		if err != nil {
+			closeAll(files)
+			return nil, fmt.Errorf("control message: %w", err)
+		}
+		for _, fd := range fds {
+			unix.CloseOnExec(fd)
+			files = append(files, os.NewFile(uintptr(fd), "handover"))
+		}
+	}
+	return files, nil
+}
+
+func closeAll(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
+}
+
+// cred is a unix peer's credentials.
+type cred struct{ uid, pid uint32 }
+
+func (c cred) String() string { return fmt.Sprintf("uid %d pid %d", c.uid, c.pid) }
+
+func peerOf(c *net.UnixConn) (cred, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return cred{}, err
+	}
+	var u *unix.Ucred
+	var uerr error
+	if err := raw.Control(func(fd uintptr) {
+		u, uerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return cred{}, err
+	}
+	if uerr != nil {
+		return cred{}, uerr
+	}
+	return cred{uid: u.Uid, pid: uint32(u.Pid)}, nil
+}

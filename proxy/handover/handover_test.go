@@ -1,0 +1,298 @@
+package handover
+
+import (
+	"context"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
+)
+
+// fakeGiver lends real listening sockets and records the steps.
+type fakeGiver struct {
+	mu      sync.Mutex
+	lns     []*net.TCPListener
+	steps   []string
+	release chan int
+}
+
+func (g *fakeGiver) step(s string) {
+	g.mu.Lock()
+	g.steps = append(g.steps, s)
+	g.mu.Unlock()
+}
+
+func (g *fakeGiver) Steps() string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return strings.Join(g.steps, " ")
+}
+
+func (g *fakeGiver) Lend(ctx context.Context) ([]Socket, error) {
+	g.step("lend")
+	var socks []Socket
+	for i, ln := range g.lns {
+		f, err := ln.File()
+		if err != nil {
+			return nil, err
+		}
+		socks = append(socks, Socket{Name: "ln" + string(rune('0'+i%10)), Proto: "tcp", Addr: ln.Addr().String(), File: f})
+	}
+	return socks, nil
+}
+
+func (g *fakeGiver) Freeze(ctx context.Context) error { g.step("freeze"); return nil }
+func (g *fakeGiver) Thaw()                            { g.step("thaw") }
+func (g *fakeGiver) Release(pid int)                  { g.step("release"); g.release <- pid }
+
+func newGiver(t *testing.T, n int) (*fakeGiver, string, <-chan struct{}) {
+	t.Helper()
+	g := &fakeGiver{release: make(chan int, 1)}
+	for range n {
+		ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		g.lns = append(g.lns, ln)
+	}
+	path := filepath.Join(t.TempDir(), "run", "handover.sock")
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	done := Serve(ctx, ln, g, log)
+	t.Cleanup(func() { cancel(); <-done })
+	return g, path, done
+}
+
+// The whole exchange with more sockets than one message carries: every
+// socket arrives, is the same socket (a connection to the giver's
+// listener is accepted on the taker's copy), and the giver is released.
+func TestExchange(t *testing.T) {
+	g, path, done := newGiver(t, 450)
+	ctx := context.Background()
+	p, err := Take(ctx, path)
+	if err != nil || p == nil {
+		t.Fatalf("Take: %v %v", p, err)
+	}
+	defer p.Close()
+	if len(p.Sockets) != 450 || p.PID != os.Getpid() {
+		t.Fatalf("got %d sockets from pid %d, want 450 from %d", len(p.Sockets), p.PID, os.Getpid())
+	}
+	s := p.Sockets[449]
+	if s.Addr != g.lns[449].Addr().String() {
+		t.Fatalf("socket 449 is %s, want %s", s.Addr, g.lns[449].Addr())
+	}
+	ln, err := net.FileListener(s.File)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	g.lns[449].Close() // the giver's copy gone: the socket is the taker's alone
+	c, err := net.Dial("tcp", s.Addr)
+	if err != nil {
+		t.Fatalf("dial the handed-over listener: %v", err)
+	}
+	c.Close()
+	_ = ln.(*net.TCPListener).SetDeadline(time.Now().Add(5 * time.Second))
+	if a, err := ln.Accept(); err != nil {
+		t.Fatalf("accept on the handed-over listener: %v", err)
+	} else {
+		a.Close()
+	}
+	if err := p.Freeze(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Serving(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if pid := <-g.release; pid != os.Getpid() {
+		t.Errorf("released to pid %d, want %d", pid, os.Getpid())
+	}
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Serve did not return after the handover")
+	}
+	if got := g.Steps(); got != "lend freeze release" {
+		t.Errorf("steps %q", got)
+	}
+}
+
+// A successor that goes away (as killed with -9: the kernel closes its
+// end) after taking the sockets, or after freezing, leaves the giver
+// serving: thawed, never released, and ready for the next successor.
+func TestSuccessorGoneHalfWay(t *testing.T) {
+	g, path, _ := newGiver(t, 3)
+	ctx := context.Background()
+	p, err := Take(ctx, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range p.Sockets {
+		s.File.Close()
+	}
+	p.Close() // gone before freezing
+	p, err = Take(ctx, path)
+	if err != nil {
+		t.Fatalf("the next successor: %v", err)
+	}
+	if err := p.Freeze(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p.Close() // gone after freezing, before serving
+	waitSteps(t, g, "lend lend freeze thaw")
+	p, err = Take(ctx, path)
+	if err != nil {
+		t.Fatalf("the third successor: %v", err)
+	}
+	defer p.Close()
+	if err := p.Freeze(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Serving(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitSteps(t, g, "lend lend freeze thaw lend freeze release")
+}
+
+// A giver gone half-way fails Take (a plain start follows), and with
+// nobody on the path Take says there is no predecessor.
+func TestGiverGone(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "handover.sock")
+	if p, err := Take(context.Background(), path); p != nil || err != nil {
+		t.Fatalf("no socket: %v %v, want nil nil", p, err)
+	}
+	ln, err := Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			return
+		}
+		_, _, _ = receive(c)
+		_ = send(c, message{Type: "offer", Version: Version, Count: 5}, nil)
+		c.Close() // killed before the sockets
+	}()
+	if p, err := Take(context.Background(), path); err == nil || p != nil {
+		t.Fatalf("a giver gone half-way: %v %v, want an error", p, err)
+	}
+	ln.Close()
+	if p, err := Take(context.Background(), path); p != nil || err != nil {
+		t.Fatalf("nobody listening: %v %v, want nil nil", p, err)
+	}
+}
+
+// A successor of another version is refused, with the reason.
+func TestVersionRefused(t *testing.T) {
+	g, path, _ := newGiver(t, 1)
+	c, err := net.Dial("unixpacket", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	uc := c.(*net.UnixConn)
+	if err := send(uc, message{Type: "hello", Versions: []int{Version + 1}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := receive(uc)
+	if err != nil || m.Type != "refuse" || !strings.Contains(m.Reason, "version") {
+		t.Fatalf("got %+v %v, want a refusal naming the version", m, err)
+	}
+	if got := g.Steps(); got != "" {
+		t.Errorf("the giver did %q for a refused successor", got)
+	}
+}
+
+// The socket and its folder are root-only: another user cannot even
+// connect, and one that could (the folder opened up by mistake) is
+// refused by its credentials before anything is lent.
+func TestOtherUserRefused(t *testing.T) {
+	testutil.RequireRoot(t, "it runs a peer as another user")
+	g, path, _ := newGiver(t, 1)
+	fi, err := os.Stat(path)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode %v %v, want 0600", fi.Mode(), err)
+	}
+	di, err := os.Stat(filepath.Dir(path))
+	if err != nil || di.Mode().Perm() != 0o700 {
+		t.Fatalf("folder mode %v %v, want 0700", di.Mode(), err)
+	}
+	asNobody := func() (string, error) {
+		cmd := exec.Command(os.Args[0], "-test.run=TestHelperPeer$")
+		cmd.Env = append(os.Environ(), "HANDOVER_HELPER="+path)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	// The test binary must be reachable by nobody: its folder usually is
+	// not (go test's temporary folder is 0700), so the peer runs a copy.
+	exe := filepath.Join(os.TempDir(), "handover-peer-"+strings.ReplaceAll(t.Name(), "/", "-"))
+	if b, err := os.ReadFile(os.Args[0]); err != nil {
+		t.Fatal(err)
+	} else if err := os.WriteFile(exe, b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(exe)
+	os.Args[0] = exe
+	out, _ := asNobody()
+	if !strings.Contains(out, "permission denied") {
+		t.Fatalf("nobody connecting to the root-only socket: %q, want permission denied", out)
+	}
+	// Opened up: the credentials check refuses.
+	for d := filepath.Dir(path); d != os.TempDir() && d != "/"; d = filepath.Dir(d) {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Chmod(path, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	out, _ = asNobody()
+	if !strings.Contains(out, "refused") || !strings.Contains(out, "not root") {
+		t.Fatalf("nobody with access to the socket: %q, want a refusal", out)
+	}
+	if got := g.Steps(); got != "" {
+		t.Errorf("the giver did %q for another user", got)
+	}
+}
+
+// TestHelperPeer is TestOtherUserRefused's peer (run as another user).
+func TestHelperPeer(t *testing.T) {
+	path := os.Getenv("HANDOVER_HELPER")
+	if path == "" {
+		t.Skip("a helper of TestOtherUserRefused")
+	}
+	p, err := Take(context.Background(), path)
+	if p != nil {
+		t.Fatalf("took %d sockets as uid %d", len(p.Sockets), os.Getuid())
+	}
+	t.Fatalf("Take: %v", err)
+}
+
+func waitSteps(t *testing.T, g *fakeGiver, want string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for g.Steps() != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("steps %q, want %q", g.Steps(), want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

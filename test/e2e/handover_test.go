@@ -1,0 +1,341 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
+)
+
+// handoverLab is a lab serving lab/web with a daemon whose handover socket
+// is the test's own.
+type handoverLab struct {
+	*Lab
+	socket string
+	args   []string
+}
+
+func newHandoverLab(t *testing.T) *handoverLab {
+	l := NewLab(t)
+	l.Backends()
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, webManifest())
+	return &handoverLab{Lab: l, socket: filepath.Join(t.TempDir(), "run", "handover.sock"),
+		args: []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "20s"}}
+}
+
+func (h *handoverLab) daemon() *Proc {
+	return h.Daemon(append([]string{"--handover-socket", h.socket}, h.args...)...)
+}
+
+// waitLog waits until p's output has s.
+func waitLog(t *testing.T, p *Proc, s string) {
+	t.Helper()
+	waitFor(t, "the log line "+s, func() bool { return strings.Contains(p.Output(), s) })
+}
+
+// load makes a new connection through the ClusterIP every 25 ms (40/s)
+// from the client namespace, each one HTTP request, until stop; it counts
+// the attempts and the failures (refused, reset, unanswered within 3 s).
+type load struct {
+	tries, fails atomic.Int64
+	mu           sync.Mutex
+	errs         []string
+	stop         chan struct{}
+	done         chan struct{}
+}
+
+func startLoad(l *Lab, addr string) *load {
+	ld := &load{stop: make(chan struct{}), done: make(chan struct{})}
+	dial := cluster.DialContextIn(l.NS("client"))
+	var wg sync.WaitGroup
+	go func() {
+		defer close(ld.done)
+		defer wg.Wait()
+		tick := time.NewTicker(25 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ld.stop:
+				return
+			case <-tick.C:
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ld.tries.Add(1)
+				if err := request(dial, addr); err != nil {
+					ld.fails.Add(1)
+					ld.mu.Lock()
+					ld.errs = append(ld.errs, time.Now().Format("15:04:05.000")+" "+err.Error())
+					ld.mu.Unlock()
+				}
+			}()
+		}
+	}()
+	return ld
+}
+
+func (ld *load) end() (tries, fails int64, errs []string) {
+	close(ld.stop)
+	<-ld.done
+	ld.mu.Lock()
+	defer ld.mu.Unlock()
+	return ld.tries.Load(), ld.fails.Load(), ld.errs
+}
+
+// request is one HTTP/1.0 GET / on a connection of its own.
+func request(dial func(ctx context.Context, network, addr string) (net.Conn, error), addr string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	c, err := dial(ctx, "tcp", addr)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := io.WriteString(c, "GET / HTTP/1.0\r\nHost: web\r\n\r\n"); err != nil {
+		return err
+	}
+	b, err := io.ReadAll(c)
+	if err != nil {
+		return err
+	}
+	if !strings.Contains(string(b), "pod") {
+		return fmt.Errorf("answer %q", b)
+	}
+	return nil
+}
+
+// A successor started beside the running daemon takes its sockets over;
+// the old one is stopped afterwards. Under 40 new connections a second
+// through the ClusterIP not one is refused, reset or unanswered; a 200 MB
+// download running across it arrives whole; a UDP client on one source
+// port gets its answers; the successor serves on the same ports (the
+// rules are not rewritten); a third daemon takes over from the second.
+func TestHandoverRefusesNothing(t *testing.T) {
+	h := newHandoverLab(t)
+	first := h.daemon()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	rulesBefore := h.MustExec("node", "iptables-save", "-t", "nat")
+
+	ld := startLoad(h.Lab, "10.96.0.10:80")
+	dial := cluster.DialContextIn(h.NS("client"))
+
+	// A download that reads slowly enough to span the handover.
+	const size = 200 << 20
+	type result struct {
+		sum string
+		n   int64
+		err error
+	}
+	download := make(chan result, 1)
+	go func() {
+		c, err := dial(context.Background(), "tcp", "10.96.0.10:80")
+		if err != nil {
+			download <- result{err: err}
+			return
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(2 * time.Minute))
+		fmt.Fprintf(c, "GET /bytes?n=%d HTTP/1.0\r\nHost: web\r\n\r\n", size)
+		br := bufio.NewReader(c)
+		for {
+			line, err := br.ReadString('\n')
+			if err != nil {
+				download <- result{err: err}
+				return
+			}
+			if line == "\r\n" {
+				break
+			}
+		}
+		hash := sha256.New()
+		var n int64
+		buf := make([]byte, 1<<20)
+		for {
+			k, err := br.Read(buf)
+			hash.Write(buf[:k])
+			n += int64(k)
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				download <- result{n: n, err: err}
+				return
+			}
+			if n < size/2 {
+				time.Sleep(5 * time.Millisecond) // ~100 MB at up to 200 MB/s: the first half spans the handover
+			}
+		}
+		download <- result{sum: fmt.Sprintf("%x", hash.Sum(nil)), n: n}
+	}()
+
+	// A UDP client on one fixed source port, one question every 50 ms.
+	var udpSent, udpAnswered atomic.Int64
+	udpStop := make(chan struct{})
+	udpDone := make(chan struct{})
+	go func() {
+		defer close(udpDone)
+		var c net.Conn
+		err := cluster.InNetns(h.NS("client"), func() error {
+			var err error
+			c, err = (&net.Dialer{LocalAddr: &net.UDPAddr{Port: 45321}}).Dial("udp", "10.96.0.10:53")
+			return err
+		})
+		if err != nil {
+			t.Errorf("UDP client: %v", err)
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 512)
+		for {
+			select {
+			case <-udpStop:
+				return
+			default:
+			}
+			udpSent.Add(1)
+			_, _ = c.Write([]byte("hello"))
+			_ = c.SetReadDeadline(time.Now().Add(time.Second))
+			if n, err := c.Read(buf); err == nil && n > 0 {
+				udpAnswered.Add(1)
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
+	}()
+
+	time.Sleep(time.Second) // load before the handover
+	second := h.daemon()
+	waitLog(t, second, "Took over: the predecessor serves nothing more")
+	waitLog(t, first, "Handed over to the successor")
+	time.Sleep(time.Second) // load after the handover, the old daemon still running
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	exited := make(chan error, 1)
+	go func() { exited <- first.Cmd.Wait() }()
+
+	r := <-download
+	if r.err != nil || r.n != size {
+		t.Errorf("download: %d of %d bytes, %v", r.n, size, r.err)
+	} else if want := zeroSum(size); r.sum != want {
+		t.Errorf("download sha256 %s, want %s", r.sum, want)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Errorf("the old daemon: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the old daemon did not exit on SIGTERM")
+	}
+	time.Sleep(time.Second) // load with the old daemon gone
+	// And once more: a third daemon takes over from the second.
+	third := h.daemon()
+	waitLog(t, third, "Took over: the predecessor serves nothing more")
+	time.Sleep(time.Second)
+	_ = second.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = second.Cmd.Wait()
+	time.Sleep(500 * time.Millisecond)
+
+	tries, fails, errs := ld.end()
+	close(udpStop)
+	<-udpDone
+	t.Logf("%d connections, %d failed; UDP %d of %d answered", tries, fails, udpAnswered.Load(), udpSent.Load())
+	if fails > 0 {
+		t.Errorf("%d of %d connections failed across the handovers: %s", fails, tries, strings.Join(errs, "; "))
+	}
+	if tries < 100 {
+		t.Errorf("only %d connections tried", tries)
+	}
+	if s, a := udpSent.Load(), udpAnswered.Load(); a*100 < s*99 {
+		t.Errorf("UDP: %d of %d answered, want ≥ 99 %%", a, s)
+	}
+	if after := h.MustExec("node", "iptables-save", "-t", "nat"); stripCounters(after) != stripCounters(rulesBefore) {
+		t.Errorf("the rules changed across the handovers:\nbefore:\n%s\nafter:\n%s", rulesBefore, after)
+	}
+	if os.Getenv("HANDOVER_LOGS") != "" {
+		t.Logf("first:\n%s\nsecond:\n%s\nthird:\n%s", first.Output(), second.Output(), third.Output())
+	}
+	for _, p := range []*Proc{first, second} {
+		if strings.Contains(p.Output(), "level=error") {
+			t.Errorf("errors in a handed-over daemon's log:\n%s", grepLines(p.Output(), "level=error"))
+		}
+	}
+}
+
+// zeroSum is the sha256 of n zero bytes.
+func zeroSum(n int) string {
+	h := sha256.New()
+	buf := make([]byte, 1<<20)
+	for n > 0 {
+		k := min(n, len(buf))
+		h.Write(buf[:k])
+		n -= k
+	}
+	return fmt.Sprintf("%x", h.Sum(nil))
+}
+
+// stripCounters drops iptables-save's comments and counters.
+func stripCounters(s string) string {
+	var out []string
+	for _, line := range strings.Split(s, "\n") {
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		if strings.HasPrefix(line, ":") {
+			if i := strings.Index(line, " ["); i > 0 {
+				line = line[:i]
+			}
+		}
+		out = append(out, line)
+	}
+	return strings.Join(out, "\n")
+}
+
+// Without a successor, SIGTERM keeps the rules and the next start (with a
+// handover socket left behind by the old daemon) serves within 3 s.
+func TestRestartWithoutSuccessor(t *testing.T) {
+	h := newHandoverLab(t)
+	first := h.daemon()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = first.Cmd.Wait()
+	if n := countRules(t, h.Lab, `lab/web`); n == 0 {
+		t.Fatal("the rules went with the daemon")
+	}
+	if _, err := os.Stat(h.socket); err != nil {
+		t.Logf("handover socket after SIGTERM: %v", err)
+	}
+	start := time.Now()
+	second := h.daemon()
+	testutil.WaitFor(t, "serving again", 3*time.Second, 20*time.Millisecond, func() bool {
+		return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod")
+	})
+	t.Logf("serving %v after the start", time.Since(start).Round(time.Millisecond))
+	if strings.Contains(second.Output(), "Taking over") {
+		t.Error("took over from a daemon that had stopped")
+	}
+	// kill -9: the next start is as plain.
+	_ = second.Cmd.Process.Kill()
+	_ = second.Cmd.Wait()
+	third := h.daemon()
+	testutil.WaitFor(t, "serving after kill -9", 3*time.Second, 20*time.Millisecond, func() bool {
+		return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod")
+	})
+	if strings.Contains(third.Output(), "Taking over") {
+		t.Error("took over from a killed daemon")
+	}
+}
