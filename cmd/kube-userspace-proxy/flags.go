@@ -40,6 +40,7 @@ type options struct {
 	sysctlsOnly      bool
 	adminSocket      string
 	handoverSocket   string
+	readyFile        string
 	drainOnMetrics   bool
 	showRules        bool
 	iptables         bool
@@ -184,6 +185,7 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.StringVar(&o.metricsAddr, "metrics-bind-address", "127.0.0.1:10249", "Where /metrics and /debug/... are served (empty: off). The debug pages show client addresses: keep it on localhost.")
 	fs.StringVar(&o.adminSocket, "admin-socket", "/run/kube-userspace-proxy/admin.sock", "The unix socket for what changes the daemon's state (/debug/drain): its folder root-only, its peers checked (SO_PEERCRED). Empty: none.")
 	fs.StringVar(&o.handoverSocket, "handover-socket", "/run/kube-userspace-proxy/handover.sock", "The unix socket through which a daemon started beside a running one takes its listeners over, so that an upgrade or restart refuses no connection (docs/operations.md, Upgrades): its folder root-only, its peers checked (SO_PEERCRED). Empty: no handover, each start binds anew.")
+	fs.StringVar(&o.readyFile, "ready-file", "", "A file that exists while this daemon serves: after its first sync and, when it took over from a running daemon, once that one let go; removed when it hands over or stops. For an exec readiness probe (the HTTP health port is shared by both daemons of a handover). Empty: none.")
 	fs.BoolVar(&o.drainOnMetrics, "drain-on-metrics-address", false, "Also serve /debug/drain on the metrics address, as before the admin socket: any local process (and any hostNetwork pod) that reaches that address can then drain endpoints.")
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
 	fs.StringVar(&o.rawBackendSource, "backend-source-address", "auto", "Whose address backends see: auto (the client's own where kube-proxy keeps it — a pod of this node or the node itself calling a ClusterIP, any client of an externalTrafficPolicy: Local Service — and the node's elsewhere, as kube-proxy's masquerade) or node (always the node's, as the classic userspace proxy). A Service opts out with the annotation kube-userspace-proxy.io/backend-source-address: \"node\".")

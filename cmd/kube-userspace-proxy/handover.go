@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -110,6 +111,7 @@ type giver struct {
 	http     map[string]*httpServing
 	addrs    map[string]string
 	stopHTTP func()
+	ready    readyFile
 	log      logrus.FieldLogger
 }
 
@@ -137,6 +139,7 @@ func (g *giver) Freeze(ctx context.Context) error { return g.p.Freeze(ctx) }
 func (g *giver) Thaw()                            { g.p.Thaw() }
 
 func (g *giver) Release(successor int) {
+	g.ready.set(false)
 	_ = g.p.Release(context.Background())
 	g.stopHTTP() // our copies: the successor serves on its own
 	g.log.WithField("successor", successor).Info("Serving nothing more: open connections go on until they end; stop with SIGTERM")
@@ -148,13 +151,13 @@ func serveHandovers(ctx context.Context, path string, pred *predecessor, p *prox
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
+		select {
+		case <-p.Serving():
+		case <-ctx.Done():
+			pred.close()
+			return
+		}
 		if pred != nil {
-			select {
-			case <-p.Serving():
-			case <-ctx.Done():
-				pred.close()
-				return
-			}
 			if err := pred.Serving(ctx); err != nil {
 				log.WithError(err).Warn("The predecessor did not confirm the handover; it was stopped meanwhile, or stops serving by itself")
 			} else {
@@ -162,6 +165,7 @@ func serveHandovers(ctx context.Context, path string, pred *predecessor, p *prox
 			}
 			pred.close()
 		}
+		g.ready.set(true)
 		if path == "" {
 			return
 		}
@@ -199,4 +203,28 @@ func dupListener(ln net.Listener) (*os.File, error) {
 		return nil, err
 	}
 	return f, ferr
+}
+
+// readyFile is --ready-file: present while this daemon serves (its first
+// sync done, a predecessor's handover finished), for an exec readiness
+// probe; the HTTP health port is shared by both daemons of a handover and
+// cannot tell them apart.
+type readyFile struct {
+	path string
+	log  logrus.FieldLogger
+}
+
+func (r readyFile) set(ready bool) {
+	if r.path == "" {
+		return
+	}
+	var err error
+	if ready {
+		err = os.WriteFile(r.path, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644)
+	} else if err = os.Remove(r.path); errors.Is(err, os.ErrNotExist) {
+		err = nil
+	}
+	if err != nil {
+		r.log.WithError(err).WithField("path", r.path).Warn("Cannot update the ready file")
+	}
 }

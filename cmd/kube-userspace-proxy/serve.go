@@ -140,7 +140,8 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}).Info("Started")
 	g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
 		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
-		log: log.WithField("component", "handover")}
+		ready: readyFile{path: o.readyFile, log: log}, log: log.WithField("component", "handover")}
+	defer g.ready.set(false)
 	handoversDone := serveHandovers(srcCtx, o.handoverSocket, pred, p, g, log.WithField("component", "handover"))
 	defer func() { stopSource(); <-handoversDone }()
 
