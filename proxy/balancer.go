@@ -196,6 +196,16 @@ func (rr *EndpointBalancer) Done(ep netip.AddrPort) {
 	}
 }
 
+// Adopted counts a connection to ep that a predecessor picked (a
+// handover), as Pick would have: Done takes it back.
+func (rr *EndpointBalancer) Adopted(ep netip.AddrPort) {
+	if eps := rr.snapshot.Load(); eps != nil {
+		if e := findEndpoint(*eps, ep); e != nil {
+			e.active.Add(1)
+		}
+	}
+}
+
 // SetDrained stops (or, with false, resumes) new picks of ep while its
 // connections go on; false when ep is not an endpoint of the balancer.
 func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {

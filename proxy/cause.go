@@ -19,6 +19,7 @@ const (
 	CauseEvicted                    // UDP: the flow table was full
 	CauseEndpointError              // UDP: the endpoint's socket failed (an ICMP error, say)
 	CauseEndpointGone               // UDP: the endpoint left the Service or stopped serving
+	CauseHandedOver                 // TCP: it goes on in the successor daemon (a handover)
 )
 
 var causeNames = [...]string{
@@ -34,6 +35,7 @@ var causeNames = [...]string{
 	CauseEvicted:       "evicted",
 	CauseEndpointError: "endpoint error",
 	CauseEndpointGone:  "endpoint gone",
+	CauseHandedOver:    "handed over",
 }
 
 func (c Cause) String() string {
@@ -49,7 +51,7 @@ func (c Cause) String() string {
 // query's flow always ends so).
 func (c Cause) Normal(protocol config.Protocol) bool {
 	switch c {
-	case CauseClientClosed, CauseBackendClosed:
+	case CauseClientClosed, CauseBackendClosed, CauseHandedOver:
 		return true
 	case CauseIdleTimeout:
 		return protocol == config.UDP

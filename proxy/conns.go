@@ -224,6 +224,13 @@ func (t *connTable) list() []*connRecord {
 	return out
 }
 
+// count is the number of live connections.
+func (t *connTable) count() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.conns)
+}
+
 // all returns the live connections in no order.
 func (t *connTable) all() []*connRecord {
 	t.mu.Lock()

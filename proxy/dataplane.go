@@ -52,6 +52,9 @@ type dataplane struct {
 	// inherited are the sockets a predecessor handed over (handover.go);
 	// nil without one. Set before start.
 	inherited *inherited
+	// handoffSink takes the pairs stopped for a successor (handoff.go);
+	// nil when no handoff is under way.
+	handoffSink atomic.Pointer[func(*handedPair) bool]
 	// connLogLimit bounds the connection log (connlog.go).
 	connLogLimit *connLogLimit
 	// noLocalPortWarned is when the last "no local port" warning was

@@ -196,6 +196,7 @@ type tcpPair struct {
 	ended           atomic.Int32  // copies whose sock.Copy returned for good
 	finished        atomic.Int32  // copies done with the sockets
 	up, down        halfCopy
+	detach          detachState // a handoff to a successor (handoff.go)
 }
 
 // end records why the pair ends, unless a cause was set before, and wakes
@@ -249,6 +250,10 @@ func (h *halfCopy) run() {
 	for {
 		n, err := sock.Copy(h.dst, h.src, h.count, idle)
 		h.n += n
+		if errors.Is(err, sock.ErrDetached) {
+			h.stopped() // nothing in flight: the pair may go to a successor
+			return
+		}
 		if !errors.Is(err, sock.ErrIdle) {
 			h.ended(err)
 			return
@@ -268,6 +273,7 @@ func (h *halfCopy) resume() { h.f.dp.copiers.Go(h.run) }
 // ended is the end of the direction's copy: err nil is the source's EOF.
 func (h *halfCopy) ended(err error) {
 	pr := h.pr
+	h.cancelDetach() // a pair with a direction ended stays here
 	last := pr.ended.Add(1) == 2
 	switch {
 	case err == nil && !last:

@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -105,6 +106,26 @@ func (p *predecessor) close() {
 	p.Close()
 }
 
+// adoptConns takes the predecessor's live connections until it has none
+// left.
+func adoptConns(ctx context.Context, pred *predecessor, p *proxy.Proxier, log logrus.FieldLogger) {
+	start := time.Now()
+	total := 0
+	err := pred.Conns(ctx, func(socks []handover.Socket) {
+		n, err := p.AdoptConns(socks)
+		total += n
+		if err != nil {
+			log.WithError(err).Warn("Connections the predecessor handed over were closed")
+		}
+	})
+	l := log.WithFields(logrus.Fields{"connections": total, "took": time.Since(start).Round(time.Millisecond).String()})
+	if err != nil {
+		l.WithError(err).Warn("The predecessor stopped handing over connections; the rest drain in it")
+		return
+	}
+	l.Info("Adopted the predecessor's connections")
+}
+
 // giver is this daemon's side when a successor takes over.
 type giver struct {
 	p        *proxy.Proxier
@@ -135,6 +156,10 @@ func (g *giver) Lend(ctx context.Context) ([]handover.Socket, error) {
 	return socks, nil
 }
 
+func (g *giver) HandOff(ctx context.Context, send func([]handover.Socket) error) error {
+	return g.p.HandOff(ctx, send)
+}
+
 func (g *giver) Freeze(ctx context.Context) error { return g.p.Freeze(ctx) }
 func (g *giver) Thaw()                            { g.p.Thaw() }
 
@@ -157,13 +182,19 @@ func serveHandovers(ctx context.Context, path string, pred *predecessor, p *prox
 			pred.close()
 			return
 		}
+		var adopting sync.WaitGroup
+		defer adopting.Wait()
 		if pred != nil {
 			if err := pred.Serving(ctx); err != nil {
 				log.WithError(err).Warn("The predecessor did not confirm the handover; it was stopped meanwhile, or stops serving by itself")
+				pred.close()
 			} else {
 				log.WithField("predecessor", pred.PID).Info("Took over: the predecessor serves nothing more")
+				adopting.Go(func() {
+					defer pred.close()
+					adoptConns(ctx, pred, p, log)
+				})
 			}
-			pred.close()
 		}
 		g.ready.set(true)
 		if path == "" {

@@ -55,7 +55,10 @@ type Socket struct {
 	// on names ("http healthz", a frontend's key and role).
 	Name  string `json:"name"`
 	Proto string `json:"proto"` // "tcp" or "udp"
-	Addr  string `json:"addr"`  // the address it is bound to
+	Addr  string `json:"addr"`  // the address it is bound to (a connection's: its peer)
+	// Meta is what the giver tells of the socket beyond that (a
+	// connection's state), opaque to this package.
+	Meta json.RawMessage `json:"meta,omitempty"`
 	// File is the descriptor: a duplicate the giver made for the exchange
 	// (it closes it after sending), the taker's own once received.
 	File *os.File `json:"-"`
@@ -123,6 +126,10 @@ type Giver interface {
 	// Release: the successor serves. Stop serving, close the lent
 	// sockets' originals, never take anything back.
 	Release(successorPID int)
+	// HandOff sends the live connections, in batches (each socket's Meta
+	// its state), until none is left or ctx ends; what send could not
+	// take stays the giver's.
+	HandOff(ctx context.Context, send func([]Socket) error) error
 }
 
 // Serve hands over to successors that connect to ln until one has taken
@@ -225,9 +232,26 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 	thaw = false
 	g.Release(int(p.pid))
 	_ = c.SetDeadline(time.Now().Add(stepTimeout))
-	_ = send(c, message{Type: "released"}, nil)
+	if err := send(c, message{Type: "released"}, nil); err != nil {
+		log.WithError(err).Warn("The successor left before the handover's end; our connections drain here")
+		return true
+	}
 	log.WithFields(logrus.Fields{"sockets": len(socks), "took": time.Since(start).Round(time.Microsecond).String()}).
 		Info("Handed over to the successor; serving nothing more")
+	_ = c.SetDeadline(time.Time{})
+	err = g.HandOff(ctx, func(conns []Socket) error {
+		fds := make([]int, len(conns))
+		for i, s := range conns {
+			fds[i] = int(s.File.Fd())
+		}
+		_ = c.SetWriteDeadline(time.Now().Add(stepTimeout))
+		return send(c, message{Type: "conns", Sockets: conns}, fds)
+	})
+	if err != nil {
+		log.WithError(err).Warn("Connections not handed over drain here")
+		return true
+	}
+	_ = send(c, message{Type: "done"}, nil)
 	return true
 }
 
@@ -357,6 +381,32 @@ func (p *Predecessor) step(ctx context.Context, say, want string) error {
 		return fmt.Errorf("handover %s: answered %q", say, m.Type)
 	}
 	return nil
+}
+
+// Conns receives the connections the predecessor hands over after
+// Serving, giving each batch to adopt (which owns its Files), until the
+// predecessor has none left (nil) or the exchange ends.
+func (p *Predecessor) Conns(ctx context.Context, adopt func([]Socket)) error {
+	stop := context.AfterFunc(ctx, func() { p.c.Close() })
+	defer stop()
+	_ = p.c.SetDeadline(time.Time{})
+	for {
+		m, files, err := receive(p.c)
+		if err != nil {
+			return fmt.Errorf("handover of connections: %w", err)
+		}
+		switch {
+		case m.Type == "done":
+			return nil
+		case m.Type != "conns" || len(files) != len(m.Sockets):
+			closeAll(files)
+			return fmt.Errorf("handover of connections: %q with %d descriptors for %d sockets", m.Type, len(files), len(m.Sockets))
+		}
+		for i := range m.Sockets {
+			m.Sockets[i].File = files[i]
+		}
+		adopt(m.Sockets)
+	}
 }
 
 // Close ends the exchange; the sockets' Files stay the caller's.

@@ -52,8 +52,12 @@ func (g *fakeGiver) Lend(ctx context.Context) ([]Socket, error) {
 }
 
 func (g *fakeGiver) Freeze(ctx context.Context) error { g.step("freeze"); return nil }
-func (g *fakeGiver) Thaw()                            { g.step("thaw") }
-func (g *fakeGiver) Release(pid int)                  { g.step("release"); g.release <- pid }
+func (g *fakeGiver) HandOff(ctx context.Context, send func([]Socket) error) error {
+	g.step("handoff")
+	return nil
+}
+func (g *fakeGiver) Thaw()           { g.step("thaw") }
+func (g *fakeGiver) Release(pid int) { g.step("release"); g.release <- pid }
 
 func newGiver(t *testing.T, n int) (*fakeGiver, string, <-chan struct{}) {
 	t.Helper()
@@ -128,7 +132,7 @@ func TestExchange(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Serve did not return after the handover")
 	}
-	if got := g.Steps(); got != "lend freeze release" {
+	if got := g.Steps(); got != "lend freeze release handoff" {
 		t.Errorf("steps %q", got)
 	}
 }
@@ -167,7 +171,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 	if err := p.Serving(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitSteps(t, g, "lend lend freeze thaw lend freeze release")
+	waitSteps(t, g, "lend lend freeze thaw lend freeze release handoff")
 }
 
 // A giver gone half-way fails Take (a plain start follows), and with

@@ -28,13 +28,35 @@ type handoverLab struct {
 	args   []string
 }
 
+// The old daemons' grace is short: a connection that was not handed over
+// is cut soon after their SIGTERM, and the test sees it.
 func newHandoverLab(t *testing.T) *handoverLab {
 	l := NewLab(t)
 	l.Backends()
+	for _, pod := range []string{"pod1", "pod2"} {
+		l.Start(pod, filepath.Join(binDir, "backend"), "--name", pod, "--tcp", "", "--udp", "", "--echo", ":9007")
+	}
 	m := filepath.Join(t.TempDir(), "m.yaml")
-	writeManifest(t, m, webManifest())
+	writeManifest(t, m, webManifest()+"---\n"+service("echo", "ClusterIP", "10.96.0.20", "", `{name: echo, port: 7, targetPort: 9007, protocol: TCP}`)+
+		slices("echo", `{name: echo, port: 9007, protocol: TCP}`, false))
 	return &handoverLab{Lab: l, socket: filepath.Join(t.TempDir(), "run", "handover.sock"),
-		args: []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "20s"}}
+		args: []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "1s"}}
+}
+
+// echo says msg on c and reads it back.
+func echo(c net.Conn, msg string) error {
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.WriteString(c, msg); err != nil {
+		return err
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return err
+	}
+	if string(buf) != msg {
+		return fmt.Errorf("echoed %q, want %q", buf, msg)
+	}
+	return nil
 }
 
 func (h *handoverLab) daemon() *Proc {
@@ -134,6 +156,20 @@ func TestHandoverRefusesNothing(t *testing.T) {
 
 	ld := startLoad(h.Lab, "10.96.0.10:80")
 	dial := cluster.DialContextIn(h.NS("client"))
+	// An idle connection held across both handovers.
+	var idle net.Conn
+	waitFor(t, "the echo Service", func() bool {
+		c, err := dial(context.Background(), "tcp", "10.96.0.20:7")
+		if err == nil && echo(c, "first") == nil {
+			idle = c
+			return true
+		}
+		if c != nil {
+			c.Close()
+		}
+		return false
+	})
+	defer idle.Close()
 
 	// A download that reads slowly enough to span the handover.
 	const size = 200 << 20
@@ -165,7 +201,7 @@ func TestHandoverRefusesNothing(t *testing.T) {
 		}
 		hash := sha256.New()
 		var n int64
-		buf := make([]byte, 1<<20)
+		buf := make([]byte, 64<<10)
 		for {
 			k, err := br.Read(buf)
 			hash.Write(buf[:k])
@@ -177,9 +213,7 @@ func TestHandoverRefusesNothing(t *testing.T) {
 				download <- result{n: n, err: err}
 				return
 			}
-			if n < size/2 {
-				time.Sleep(5 * time.Millisecond) // ~100 MB at up to 200 MB/s: the first half spans the handover
-			}
+			time.Sleep(2 * time.Millisecond) // at most ~32 MB/s: the download spans both handovers
 		}
 		download <- result{sum: fmt.Sprintf("%x", hash.Sum(nil)), n: n}
 	}()
@@ -227,12 +261,6 @@ func TestHandoverRefusesNothing(t *testing.T) {
 	exited := make(chan error, 1)
 	go func() { exited <- first.Cmd.Wait() }()
 
-	r := <-download
-	if r.err != nil || r.n != size {
-		t.Errorf("download: %d of %d bytes, %v", r.n, size, r.err)
-	} else if want := zeroSum(size); r.sum != want {
-		t.Errorf("download sha256 %s, want %s", r.sum, want)
-	}
 	select {
 	case err := <-exited:
 		if err != nil {
@@ -249,6 +277,15 @@ func TestHandoverRefusesNothing(t *testing.T) {
 	_ = second.Cmd.Process.Signal(syscall.SIGTERM)
 	_ = second.Cmd.Wait()
 	time.Sleep(500 * time.Millisecond)
+	if err := echo(idle, "after two handovers"); err != nil {
+		t.Errorf("the idle connection held across the handovers: %v", err)
+	}
+	r := <-download
+	if r.err != nil || r.n != size {
+		t.Errorf("download: %d of %d bytes, %v", r.n, size, r.err)
+	} else if want := zeroSum(size); r.sum != want {
+		t.Errorf("download sha256 %s, want %s", r.sum, want)
+	}
 
 	tries, fails, errs := ld.end()
 	close(udpStop)

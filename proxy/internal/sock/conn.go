@@ -34,8 +34,9 @@ type Conn struct {
 	raw syscall.RawConn
 	inq bool // TCP_INQ is on: inherited from the listener, or set by a Copy (one direction's, which owns the field)
 
-	mu   sync.Mutex  // orders Abort against the deadlines of a dial and of Copy
-	done atomic.Bool // Abort or Close was called: errors after it are net.ErrClosed
+	mu     sync.Mutex  // orders Abort and Detach against the deadlines of a dial and of Copy
+	done   atomic.Bool // Abort or Close was called: errors after it are net.ErrClosed
+	detach atomic.Bool // Detach was called: a Copy from c stops at its next pause (inherit.go)
 
 	onClose func() // the owner's: gives back the port a source-NATed dial bound (sourceports.go)
 
@@ -107,7 +108,7 @@ func (c *Conn) setWriteDeadline(t time.Time) {
 // setReadDeadline is setWriteDeadline's counterpart for reads.
 func (c *Conn) setReadDeadline(t time.Time) {
 	c.mu.Lock()
-	if !c.done.Load() {
+	if !c.done.Load() && !c.detach.Load() {
 		_ = c.f.SetReadDeadline(t)
 	}
 	c.mu.Unlock()

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -33,6 +34,10 @@ import (
 // message. Waiting uses Go's poller; Abort on either socket ends the copy
 // with net.ErrClosed wherever it waits. count gets the bytes of every write,
 // so that a live connection's counters move while it runs.
+//
+// After src.Detach, Copy returns ErrDetached as soon as it waits for src
+// (at once if it does already): everything it read has been written to
+// dst then, so the pair can move to another process whole.
 //
 // With idle > 0, Copy returns ErrIdle once src had nothing to read for
 // about idle (between idle and twice that): nothing is in flight then, and
@@ -63,7 +68,7 @@ func Copy(dst, src *Conn, count func(int64), idle time.Duration) (int64, error) 
 	messages := 0
 	wakes := 0 // wake-ups that found data: an idle deadline after one is no idle time
 	burst := func(fd int) bool {
-		m, eof, err := spliceBurst(out, fd)
+		m, eof, err := spliceBurst(out, fd, &src.detach)
 		if err != nil {
 			cerr = err
 			return true
@@ -111,8 +116,14 @@ func Copy(dst, src *Conn, count func(int64), idle time.Duration) (int64, error) 
 		}
 		return burst(int(fd))
 	}
+	if src.detach.Load() {
+		return 0, ErrDetached
+	}
 	if idle <= 0 {
 		if err := src.read(copyAvailable); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) && src.detach.Load() {
+				return out.total, ErrDetached // waiting for src: nothing in flight
+			}
 			return out.total, err // closed while waiting
 		}
 		return out.total, cerr
@@ -125,6 +136,8 @@ func Copy(dst, src *Conn, count func(int64), idle time.Duration) (int64, error) 
 		switch {
 		case err == nil:
 			return out.total, cerr
+		case errors.Is(err, os.ErrDeadlineExceeded) && src.detach.Load():
+			return out.total, ErrDetached // waiting for src: nothing in flight
 		case !errors.Is(err, os.ErrDeadlineExceeded):
 			return out.total, err // closed while waiting
 		case wakes == seen:
@@ -302,18 +315,22 @@ const maxSplice = 1 << 20
 
 // spliceBurst moves what the socket srcFd has now to dst through a pooled
 // pipe, and returns the pipe when srcFd would block. eof reports that srcFd
-// is at EOF.
-func spliceBurst(dst *sink, srcFd int) (moved int64, eof bool, err error) {
+// is at EOF. Once detach is set it stops after the next pump, the pipe
+// empty, with ErrDetached: a source that never runs dry (a download into a
+// slow reader) pauses there.
+func spliceBurst(dst *sink, srcFd int, detach *atomic.Bool) (moved int64, eof bool, err error) {
 	p, err := pipes.get()
 	if err != nil {
 		return 0, false, err
 	}
 	defer func() {
-		if err != nil {
+		switch {
+		case p == nil: // given back already (detached, the pipe empty)
+		case err != nil:
 			p.close() // the pipe may hold data that will never be read
-			return
+		default:
+			pipes.put(p)
 		}
-		pipes.put(p)
 	}()
 	for {
 		n, serr := rawSplice(srcFd, p.w, maxSplice)
@@ -331,6 +348,11 @@ func spliceBurst(dst *sink, srcFd int) (moved int64, eof bool, err error) {
 			return moved, false, err
 		}
 		moved += int64(n)
+		if detach.Load() {
+			pipes.put(p)
+			p = nil
+			return moved, false, ErrDetached
+		}
 	}
 }
 

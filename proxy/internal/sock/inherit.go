@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -15,6 +16,73 @@ import (
 // descriptor: closing one side's keeps the socket open while the other
 // holds it, so connections queue in the listener's backlog until whoever
 // serves accepts them.
+
+// ErrDetached is Copy's answer once its source was detached (Conn.Detach):
+// nothing is in flight.
+var ErrDetached = errors.New("sock: detached for a handover")
+
+// Detach has a Copy reading from c return ErrDetached at its next pause:
+// when it waits for c to be readable, having written on all it read (at
+// once if it waits already, or is parked: the Parker wakes it). A Copy
+// held up writing to a peer that does not read returns only once that
+// write is done. Writes on c are not affected. Like Abort it never waits.
+func (c *Conn) Detach() {
+	c.mu.Lock()
+	if c.done.Load() || c.detach.Swap(true) {
+		c.mu.Unlock()
+		return
+	}
+	_ = c.f.SetReadDeadline(abortedAt)
+	c.mu.Unlock()
+	if e := c.parked.Load(); e != nil {
+		e.p.unpark(e)
+	}
+}
+
+// Undetach takes a Detach back: the next Copy from c runs as before.
+func (c *Conn) Undetach() {
+	c.mu.Lock()
+	if c.detach.Swap(false) && !c.done.Load() {
+		_ = c.f.SetReadDeadline(time.Time{})
+	}
+	c.mu.Unlock()
+}
+
+// File returns a duplicate of c's descriptor, for a successor process;
+// the caller closes it. Closing c afterwards leaves the connection open
+// in the successor (no FIN: the socket lives while a descriptor does).
+func (c *Conn) File() (*os.File, error) {
+	var f *os.File
+	var ferr error
+	if err := c.control(func(fd int) { f, ferr = dupFile(fd, "tcp") }); err != nil {
+		return nil, err
+	}
+	return f, ferr
+}
+
+// FileConn makes a Conn of a connected TCP socket another process handed
+// over; f stays the caller's (close it).
+func FileConn(f *os.File) (*Conn, error) {
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, os.NewSyscallError("fcntl", err)
+	}
+	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_STREAM {
+		unix.Close(fd)
+		return nil, fmt.Errorf("handed-over socket is not a TCP socket (type %d, %v)", t, err)
+	}
+	if err := unix.SetNonblock(fd, true); err != nil {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("fcntl", err)
+	}
+	c, err := newConn(fd)
+	if err != nil {
+		return nil, err
+	}
+	inq, _ := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ)
+	c.inq = inq == 1
+	return c, nil
+}
 
 // File returns a duplicate of the listener's descriptor; the caller
 // closes it. The listener serves on as before.

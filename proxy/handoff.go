@@ -1,0 +1,356 @@
+package proxy
+
+// Live TCP connections handed to a successor (after Release): each pair's
+// two copies are detached (sock.Conn.Detach) and stop at their next pause,
+// when everything they read has been written on; the pair's two sockets
+// then go to the successor with what its record says, and the successor
+// starts the copies again. Nothing is in flight at that moment, so not a
+// byte is lost or doubled. A pair whose direction ends meanwhile (a FIN, a
+// reset) stays: the detach is taken back and the pair finishes here, as a
+// pair whose copy is held up by a peer that does not read stays until it
+// pauses.
+//
+// Who owns what: a pair being detached is its copies' until both stopped;
+// then handOff gives it to the dataplane's sink (HandOff's loop), which
+// sends it and closes this process's descriptors, or gives it back to its
+// copies when the successor is gone.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+)
+
+// pairState is what a successor needs of a handed-over connection.
+type pairState struct {
+	Frontend    string         `json:"frontend"` // frontendKey.String()
+	Client      netip.AddrPort `json:"client"`
+	OrigDst     netip.AddrPort `json:"origDst"`
+	Endpoint    netip.AddrPort `json:"endpoint"`
+	Reason      Reason         `json:"reason"`
+	Attempt     int            `json:"attempt"`
+	BackendSees netip.Addr     `json:"backendSees"`
+	Start       time.Time      `json:"start"`
+	Up          int64          `json:"up"`
+	Down        int64          `json:"down"`
+}
+
+// detachState is a pair's handoff under way.
+type detachState struct {
+	mu        sync.Mutex
+	requested bool
+	cancelled bool // a direction ended: the pair stays here
+	stopped   int  // directions whose Copy returned ErrDetached
+}
+
+// handedPair is a pair whose copies both stopped, ready to go.
+type handedPair struct {
+	c     *connRecord
+	state pairState
+}
+
+// requestDetach has both copies stop at their next pause, unless a
+// direction has ended already.
+func (pr *tcpPair) requestDetach() bool {
+	pr.detach.mu.Lock()
+	if pr.detach.requested || pr.ended.Load() > 0 {
+		pr.detach.mu.Unlock()
+		return false
+	}
+	pr.detach.requested = true
+	pr.detach.mu.Unlock()
+	pr.client.Detach()
+	pr.backend.Detach()
+	return true
+}
+
+// stopped is a direction's Copy returning ErrDetached.
+func (h *halfCopy) stopped() {
+	pr := h.pr
+	pr.detach.mu.Lock()
+	if pr.detach.cancelled {
+		pr.detach.mu.Unlock()
+		h.src.Undetach()
+		h.f.dp.copiers.Go(h.run)
+		return
+	}
+	pr.detach.stopped++
+	both := pr.detach.stopped == 2
+	pr.detach.mu.Unlock()
+	if both {
+		h.f.handOff(h.c, pr)
+	}
+}
+
+// cancelDetach takes a detach back because direction h ended: the other
+// direction, if it stopped already, copies on.
+func (h *halfCopy) cancelDetach() {
+	pr := h.pr
+	pr.detach.mu.Lock()
+	if !pr.detach.requested || pr.detach.cancelled {
+		pr.detach.mu.Unlock()
+		return
+	}
+	pr.detach.cancelled = true
+	other := &pr.up
+	if other == h {
+		other = &pr.down
+	}
+	restart := pr.detach.stopped == 1
+	pr.detach.stopped = 0
+	pr.detach.mu.Unlock()
+	if restart {
+		other.src.Undetach()
+		h.f.dp.copiers.Go(other.run)
+	}
+}
+
+// resumeDetached gives a stopped pair back to its copies.
+func (pr *tcpPair) resumeDetached(f *frontend) {
+	pr.detach.mu.Lock()
+	pr.detach.requested, pr.detach.cancelled, pr.detach.stopped = false, false, 0
+	pr.detach.mu.Unlock()
+	pr.client.Undetach()
+	pr.backend.Undetach()
+	f.dp.copiers.Go(pr.down.run)
+	f.dp.copiers.Go(pr.up.run)
+}
+
+// handOff gives a stopped pair to the dataplane's sink, or back to its
+// copies when there is none.
+func (f *frontend) handOff(c *connRecord, pr *tcpPair) {
+	sink := f.dp.handoffSink.Load()
+	if sink == nil || !(*sink)(&handedPair{c: c, state: c.state()}) {
+		pr.resumeDetached(f)
+	}
+}
+
+// state is what a successor needs of c.
+func (c *connRecord) state() pairState {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return pairState{Frontend: c.fe.key.String(), Client: c.Client, OrigDst: c.OrigDst, Endpoint: c.Endpoint,
+		Reason: c.Reason, Attempt: c.Attempt, BackendSees: c.BackendSees, Start: c.Start, Up: c.up.Load(), Down: c.down.Load()}
+}
+
+// pairsPerBatch bounds one message of pairs (two descriptors each).
+const pairsPerBatch = 90
+
+// HandOff hands every live TCP connection to the successor through send,
+// after Release, until none is left (nil) or ctx ends (the ones left
+// drain here). A connection ends in this process without a byte lost:
+// handed over whole, or not at all.
+func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) error) error {
+	if !p.released.Load() {
+		return errors.New("HandOff before Release")
+	}
+	ready := make(chan *handedPair, 4*pairsPerBatch)
+	var open atomic.Bool
+	open.Store(true)
+	var sendMu sync.RWMutex // held for reading by sinks: closing ready waits for them
+	sink := func(hp *handedPair) bool {
+		sendMu.RLock()
+		defer sendMu.RUnlock()
+		if !open.Load() {
+			return false
+		}
+		select {
+		case ready <- hp:
+			return true
+		default:
+			return false // the queue is full: it stays, and is asked again
+		}
+	}
+	p.dp.handoffSink.Store(&sink)
+	stopSink := func() {
+		p.dp.handoffSink.Store(nil)
+		sendMu.Lock()
+		open.Store(false)
+		sendMu.Unlock()
+		for {
+			select {
+			case hp := <-ready:
+				hp.c.pair.resumeDetached(hp.c.fe)
+			default:
+				return
+			}
+		}
+	}
+	defer stopSink()
+
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	handed := 0
+	var batch []*handedPair
+	flush := func() error {
+		if len(batch) == 0 {
+			return nil
+		}
+		socks, err := pairSockets(batch)
+		if err == nil {
+			err = send(socks)
+		}
+		for _, s := range socks {
+			s.File.Close()
+		}
+		if err != nil {
+			for _, hp := range batch {
+				hp.c.pair.resumeDetached(hp.c.fe)
+			}
+			batch = batch[:0]
+			return err
+		}
+		for _, hp := range batch {
+			hp.c.handedOver()
+		}
+		handed += len(batch)
+		batch = batch[:0]
+		return nil
+	}
+	for {
+		for _, c := range p.dp.conns.all() {
+			if c.isPaired() {
+				c.pair.requestDetach()
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case hp := <-ready:
+			batch = append(batch, hp)
+			for len(batch) < pairsPerBatch {
+				select {
+				case hp := <-ready:
+					batch = append(batch, hp)
+					continue
+				default:
+				}
+				break
+			}
+			if err := flush(); err != nil {
+				return fmt.Errorf("after %d connections: %w", handed, err)
+			}
+			continue
+		case <-tick.C:
+		}
+		if p.dp.conns.count() == 0 {
+			p.cfg.log().WithField("connections", handed).Info("Every connection handed over")
+			return nil
+		}
+	}
+}
+
+// pairSockets are the sockets of batch: client then backend, the state on
+// the client's.
+func pairSockets(batch []*handedPair) ([]handover.Socket, error) {
+	socks := make([]handover.Socket, 0, 2*len(batch))
+	for _, hp := range batch {
+		meta, err := json.Marshal(hp.state)
+		if err != nil {
+			return socks, err
+		}
+		cf, err := hp.c.pair.client.File()
+		if err != nil {
+			return socks, err
+		}
+		socks = append(socks, handover.Socket{Name: "conn client", Proto: "tcp", Addr: hp.state.Client.String(), Meta: meta, File: cf})
+		bf, err := hp.c.pair.backend.File()
+		if err != nil {
+			return socks, err
+		}
+		socks = append(socks, handover.Socket{Name: "conn backend", Proto: "tcp", Addr: hp.state.Endpoint.String(), File: bf})
+	}
+	return socks, nil
+}
+
+// handedOver ends c here: its sockets are the successor's now (closing
+// ours sends nothing), its record says so.
+func (c *connRecord) handedOver() {
+	pr, f := &c.pair, c.fe
+	pr.client.Close()
+	pr.backend.Close()
+	f.bal.Done(c.endpoint())
+	c.finish(f, pr.up.n, pr.down.n, CauseHandedOver)
+	f.dp.conns.remove(c)
+}
+
+func (c *connRecord) isPaired() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.paired
+}
+
+// AdoptConns takes connections a predecessor handed over (pairs of
+// sockets, as HandOff sends them) and copies them on. A connection of a
+// Service this daemon does not serve is closed.
+func (p *Proxier) AdoptConns(socks []handover.Socket) (adopted int, err error) {
+	var errs []string
+	for i := 0; i+1 < len(socks); i += 2 {
+		if err := p.adoptPair(socks[i], socks[i+1]); err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		adopted++
+	}
+	for _, s := range socks {
+		s.File.Close()
+	}
+	if len(errs) > 0 {
+		return adopted, fmt.Errorf("%d connections not adopted: %s", len(errs), strings.Join(errs, "; "))
+	}
+	return adopted, nil
+}
+
+func (p *Proxier) adoptPair(cs, bs handover.Socket) error {
+	var st pairState
+	if err := json.Unmarshal(cs.Meta, &st); err != nil {
+		return fmt.Errorf("connection state: %w", err)
+	}
+	fe := p.rec.frontendNamed(st.Frontend)
+	if fe == nil || fe.protocol != config.TCP {
+		return fmt.Errorf("%s: no such TCP frontend here", st.Frontend)
+	}
+	client, err := sock.FileConn(cs.File)
+	if err != nil {
+		return err
+	}
+	backend, err := sock.FileConn(bs.File)
+	if err != nil {
+		client.Close()
+		return err
+	}
+	p.dp.budget.admitTCP() // counted even over the budget: it is open already
+	c := p.dp.conns.add(fe, st.Client)
+	c.Start = st.Start
+	c.up.Store(st.Up)
+	c.down.Store(st.Down)
+	c.setOrigDst(st.OrigDst)
+	c.setBackend(st.Endpoint, st.Reason, st.Attempt)
+	c.setDialed(0, st.BackendSees)
+	fe.bal.Adopted(st.Endpoint)
+	pr := c.setPair(client, backend)
+	fe.dp.workers.Go(func() { fe.splice(c, pr) })
+	return nil
+}
+
+// frontendNamed is the live frontend whose key's String is name, or nil.
+func (r *reconciler) frontendNamed(name string) *frontend {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, fe := range r.frontends {
+		if k.String() == name {
+			return fe
+		}
+	}
+	return nil
+}
