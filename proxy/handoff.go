@@ -23,7 +23,6 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
@@ -154,29 +153,32 @@ func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) erro
 	if !p.released.Load() {
 		return errors.New("HandOff before Release")
 	}
+	// A stopped pair waits (on its copier, which blocks no one else) for
+	// room in ready; once HandOff returns, it goes back to its copies.
 	ready := make(chan *handedPair, 4*pairsPerBatch)
-	var open atomic.Bool
-	open.Store(true)
-	var sendMu sync.RWMutex // held for reading by sinks: closing ready waits for them
+	stopc := make(chan struct{})
+	var sinkMu sync.RWMutex // held for reading by sinks: the drain below waits for them
+	stopped := false
 	sink := func(hp *handedPair) bool {
-		sendMu.RLock()
-		defer sendMu.RUnlock()
-		if !open.Load() {
+		sinkMu.RLock()
+		defer sinkMu.RUnlock()
+		if stopped {
 			return false
 		}
 		select {
 		case ready <- hp:
 			return true
-		default:
-			return false // the queue is full: it stays, and is asked again
+		case <-stopc:
+			return false
 		}
 	}
 	p.dp.handoffSink.Store(&sink)
 	stopSink := func() {
 		p.dp.handoffSink.Store(nil)
-		sendMu.Lock()
-		open.Store(false)
-		sendMu.Unlock()
+		close(stopc)
+		sinkMu.Lock()
+		stopped = true
+		sinkMu.Unlock()
 		for {
 			select {
 			case hp := <-ready:
@@ -295,8 +297,9 @@ func (c *connRecord) isPaired() bool {
 // Service this daemon does not serve is closed.
 func (p *Proxier) AdoptConns(socks []handover.Socket) (adopted int, err error) {
 	var errs []string
+	byName := p.rec.frontendsByName()
 	for i := 0; i+1 < len(socks); i += 2 {
-		if err := p.adoptPair(socks[i], socks[i+1]); err != nil {
+		if err := p.adoptPair(byName, socks[i], socks[i+1]); err != nil {
 			errs = append(errs, err.Error())
 			continue
 		}
@@ -311,12 +314,12 @@ func (p *Proxier) AdoptConns(socks []handover.Socket) (adopted int, err error) {
 	return adopted, nil
 }
 
-func (p *Proxier) adoptPair(cs, bs handover.Socket) error {
+func (p *Proxier) adoptPair(byName map[string]*frontend, cs, bs handover.Socket) error {
 	var st pairState
 	if err := json.Unmarshal(cs.Meta, &st); err != nil {
 		return fmt.Errorf("connection state: %w", err)
 	}
-	fe := p.rec.frontendNamed(st.Frontend)
+	fe := byName[st.Frontend]
 	if fe == nil || fe.protocol != config.TCP {
 		return fmt.Errorf("%s: no such TCP frontend here", st.Frontend)
 	}
@@ -343,14 +346,13 @@ func (p *Proxier) adoptPair(cs, bs handover.Socket) error {
 	return nil
 }
 
-// frontendNamed is the live frontend whose key's String is name, or nil.
-func (r *reconciler) frontendNamed(name string) *frontend {
+// frontendsByName are the live frontends by their key's String.
+func (r *reconciler) frontendsByName() map[string]*frontend {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	m := make(map[string]*frontend, len(r.frontends))
 	for k, fe := range r.frontends {
-		if k.String() == name {
-			return fe
-		}
+		m[k.String()] = fe
 	}
-	return nil
+	return m
 }

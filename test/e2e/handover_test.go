@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -374,5 +375,98 @@ func TestRestartWithoutSuccessor(t *testing.T) {
 	})
 	if strings.Contains(third.Output(), "Taking over") {
 		t.Error("took over from a killed daemon")
+	}
+}
+
+// daemonUsage is a daemon's descriptors, goroutines and resident memory.
+type daemonUsage struct {
+	fds, goroutines int
+	rssKiB          int
+}
+
+func usageOf(t *testing.T, h *handoverLab, p *Proc) daemonUsage {
+	t.Helper()
+	pid := p.Cmd.Process.Pid
+	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := daemonUsage{fds: len(fds)}
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			fmt.Sscanf(strings.TrimSpace(v), "%d", &u.rssKiB)
+		}
+	}
+	for _, line := range strings.Split(h.Curl("node", "http://127.0.0.1:10249/metrics"), "\n") {
+		if v, ok := strings.CutPrefix(line, "go_goroutines "); ok {
+			fmt.Sscanf(v, "%d", &u.goroutines)
+		}
+	}
+	return u
+}
+
+// handovers is how many TestManyHandovers makes (KUP_HANDOVERS overrides).
+func handovers() int {
+	if n, err := strconv.Atoi(os.Getenv("KUP_HANDOVERS")); err == nil && n > 0 {
+		return n
+	}
+	return 100
+}
+
+// 100 handovers in a row under load (40 new connections a second, an idle
+// connection held throughout): no client error, and the last daemon holds
+// no more descriptors, goroutines or memory than the first successor did.
+func TestManyHandovers(t *testing.T) {
+	h := newHandoverLab(t)
+	cur := h.daemon()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	dial := cluster.DialContextIn(h.NS("client"))
+	idle, err := dial(context.Background(), "tcp", "10.96.0.20:7")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close()
+	if err := echo(idle, "first"); err != nil {
+		t.Fatal(err)
+	}
+	ld := startLoad(h.Lab, "10.96.0.10:80")
+	n := handovers()
+	var first daemonUsage
+	for i := 1; i <= n; i++ {
+		next := h.daemon()
+		waitLog(t, next, "Adopted the predecessor's connections")
+		_ = cur.Cmd.Process.Signal(syscall.SIGTERM)
+		if err := cur.Cmd.Wait(); err != nil {
+			t.Fatalf("handover %d: the old daemon: %v\n%s", i, err, tail(cur.Output(), 20))
+		}
+		cur = next
+		if err := echo(idle, fmt.Sprintf("after handover %d", i)); err != nil {
+			t.Fatalf("the idle connection after handover %d: %v", i, err)
+		}
+		if i == 1 {
+			first = usageOf(t, h, cur)
+		}
+	}
+	time.Sleep(time.Second)
+	last := usageOf(t, h, cur)
+	tries, fails, errs := ld.end()
+	t.Logf("%d handovers; %d connections, %d failed; first successor %+v, last %+v", n, tries, fails, first, last)
+	if fails > 0 {
+		t.Errorf("%d of %d connections failed: %s", fails, tries, strings.Join(errs, "; "))
+	}
+	// Bounds for the load's own coming and going, not for growth: a leak
+	// of one descriptor or goroutine per handover would pass 100.
+	if last.fds > first.fds+20 {
+		t.Errorf("descriptors grew from %d to %d", first.fds, last.fds)
+	}
+	if last.goroutines > first.goroutines+30 {
+		t.Errorf("goroutines grew from %d to %d", first.goroutines, last.goroutines)
+	}
+	if last.rssKiB > first.rssKiB*3/2+10<<10 {
+		t.Errorf("RSS grew from %d KiB to %d KiB", first.rssKiB, last.rssKiB)
 	}
 }

@@ -136,3 +136,22 @@ func TestDetachLosesNothing(t *testing.T) {
 		t.Fatalf("the copy after Undetach ended with %v, want EOF", err)
 	}
 }
+
+// A Detach that comes between a Copy's ErrIdle and the Park of its
+// source (nothing parked yet to wake) is not lost: the Park wakes at once.
+func TestDetachBeforeParkWakes(t *testing.T) {
+	p := runParker(t)
+	src, client := sockPair(t)
+	defer src.Close()
+	defer client.Close()
+	src.Detach()
+	woke := make(chan struct{})
+	if err := p.Park(src, func() { close(woke) }); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-woke:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a socket detached before its Park stayed parked")
+	}
+}

@@ -135,9 +135,9 @@ func (p *Parker) Park(c *Conn, wake func()) error {
 	if cerr != nil {
 		return fmt.Errorf("parking a socket: %w", cerr)
 	}
-	// An Abort between the Copy's return and the registration found
-	// nothing parked: it is seen here instead.
-	if c.done.Load() {
+	// An Abort or a Detach between the Copy's return and the registration
+	// found nothing parked: it is seen here instead.
+	if c.done.Load() || c.detach.Load() {
 		p.unpark(e)
 	}
 	return nil

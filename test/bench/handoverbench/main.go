@@ -1,0 +1,378 @@
+// Command handoverbench measures a handover (docs/operations.md, Upgrades):
+// a daemon serving N ClusterIP service ports and carrying C live
+// connections, a successor started beside it. It reports how long the
+// successor takes from its start to serving (the old one let go), how long
+// the live connections take to move, and the accept pause: the slowest
+// connection of a prober that opens one every millisecond through a
+// ClusterIP meanwhile, against its median before the handover. Every live
+// connection must still echo afterwards.
+//
+// It needs root. It creates its own network namespace, re-runs itself
+// inside it, and deletes it at the end (also when interrupted).
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+func main() {
+	sizes := flag.String("n", "1000,10000", "comma-separated service port counts")
+	conns := flag.String("c", "5000", "live connections per size (comma-separated, one per size or one for all)")
+	daemon := flag.String("daemon", "bin/kube-userspace-proxy", "the daemon binary")
+	runs := flag.Int("runs", 3, "runs per size; the median is reported, with the range")
+	inner := flag.Bool("inner", false, "internal: already inside the namespace")
+	flag.Parse()
+	if !*inner {
+		os.Exit(outer())
+	}
+	// The live connections' two ends and the echo server's are ours.
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err == nil {
+		lim.Cur = lim.Max
+		_ = syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim)
+	}
+	ns := strings.Split(*sizes, ",")
+	cs := strings.Split(*conns, ",")
+	fmt.Println("| service ports | live connections | successor start → serving | connections moved in | accept pause (slowest connect during − median before) | connections failed |")
+	fmt.Println("|---:|---:|---:|---:|---:|---:|")
+	for i, f := range ns {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			fatal(err)
+		}
+		c, err := strconv.Atoi(strings.TrimSpace(cs[min(i, len(cs)-1)]))
+		if err != nil {
+			fatal(err)
+		}
+		var all []result
+		for r := 0; r < *runs; r++ {
+			res, err := measure(*daemon, n, c)
+			if err != nil {
+				fatal(err)
+			}
+			fmt.Fprintf(os.Stderr, "n=%d c=%d run %d: serving after %v, connections moved in %v, pause %v (median connect %v), %d failed\n",
+				n, c, r+1, res.serving, res.moved, res.pause, res.median, res.failed)
+			all = append(all, res)
+		}
+		fmt.Printf("| %d | %d | %s | %s | %s | %d |\n", n, c,
+			spread(all, func(r result) time.Duration { return r.serving }),
+			spread(all, func(r result) time.Duration { return r.moved }),
+			spread(all, func(r result) time.Duration { return r.pause }),
+			slices.MaxFunc(all, func(a, b result) int { return a.failed - b.failed }).failed)
+	}
+}
+
+type result struct {
+	serving, moved, pause, median time.Duration
+	failed                        int
+}
+
+func spread(rs []result, f func(result) time.Duration) string {
+	v := make([]time.Duration, len(rs))
+	for i, r := range rs {
+		v[i] = f(r)
+	}
+	slices.Sort(v)
+	ms := func(d time.Duration) string { return strconv.FormatFloat(float64(d)/1e6, 'f', 1, 64) }
+	if len(v) == 1 {
+		return ms(v[0]) + " ms"
+	}
+	return fmt.Sprintf("%s ms (%s–%s)", ms(v[len(v)/2]), ms(v[0]), ms(v[len(v)-1]))
+}
+
+func fatal(err error) {
+	fmt.Fprintln(os.Stderr, "handoverbench:", err)
+	os.Exit(1)
+}
+
+// outer creates the namespace, runs itself inside and removes it.
+func outer() int {
+	ns := fmt.Sprintf("kuphandover-%d", os.Getpid())
+	if out, err := exec.Command("ip", "netns", "add", ns).CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "handoverbench: ip netns add (needs root): %v %s\n", err, out)
+		return 1
+	}
+	defer exec.Command("ip", "netns", "del", ns).Run()
+	for _, args := range [][]string{
+		{"ip", "link", "set", "lo", "up"},
+		{"ip", "link", "add", "eth0", "type", "veth", "peer", "name", "eth1"},
+		{"ip", "addr", "add", "10.250.0.1/24", "dev", "eth0"},
+		{"ip", "link", "set", "eth0", "up"},
+		{"ip", "link", "set", "eth1", "up"},
+		{"ip", "route", "add", "default", "via", "10.250.0.2"},
+		{"ip", "route", "add", "local", "10.96.0.0/16", "dev", "lo"},
+	} {
+		if out, err := exec.Command("ip", append([]string{"netns", "exec", ns}, args...)...).CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "handoverbench: %v: %v %s\n", args, err, out)
+			return 1
+		}
+	}
+	self, _ := os.Executable()
+	cmd := exec.Command("ip", append([]string{"netns", "exec", ns, self, "-inner"}, os.Args[1:]...)...)
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "handoverbench:", err)
+		return 1
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			return 1
+		}
+		return 0
+	case <-sig:
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+		return 130
+	}
+}
+
+func clusterIP(i int) string { return fmt.Sprintf("10.96.%d.%d", i/250, i%250+1) }
+
+func manifests(n int) string {
+	var b strings.Builder
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&b, `---
+apiVersion: v1
+kind: Service
+metadata: {name: s%[1]d, namespace: bench}
+spec: {clusterIP: %[2]s, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: s%[1]d, namespace: bench, labels: {kubernetes.io/service-name: s%[1]d}}
+addressType: IPv4
+ports: [{port: 9000}]
+endpoints: [{addresses: [127.0.0.1]}]
+`, i, clusterIP(i))
+	}
+	return b.String()
+}
+
+// echoServer echoes every connection on 127.0.0.1:9000.
+func echoServer() (net.Listener, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:9000")
+	if err != nil {
+		return nil, err
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Not io.Copy(c, c): TCPConn.ReadFrom splices through a pipe
+			// held for the whole connection, two descriptors more each.
+			go func() {
+				defer c.Close()
+				_, _ = io.CopyBuffer(struct{ io.Writer }{c}, struct{ io.Reader }{c}, make([]byte, 512))
+			}()
+		}
+	}()
+	return ln, nil
+}
+
+// proc is a daemon and its log.
+type proc struct {
+	cmd *exec.Cmd
+	mu  sync.Mutex
+	log strings.Builder
+}
+
+func (p *proc) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.log.Write(b)
+}
+
+func (p *proc) has(s string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return strings.Contains(p.log.String(), s)
+}
+
+func start(daemon, dir string, port int) (*proc, error) {
+	p := &proc{}
+	p.cmd = exec.Command(daemon, "--manifests", filepath.Join(dir, "m.yaml"), "--min-sync-period", "0",
+		"--handover-socket", filepath.Join(dir, "run", "handover.sock"), "--admin-socket", filepath.Join(dir, fmt.Sprintf("admin-%d.sock", port)),
+		"--shutdown-grace", "1s", "--tcp-idle-timeout", "0")
+	p.cmd.Stdout, p.cmd.Stderr = p, p
+	return p, p.cmd.Start()
+}
+
+func (p *proc) stop() {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	_ = p.cmd.Wait()
+}
+
+func waitUntil(d time.Duration, what string, cond func() bool) error {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: not within %v", what, d)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return nil
+}
+
+// exchange is one echo on c.
+func exchange(c net.Conn) error {
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		return err
+	}
+	b := make([]byte, 4)
+	if _, err := io.ReadFull(c, b); err != nil {
+		return err
+	}
+	if string(b) != "ping" {
+		return errors.New("wrong echo")
+	}
+	return nil
+}
+
+func measure(daemon string, n, c int) (result, error) {
+	var res result
+	dir, err := os.MkdirTemp("", "handoverbench")
+	if err != nil {
+		return res, err
+	}
+	defer os.RemoveAll(dir)
+	if err := os.WriteFile(filepath.Join(dir, "m.yaml"), []byte(manifests(n)), 0o644); err != nil {
+		return res, err
+	}
+	ln, err := echoServer()
+	if err != nil {
+		return res, err
+	}
+	defer ln.Close()
+	old, err := start(daemon, dir, 1)
+	if err != nil {
+		return res, err
+	}
+	defer old.stop()
+	defer exec.Command(daemon, "--cleanup").Run()
+	reachable := func(i int) bool {
+		conn, err := net.DialTimeout("tcp4", clusterIP(i)+":80", time.Second)
+		if err != nil {
+			return false
+		}
+		defer conn.Close()
+		return exchange(conn) == nil
+	}
+	if err := waitUntil(2*time.Minute, "serving", func() bool { return reachable(n-1) && reachable(0) }); err != nil {
+		return res, err
+	}
+	live := make([]net.Conn, 0, c)
+	defer func() {
+		for _, l := range live {
+			l.Close()
+		}
+	}()
+	for i := 0; i < c; i++ {
+		conn, err := net.DialTimeout("tcp4", clusterIP(i%n)+":80", 5*time.Second)
+		if err == nil {
+			err = exchange(conn)
+		}
+		if err != nil {
+			fds, _ := os.ReadDir("/proc/self/fd")
+			var lim syscall.Rlimit
+			_ = syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
+			return res, fmt.Errorf("live connection %d (%d descriptors open, limit %d): %w", i, len(fds), lim.Cur, err)
+		}
+		live = append(live, conn)
+	}
+
+	// The prober: one new connection a millisecond through one ClusterIP.
+	type probe struct {
+		at  time.Time
+		d   time.Duration
+		err error
+	}
+	var mu sync.Mutex
+	var probes []probe
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		tick := time.NewTicker(time.Millisecond)
+		defer tick.Stop()
+		for ctx.Err() == nil {
+			<-tick.C
+			t0 := time.Now()
+			conn, err := net.DialTimeout("tcp4", clusterIP(n/2)+":80", 5*time.Second)
+			if err == nil {
+				err = exchange(conn)
+				conn.Close()
+			}
+			mu.Lock()
+			probes = append(probes, probe{t0, time.Since(t0), err})
+			mu.Unlock()
+		}
+	})
+	time.Sleep(time.Second) // the prober's baseline
+	t0 := time.Now()
+	next, err := start(daemon, dir, 2)
+	if err != nil {
+		cancel()
+		wg.Wait()
+		return res, err
+	}
+	defer next.stop()
+	err = waitUntil(2*time.Minute, "the successor serving", func() bool { return next.has("Took over: the predecessor serves nothing more") })
+	res.serving = time.Since(t0)
+	if err == nil {
+		err = waitUntil(2*time.Minute, "the connections moved", func() bool { return next.has("Adopted the predecessor's connections") })
+		res.moved = time.Since(t0) - res.serving
+	}
+	time.Sleep(time.Second)
+	cancel()
+	wg.Wait()
+	if err != nil {
+		return res, fmt.Errorf("%w\nold:\n%s\nnew:\n%s", err, old.log.String(), next.log.String())
+	}
+	var before, during []time.Duration
+	for _, p := range probes {
+		switch {
+		case p.err != nil:
+			res.failed++
+		case p.at.Before(t0):
+			before = append(before, p.d)
+		default:
+			during = append(during, p.d)
+		}
+	}
+	slices.Sort(before)
+	if len(before) > 0 {
+		res.median = before[len(before)/2]
+	}
+	if len(during) > 0 {
+		res.pause = slices.Max(during) - res.median
+	}
+	for i, l := range live {
+		if err := exchange(l); err != nil {
+			return res, fmt.Errorf("live connection %d after the handover: %w", i, err)
+		}
+	}
+	return res, nil
+}
