@@ -14,8 +14,8 @@ package proxy
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 
@@ -125,8 +125,8 @@ func (p *Proxier) call(ctx context.Context, fn func() error) error {
 	}
 }
 
-// Lend returns duplicates of every frontend's listening socket; the
-// frontends serve on.
+// Lend returns every frontend's listening socket, to be duplicated as it
+// is sent (Socket.Open); the frontends serve on.
 func (p *Proxier) Lend(ctx context.Context) ([]handover.Socket, error) {
 	var socks []handover.Socket
 	err := p.call(ctx, func() error {
@@ -188,12 +188,6 @@ func (r *reconciler) lend() ([]handover.Socket, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	socks := make([]handover.Socket, 0, len(r.frontends))
-	fail := func(err error) ([]handover.Socket, error) {
-		for _, s := range socks {
-			s.File.Close()
-		}
-		return nil, err
-	}
 	for key, fe := range r.frontends {
 		if fe.refusing != nil {
 			continue // its port is held by a refusing socket: the successor opens its own
@@ -203,17 +197,16 @@ func (r *reconciler) lend() ([]handover.Socket, error) {
 			role = roleNodePort
 		}
 		s := handover.Socket{Name: socketName(key, role), Proto: strings.ToLower(string(fe.protocol)), Addr: fe.listen.String()}
-		var err error
+		// Duplicated when sent, off the sync goroutine: the socket
+		// itself is captured here, so a later sync cannot swap it.
 		switch {
 		case fe.tcp != nil:
-			s.File, err = fe.tcp.ln.File()
+			s.Open = fe.tcp.ln.File
 		case fe.udp != nil:
-			s.File, err = sock.UDPFile(fe.udp.sk.conn)
+			conn := fe.udp.sk.conn
+			s.Open = func() (*os.File, error) { return sock.UDPFile(conn) }
 		default:
 			continue
-		}
-		if err != nil {
-			return fail(fmt.Errorf("lending %s: %w", s.Name, err))
 		}
 		socks = append(socks, s)
 	}

@@ -142,15 +142,8 @@ func (g *giver) Lend(ctx context.Context) ([]handover.Socket, error) {
 		return nil, err
 	}
 	for name, s := range g.http {
-		f, err := s.lend()
-		if err != nil {
-			for _, s := range socks {
-				s.File.Close()
-			}
-			return nil, err
-		}
-		if f != nil {
-			socks = append(socks, handover.Socket{Name: name, Proto: "tcp", Addr: g.addrs[name], File: f})
+		if s.bound() {
+			socks = append(socks, handover.Socket{Name: name, Proto: "tcp", Addr: g.addrs[name], Open: s.lend})
 		}
 	}
 	return socks, nil

@@ -253,13 +253,20 @@ type httpServing struct {
 	ln   net.Listener // once bound
 }
 
+// bound reports whether the server has its listener.
+func (s *httpServing) bound() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ln != nil
+}
+
 // lend returns a duplicate of the server's listening socket for a
-// successor (handover.go), or nil while it is not bound.
+// successor (handover.go).
 func (s *httpServing) lend() (*os.File, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ln == nil {
-		return nil, nil
+		return nil, errors.New("not bound")
 	}
 	return dupListener(s.ln)
 }

@@ -59,9 +59,12 @@ type Socket struct {
 	// Meta is what the giver tells of the socket beyond that (a
 	// connection's state), opaque to this package.
 	Meta json.RawMessage `json:"meta,omitempty"`
-	// File is the descriptor: a duplicate the giver made for the exchange
-	// (it closes it after sending), the taker's own once received.
-	File *os.File `json:"-"`
+	// File is the descriptor: the taker's own once received. A giver
+	// gives Open instead, which makes a duplicate just before it is sent
+	// (closed after): a daemon near its descriptor limit could not hold a
+	// duplicate of every listener at once.
+	File *os.File                 `json:"-"`
+	Open func() (*os.File, error) `json:"-"`
 }
 
 // message is one message of the exchange.
@@ -195,9 +198,6 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 		return false
 	}
 	sent := sendSockets(c, socks)
-	for _, s := range socks {
-		s.File.Close() // the duplicates: the successor has its own now, or none
-	}
 	if sent != nil {
 		log.WithError(sent).Warn("Handover broke off while sending the sockets; serving on")
 		return false
@@ -255,17 +255,33 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 	return true
 }
 
-// sendSockets sends the offer, socks in messages of perMessage, and the end.
+// sendSockets sends the offer, socks in messages of perMessage (each
+// socket opened just before and its duplicate closed after: one that cannot
+// be opened, closed meanwhile, is left out), and the end.
 func sendSockets(c *net.UnixConn, socks []Socket) error {
 	if err := send(c, message{Type: "offer", Version: Version, PID: os.Getpid(), Count: len(socks)}, nil); err != nil {
 		return err
 	}
 	for chunk := range slices.Chunk(socks, perMessage) {
-		fds := make([]int, len(chunk))
-		for i, s := range chunk {
-			fds[i] = int(s.File.Fd())
+		var fds []int
+		var files []*os.File
+		var sending []Socket
+		for _, s := range chunk {
+			f, err := s.Open()
+			if err != nil {
+				continue
+			}
+			files = append(files, f)
+			// Fd keeps the file non-blocking: os.NewFile saw it so.
+			fds = append(fds, int(f.Fd()))
+			sending = append(sending, s)
 		}
-		if err := send(c, message{Type: "sockets", Sockets: chunk}, fds); err != nil {
+		var err error
+		if len(sending) > 0 {
+			err = send(c, message{Type: "sockets", Sockets: sending}, fds)
+		}
+		closeAll(files)
+		if err != nil {
 			return err
 		}
 	}
@@ -345,9 +361,6 @@ func Take(ctx context.Context, path string) (*Predecessor, error) {
 			m.Sockets[i].File = files[i]
 		}
 		p.Sockets = append(p.Sockets, m.Sockets...)
-	}
-	if len(p.Sockets) != offer.Count {
-		return nil, fmt.Errorf("handover: %d sockets of the %d offered", len(p.Sockets), offer.Count)
 	}
 	_ = c.SetDeadline(time.Time{})
 	ok = true

@@ -42,11 +42,7 @@ func (g *fakeGiver) Lend(ctx context.Context) ([]Socket, error) {
 	g.step("lend")
 	var socks []Socket
 	for i, ln := range g.lns {
-		f, err := ln.File()
-		if err != nil {
-			return nil, err
-		}
-		socks = append(socks, Socket{Name: "ln" + string(rune('0'+i%10)), Proto: "tcp", Addr: ln.Addr().String(), File: f})
+		socks = append(socks, Socket{Name: "ln" + string(rune('0'+i%10)), Proto: "tcp", Addr: ln.Addr().String(), Open: ln.File})
 	}
 	return socks, nil
 }

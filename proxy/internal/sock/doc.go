@@ -31,6 +31,11 @@
 //     socket's by the release DialUDPFrom returns, which its owner calls
 //     after closing it); the entries are the kernel's, each released by the
 //     dial that made it if it fails, and a UDP flow's when it ends.
+//   - For a handover to another process (inherit.go): duplicates of a
+//     Listener's, a UDP socket's and a Conn's descriptor (File, UDPFile)
+//     and their way back (FileListener, FileUDP, FileConn), and
+//     Conn.Detach, which has a Copy from the Conn stop at its next pause
+//     with ErrDetached, everything it read written on.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
 //     a UDP port unreachable) and RaiseFileLimit.
@@ -42,6 +47,9 @@
 //
 //   - Copy, CloseWrite, WaitPeerReset and the setters may run on other
 //     goroutines while the owner holds the Conn (one Copy per direction).
+//   - Detach and Undetach may be called by anyone, as Abort; a detached
+//     Copy's owner keeps the Conn (and closes it once a duplicate went to
+//     another process: the connection lives on there).
 //   - Abort may be called by anyone, any number of times, at any time, also
 //     after Close. It never waits: it marks the Conn done and wakes every
 //     read or write waiting on it, now or later, which then return
