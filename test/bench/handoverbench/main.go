@@ -116,6 +116,11 @@ func outer() int {
 		{"ip", "link", "set", "eth1", "up"},
 		{"ip", "route", "add", "default", "via", "10.250.0.2"},
 		{"ip", "route", "add", "local", "10.96.0.0/16", "dev", "lo"},
+		// The prober closes 1 000 connections a second to one address: its
+		// ports (the range minus the proxy's reserved ports) would all sit
+		// in TIME_WAIT within seconds, and its connects fail with
+		// EADDRNOTAVAIL — the bench's shortage, not the proxy's.
+		{"sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"},
 	} {
 		if out, err := exec.Command("ip", append([]string{"netns", "exec", ns}, args...)...).CombinedOutput(); err != nil {
 			fmt.Fprintf(os.Stderr, "handoverbench: %v: %v %s\n", args, err, out)
@@ -355,6 +360,9 @@ func measure(daemon string, n, c int) (result, error) {
 	for _, p := range probes {
 		switch {
 		case p.err != nil:
+			if res.failed < 3 {
+				fmt.Fprintf(os.Stderr, "probe at %v (handover at 0): %v\n", p.at.Sub(t0).Round(time.Millisecond), p.err)
+			}
 			res.failed++
 		case p.at.Before(t0):
 			before = append(before, p.d)
