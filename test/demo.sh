@@ -23,7 +23,8 @@ done
 echo "== Serving docs/examples/devpaasy.yaml (dev/devpaasy: ClusterIP 10.0.0.41:8080, NodePort 31341)"
 cp docs/examples/devpaasy.yaml "$tmp/devpaasy.yaml"
 ip netns exec "$LAB-node" "$BIN/kube-userspace-proxy" --manifests "$tmp/devpaasy.yaml" \
-  --hostname-override node-1 --connection-log all >"$tmp/proxy.log" 2>&1 &
+  --hostname-override node-1 --connection-log all \
+  --admin-socket "$tmp/admin.sock" --handover-socket "$tmp/handover.sock" >"$tmp/proxy.log" 2>&1 &
 wait_until 10 grep -q Listening "$tmp/proxy.log" || { cat "$tmp/proxy.log"; exit 1; }
 wait_until 10 ip netns exec "$LAB-node" sh -c 'iptables-save -t nat | grep -q "10.0.0.41/32"' || { cat "$tmp/proxy.log"; exit 1; }
 

@@ -35,24 +35,30 @@ type predecessor struct {
 }
 
 // takeOver asks a running daemon for its sockets; nil with none, or
-// when the exchange fails (said in the log: the start is then plain).
-func takeOver(ctx context.Context, path string, log logrus.FieldLogger) *predecessor {
+// when the exchange fails (said in the log: the start is then plain). It
+// returns the path this daemon serves its own successors on: path, or ""
+// when that socket is a daemon's of another network namespace (not ours
+// to replace).
+func takeOver(ctx context.Context, path string, log logrus.FieldLogger) (*predecessor, string) {
 	if path == "" {
-		return nil
+		return nil, ""
 	}
 	start := time.Now()
 	p, err := handover.Take(ctx, path)
 	switch {
+	case errors.Is(err, handover.ErrOtherNetNS):
+		log.WithError(err).Error("The handover socket is another network namespace's daemon's: starting on our own, and no successor can take over from us; give each namespace's daemon its own --handover-socket")
+		return nil, ""
 	case err != nil:
 		log.WithError(err).Warn("No handover from the running daemon; starting on our own")
-		return nil
+		return nil, path
 	case p == nil:
 		log.WithField("socket", path).Debug("No daemon running; starting on our own")
-		return nil
+		return nil, path
 	}
 	log.WithFields(logrus.Fields{"predecessor": p.PID, "sockets": len(p.Sockets), "took": time.Since(start).Round(time.Microsecond).String()}).
 		Info("Taking over from the running daemon")
-	return &predecessor{Predecessor: p, used: map[int]bool{}}
+	return &predecessor{Predecessor: p, used: map[int]bool{}}, path
 }
 
 // listener is the inherited HTTP listener name on addr, or nil.

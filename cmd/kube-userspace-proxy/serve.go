@@ -55,24 +55,8 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	gcCtx, stopGC := context.WithCancel(ctx)
 	gc, gcDone := tuneGC(gcCtx, log, gcTunePeriod)
 	defer func() { stopGC(); <-gcDone }()
-	// Everything that can fail on bad input fails before the kernel is touched.
-	if err := checkLocal(o.bindAddress); err != nil {
-		return usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
-	}
-	for _, w := range o.configWarnings {
-		log.Warn(w)
-	}
-	manifests, client, err := checkSource(o, node, log)
+	manifests, client, err := checkInputs(ctx, o, node, log)
 	if err != nil {
-		return err
-	}
-	if o.nodePortPrimary {
-		if o.nodePortCIDRs, err = primaryAddrs(ctx, client, node, 30*time.Second); err != nil {
-			return err
-		}
-		log.WithField("addresses", fmt.Sprint(o.nodePortCIDRs)).Info("NodePorts on the node's primary addresses")
-	}
-	if err := resolveLocal(ctx, o, client, node, log); err != nil {
 		return err
 	}
 	setUpProcess(o, log)
@@ -81,7 +65,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		return err
 	}
 	// Everything is checked: take the sockets of a daemon that runs.
-	pred := takeOver(ctx, o.handoverSocket, log.WithField("component", "handover"))
+	pred, handoverSocket := takeOver(ctx, o.handoverSocket, log.WithField("component", "handover"))
 	defer pred.close()
 	events, stopEvents := eventRecorder(ctx, client, node)
 	defer stopEvents()
@@ -110,17 +94,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		<-health.done
 		return err
 	}
-	closed := make(chan struct{})
-	close(closed)
-	var adminDone <-chan struct{} = closed
-	if o.adminSocket != "" {
-		// Without it the daemon still serves; only drains are unavailable.
-		if ln, err := listenAdmin(o.adminSocket); err != nil {
-			log.WithError(err).Warn("No admin socket: drains cannot be made")
-		} else {
-			adminDone = serveAdmin(httpCtx, ln, dbg.adminRoutes(), log.WithField("component", "admin"))
-		}
-	}
+	adminDone := startAdmin(httpCtx, o.adminSocket, dbg, log)
 	defer func() { stopHTTP(); <-health.done; <-metrics.done; <-adminDone }()
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
@@ -142,7 +116,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
 		ready: readyFile{path: o.readyFile, log: log}, log: log.WithField("component", "handover")}
 	defer g.ready.set(false)
-	handoversDone := serveHandovers(srcCtx, o.handoverSocket, pred, p, g, log.WithField("component", "handover"))
+	handoversDone := serveHandovers(srcCtx, handoverSocket, pred, p, g, log.WithField("component", "handover"))
 	defer func() { stopSource(); <-handoversDone }()
 
 	<-proxierDone // after ctx ends and connections drained
@@ -175,6 +149,48 @@ func cleanup(o *options, log *logrus.Logger) error {
 		log.WithField("range", o.portRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
 	}
 	return err
+}
+
+// checkInputs fails on bad input before the kernel is touched: the bind
+// address, the source, the node's addresses and the local-traffic
+// detection.
+func checkInputs(ctx context.Context, o *options, node string, log *logrus.Logger) (*config.ManifestSource, kubernetes.Interface, error) {
+	if err := checkLocal(o.bindAddress); err != nil {
+		return nil, nil, usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
+	}
+	for _, w := range o.configWarnings {
+		log.Warn(w)
+	}
+	manifests, client, err := checkSource(o, node, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	if o.nodePortPrimary {
+		if o.nodePortCIDRs, err = primaryAddrs(ctx, client, node, 30*time.Second); err != nil {
+			return nil, nil, err
+		}
+		log.WithField("addresses", fmt.Sprint(o.nodePortCIDRs)).Info("NodePorts on the node's primary addresses")
+	}
+	if err := resolveLocal(ctx, o, client, node, log); err != nil {
+		return nil, nil, err
+	}
+	return manifests, client, nil
+}
+
+// startAdmin serves the admin socket; the channel closes once it stopped
+// (at once without one). Without it the daemon still serves; only drains
+// are unavailable.
+func startAdmin(ctx context.Context, path string, dbg *debugServer, log *logrus.Logger) <-chan struct{} {
+	if path != "" {
+		ln, err := listenAdmin(path)
+		if err == nil {
+			return serveAdmin(ctx, ln, dbg.adminRoutes(), log.WithField("component", "admin"))
+		}
+		log.WithError(err).Warn("No admin socket: drains cannot be made")
+	}
+	closed := make(chan struct{})
+	close(closed)
+	return closed
 }
 
 // checkSource checks the manifests (--manifests) or makes the API client:

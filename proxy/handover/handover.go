@@ -42,7 +42,6 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
-	"golang.org/x/sys/unix"
 )
 
 // Version is the exchange's version; a successor and a running daemon
@@ -69,13 +68,16 @@ type Socket struct {
 
 // message is one message of the exchange.
 type message struct {
-	Type     string   `json:"type"`
-	Versions []int    `json:"versions,omitempty"`
-	Version  int      `json:"version,omitempty"`
-	PID      int      `json:"pid,omitempty"`
-	Count    int      `json:"count,omitempty"`
-	Reason   string   `json:"reason,omitempty"`
-	Sockets  []Socket `json:"sockets,omitempty"`
+	Type     string `json:"type"`
+	Versions []int  `json:"versions,omitempty"`
+	Version  int    `json:"version,omitempty"`
+	PID      int    `json:"pid,omitempty"`
+	Count    int    `json:"count,omitempty"`
+	Reason   string `json:"reason,omitempty"`
+	// NetNS is the sender's network namespace (hello, offer): listeners
+	// and connections only make sense in the namespace they live in.
+	NetNS   uint64   `json:"netns,omitempty"`
+	Sockets []Socket `json:"sockets,omitempty"`
 }
 
 // perMessage bounds the descriptors of one message (the kernel's limit for
@@ -137,8 +139,10 @@ type Giver interface {
 
 // Serve hands over to successors that connect to ln until one has taken
 // over (then it returns, having closed ln) or ctx ends. It refuses peers
-// that are neither root nor this process's user, and successors that
-// speak no version it knows; the exchange of one successor at a time.
+// that are neither root nor this process's user, successors in another
+// network namespace (two namespaces' daemons given one socket path), and
+// successors that speak no version it knows; the exchange of one
+// successor at a time.
 func Serve(ctx context.Context, ln *net.UnixListener, g Giver, log logrus.FieldLogger) <-chan struct{} {
 	done := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
@@ -188,6 +192,12 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 		log.WithField("versions", fmt.Sprint(hello.Versions)).WithField("ours", Version).
 			Warn("Handover refused: the successor speaks no version of ours; it starts on its own, we go on until stopped")
 		_ = send(c, message{Type: "refuse", Reason: fmt.Sprintf("version %d only", Version), Version: Version}, nil)
+		return false
+	}
+	if ours, err := netNS(); err != nil || hello.NetNS != ours {
+		log.WithError(err).WithFields(logrus.Fields{"theirs": hello.NetNS, "ours": ours}).
+			Warn("Handover refused: the successor runs in another network namespace (give each namespace's daemon its own --handover-socket)")
+		_ = send(c, message{Type: "refuse", Reason: reasonOtherNetNS}, nil)
 		return false
 	}
 	start := time.Now()
@@ -259,7 +269,11 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 // socket opened just before and its duplicate closed after: one that cannot
 // be opened, closed meanwhile, is left out), and the end.
 func sendSockets(c *net.UnixConn, socks []Socket) error {
-	if err := send(c, message{Type: "offer", Version: Version, PID: os.Getpid(), Count: len(socks)}, nil); err != nil {
+	ns, err := netNS()
+	if err != nil {
+		return err
+	}
+	if err := send(c, message{Type: "offer", Version: Version, PID: os.Getpid(), Count: len(socks), NetNS: ns}, nil); err != nil {
 		return err
 	}
 	for chunk := range slices.Chunk(socks, perMessage) {
@@ -290,6 +304,13 @@ func sendSockets(c *net.UnixConn, socks []Socket) error {
 
 // ErrRefused is Take's error when the running daemon would not hand over.
 var ErrRefused = errors.New("the running daemon refused the handover")
+
+// ErrOtherNetNS is Take's error when the daemon on the socket serves
+// another network namespace: its sockets are not ours to take, and its
+// handover socket is not ours to replace.
+var ErrOtherNetNS = errors.New("the daemon on the handover socket serves another network namespace")
+
+const reasonOtherNetNS = "another network namespace"
 
 // Predecessor is a running daemon that is handing over to this one.
 type Predecessor struct {
@@ -331,14 +352,21 @@ func Take(ctx context.Context, path string) (*Predecessor, error) {
 	if cred.uid != 0 && cred.uid != uint32(os.Geteuid()) {
 		return nil, fmt.Errorf("handover socket %s: served by %s, neither root nor us", path, cred)
 	}
+	ns, err := netNS()
+	if err != nil {
+		return nil, fmt.Errorf("handover: %w", err)
+	}
 	_ = c.SetDeadline(time.Now().Add(stepTimeout))
-	if err := send(c, message{Type: "hello", Versions: []int{Version}, PID: os.Getpid()}, nil); err != nil {
+	if err := send(c, message{Type: "hello", Versions: []int{Version}, PID: os.Getpid(), NetNS: ns}, nil); err != nil {
 		return nil, fmt.Errorf("handover: %w", err)
 	}
 	offer, _, err := receive(c)
 	switch {
 	case err != nil:
 		return nil, fmt.Errorf("handover: %w", err)
+	case offer.Type == "refuse" && offer.Reason == reasonOtherNetNS,
+		offer.Type == "offer" && offer.NetNS != ns:
+		return nil, fmt.Errorf("%w (socket %s)", ErrOtherNetNS, path)
 	case offer.Type == "refuse":
 		return nil, fmt.Errorf("%w: %s", ErrRefused, offer.Reason)
 	case offer.Type != "offer" || offer.Version != Version:
@@ -424,93 +452,3 @@ func (p *Predecessor) Conns(ctx context.Context, adopt func([]Socket)) error {
 
 // Close ends the exchange; the sockets' Files stay the caller's.
 func (p *Predecessor) Close() { p.c.Close() }
-
-// send writes one message with fds.
-func send(c *net.UnixConn, m message, fds []int) error {
-	b, err := json.Marshal(m)
-	if err != nil {
-		return err
-	}
-	var oob []byte
-	if len(fds) > 0 {
-		oob = unix.UnixRights(fds...)
-	}
-	_, _, err = c.WriteMsgUnix(b, oob, nil)
-	return err
-}
-
-// receive reads one message and the descriptors it carries.
-func receive(c *net.UnixConn) (message, []*os.File, error) {
-	buf := make([]byte, maxMessage)
-	oob := make([]byte, unix.CmsgSpace(perMessage*4))
-	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
-	if err != nil {
-		return message{}, nil, err
-	}
-	files, ferr := parseRights(oob[:oobn])
-	switch {
-	case ferr != nil:
-		return message{}, nil, ferr
-	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0:
-		closeAll(files)
-		return message{}, nil, errors.New("message truncated")
-	case n == 0:
-		closeAll(files)
-		return message{}, nil, errors.New("closed by the peer")
-	}
-	var m message
-	if err := json.Unmarshal(buf[:n], &m); err != nil {
-		closeAll(files)
-		return message{}, nil, fmt.Errorf("bad message: %w", err)
-	}
-	return m, files, nil
-}
-
-func parseRights(oob []byte) ([]*os.File, error) {
-	cmsgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("control message: %w", err)
-	}
-	var files []*os.File
-	for _, cm := range cmsgs {
-		fds, err := unix.ParseUnixRights(&cm)
-		if err != nil {
-			closeAll(files)
-			return nil, fmt.Errorf("control message: %w", err)
-		}
-		for _, fd := range fds {
-			unix.CloseOnExec(fd)
-			files = append(files, os.NewFile(uintptr(fd), "handover"))
-		}
-	}
-	return files, nil
-}
-
-func closeAll(files []*os.File) {
-	for _, f := range files {
-		f.Close()
-	}
-}
-
-// cred is a unix peer's credentials.
-type cred struct{ uid, pid uint32 }
-
-func (c cred) String() string { return fmt.Sprintf("uid %d pid %d", c.uid, c.pid) }
-
-func peerOf(c *net.UnixConn) (cred, error) {
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return cred{}, err
-	}
-	var u *unix.Ucred
-	var uerr error
-	if err := raw.Control(func(fd uintptr) {
-		u, uerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return cred{}, err
-	}
-	if uerr != nil {
-		return cred{}, uerr
-	}
-	return cred{uid: u.Uid, pid: uint32(u.Pid)}, nil
-}

@@ -250,6 +250,8 @@ func TestOtherUserRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer os.Remove(exe)
+	self := os.Args[0]
+	defer func() { os.Args[0] = self }()
 	os.Args[0] = exe
 	out, _ := asNobody()
 	if !strings.Contains(out, "permission denied") {
@@ -273,7 +275,35 @@ func TestOtherUserRefused(t *testing.T) {
 	}
 }
 
-// TestHelperPeer is TestOtherUserRefused's peer (run as another user).
+// A daemon in another network namespace (two namespaces' daemons given one
+// socket path, as lab daemons on one machine are) is refused: neither takes
+// the other's listeners, whose addresses only mean something in their own
+// namespace.
+func TestOtherNetworkNamespaceRefused(t *testing.T) {
+	testutil.RequireRoot(t, "it runs a peer in a network namespace of its own")
+	g, path, _ := newGiver(t, 2)
+	cmd := exec.Command(os.Args[0], "-test.run=TestHelperPeer$")
+	cmd.Env = append(os.Environ(), "HANDOVER_HELPER="+path)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET}
+	out, err := cmd.CombinedOutput()
+	if !strings.Contains(string(out), "another network namespace") {
+		t.Fatalf("a peer in another network namespace: %q (%v), want a refusal naming the namespace", out, err)
+	}
+	if got := g.Steps(); got != "" {
+		t.Errorf("the giver did %q for a peer of another namespace", got)
+	}
+	// The same peer in our namespace takes over: the refusal was the namespace's.
+	p, err := Take(context.Background(), path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if len(p.Sockets) != 2 {
+		t.Errorf("took %d sockets, want 2", len(p.Sockets))
+	}
+}
+
+// TestHelperPeer is a peer run as another user or in another namespace.
 func TestHelperPeer(t *testing.T) {
 	path := os.Getenv("HANDOVER_HELPER")
 	if path == "" {

@@ -21,7 +21,8 @@ func TestProxyPortRangeInUnreservableEphemeralRangeRefused(t *testing.T) {
 		return []string{"unshare", "-m", "sh", "-c",
 			`mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec "$@"`, "sh",
 			filepath.Join(binDir, "kube-userspace-proxy"), "--manifests", m, "--hostname-override", "node",
-			"--admin-socket", filepath.Join(t.TempDir(), "a.sock"), "--proxy-port-range", portRange}
+			"--admin-socket", filepath.Join(t.TempDir(), "a.sock"), "--handover-socket", filepath.Join(t.TempDir(), "h.sock"),
+			"--proxy-port-range", portRange}
 	}
 	out, err := l.Exec("node", args("45000-45999")...)
 	if err == nil || !strings.Contains(out, "overlaps the kernel's ephemeral port range 32768-60999") {

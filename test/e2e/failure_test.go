@@ -333,7 +333,8 @@ func TestUDPFloodLeavesDescriptorsForTCP(t *testing.T) {
 	m := filepath.Join(t.TempDir(), "m.yaml")
 	writeManifest(t, m, content.String())
 	d := l.Start("node", "prlimit", "--nofile=2048:2048", filepath.Join(binDir, "kube-userspace-proxy"),
-		"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+		"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
+		"--admin-socket", filepath.Join(t.TempDir(), "admin.sock"), "--handover-socket", filepath.Join(t.TempDir(), "handover.sock"))
 	waitFor(t, "the rules", func() bool { return countRules(t, l, `lab/web`) > 0 && countRules(t, l, `lab/u6`) > 0 })
 
 	// 3000 client ports, 500 per Service: more flows than the UDP share
@@ -549,7 +550,7 @@ func TestUDPFloodStaysWithItsService(t *testing.T) {
 	// 2 000 descriptors: a UDP share of about 930 flows for all Services.
 	d := l.Start("node", "prlimit", "--nofile=2000:2000", filepath.Join(binDir, "kube-userspace-proxy"),
 		"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node",
-		"--admin-socket", filepath.Join(t.TempDir(), "admin.sock"))
+		"--admin-socket", filepath.Join(t.TempDir(), "admin.sock"), "--handover-socket", filepath.Join(t.TempDir(), "handover.sock"))
 	udpReaches(t, l, "client", "10.96.0.30", "53")
 	steady := func() string { return l.UDPFrom(12345, "10.96.0.30", "53", "steady") }
 	var first string

@@ -177,13 +177,27 @@ func (l *Lab) Backends() {
 	}
 }
 
-// Daemon runs kube-userspace-proxy in the node namespace, its admin socket
-// in the test's own folder (the default path is the machine's).
+// Daemon runs kube-userspace-proxy in the node namespace, its admin and
+// handover sockets in the test's own folder (the default paths are the
+// machine's, shared by every lab's daemon) unless args name a handover
+// socket.
 func (l *Lab) Daemon(args ...string) *Proc {
 	l.t.Helper()
 	l.AdminSocket = filepath.Join(l.t.TempDir(), "admin.sock")
-	return l.Start("node", append([]string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug",
-		"--admin-socket", l.AdminSocket}, args...)...)
+	own := []string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug", "--admin-socket", l.AdminSocket}
+	if !hasFlag(args, "--handover-socket") {
+		own = append(own, "--handover-socket", filepath.Join(l.t.TempDir(), "handover.sock"))
+	}
+	return l.Start("node", append(own, args...)...)
+}
+
+func hasFlag(args []string, flag string) bool {
+	for _, a := range args {
+		if a == flag || strings.HasPrefix(a, flag+"=") {
+			return true
+		}
+	}
+	return false
 }
 
 // Curl fetches url from a namespace and returns the body, or "" on failure.

@@ -40,7 +40,8 @@ func TestTwoNodes(t *testing.T) {
 	apiPort := cl.cp.URL[strings.LastIndex(cl.cp.URL, ":")+1:]
 	kcB := cl.deployKubeconfig(t, "https://10.251.19.1:"+apiPort)
 	daemonB := cl.Start("node2", append([]string{filepath.Join(binDir, "kube-userspace-proxy"), "--log-level", "debug",
-		"--kubeconfig", kcB, "--hostname-override", "node-b", "--min-sync-period", "100ms"}, args...)...)
+		"--kubeconfig", kcB, "--hostname-override", "node-b", "--min-sync-period", "100ms",
+		"--admin-socket", filepath.Join(t.TempDir(), "admin.sock"), "--handover-socket", filepath.Join(t.TempDir(), "handover.sock")}, args...)...)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("node-b's daemon log:\n%s", daemonB.Output())
