@@ -55,14 +55,22 @@ type dataplane struct {
 	// handoffSink takes the pairs stopped for a successor (handoff.go);
 	// nil when no handoff is under way.
 	handoffSink atomic.Pointer[func(*handedPair) bool]
+	// udpGate holds the UDP read loops of a successor until the
+	// predecessor's flows are in their tables (udphandoff.go); nil without
+	// a predecessor. Set before start, closed once by openUDP.
+	udpGate chan struct{}
+	openUDP sync.Once
 	// connLogLimit bounds the connection log (connlog.go).
 	connLogLimit *connLogLimit
 	// noLocalPortWarned is when the last "no local port" warning was
 	// logged (Unix ns): one a minute says it without flooding the log.
 	noLocalPortWarned atomic.Int64
 
-	mu  sync.Mutex     // guards acc
+	mu  sync.Mutex     // guards acc and handedFlows
 	acc *sock.Acceptor // made for the first TCP listener, closed by closeListeners
+	// handedFlows are the UDP flows detached at a Release, until HandOff
+	// sends them (udphandoff.go).
+	handedFlows []handedFlow
 
 	tasks []*task // stopped by stop, last started first
 }

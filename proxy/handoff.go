@@ -153,72 +153,24 @@ func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) erro
 	if !p.released.Load() {
 		return errors.New("HandOff before Release")
 	}
-	// A stopped pair waits (on its copier, which blocks no one else) for
-	// room in ready; once HandOff returns, it goes back to its copies.
-	ready := make(chan *handedPair, 4*pairsPerBatch)
-	stopc := make(chan struct{})
-	var sinkMu sync.RWMutex // held for reading by sinks: the drain below waits for them
-	stopped := false
-	sink := func(hp *handedPair) bool {
-		sinkMu.RLock()
-		defer sinkMu.RUnlock()
-		if stopped {
-			return false
-		}
-		select {
-		case ready <- hp:
-			return true
-		case <-stopc:
-			return false
-		}
+	// The UDP flows first: the successor reads its UDP sockets once it
+	// has them.
+	if n, err := p.sendFlows(send); err != nil {
+		return err
+	} else if n > 0 {
+		p.cfg.log().WithField("flows", n).Info("UDP flows handed over")
 	}
-	p.dp.handoffSink.Store(&sink)
-	stopSink := func() {
+	sink := newPairSink(4 * pairsPerBatch)
+	put := sink.put
+	p.dp.handoffSink.Store(&put)
+	defer func() {
 		p.dp.handoffSink.Store(nil)
-		close(stopc)
-		sinkMu.Lock()
-		stopped = true
-		sinkMu.Unlock()
-		for {
-			select {
-			case hp := <-ready:
-				hp.c.pair.resumeDetached(hp.c.fe)
-			default:
-				return
-			}
-		}
-	}
-	defer stopSink()
+		sink.stop()
+	}()
 
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	handed := 0
-	var batch []*handedPair
-	flush := func() error {
-		if len(batch) == 0 {
-			return nil
-		}
-		socks, err := pairSockets(batch)
-		if err == nil {
-			err = send(socks)
-		}
-		for _, s := range socks {
-			s.File.Close()
-		}
-		if err != nil {
-			for _, hp := range batch {
-				hp.c.pair.resumeDetached(hp.c.fe)
-			}
-			batch = batch[:0]
-			return err
-		}
-		for _, hp := range batch {
-			hp.c.handedOver()
-		}
-		handed += len(batch)
-		batch = batch[:0]
-		return nil
-	}
 	for {
 		for _, c := range p.dp.conns.all() {
 			if c.isPaired() {
@@ -228,20 +180,20 @@ func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) erro
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case hp := <-ready:
-			batch = append(batch, hp)
-			for len(batch) < pairsPerBatch {
+		case hp := <-sink.ready:
+			batch := []*handedPair{hp}
+			for more := true; more && len(batch) < pairsPerBatch; {
 				select {
-				case hp := <-ready:
+				case hp := <-sink.ready:
 					batch = append(batch, hp)
-					continue
 				default:
+					more = false
 				}
-				break
 			}
-			if err := flush(); err != nil {
+			if err := sendPairs(batch, send); err != nil {
 				return fmt.Errorf("after %d connections: %w", handed, err)
 			}
+			handed += len(batch)
 			continue
 		case <-tick.C:
 		}
@@ -250,6 +202,74 @@ func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) erro
 			return nil
 		}
 	}
+}
+
+// pairSink is where stopped pairs wait for HandOff's loop. A pair waits
+// (on its copier, which blocks no one else) for room in ready; once the
+// sink stops, every pair waiting or arriving goes back to its copies.
+type pairSink struct {
+	ready   chan *handedPair
+	stopc   chan struct{}
+	mu      sync.RWMutex // held for reading by put: stop waits for them
+	stopped bool
+}
+
+func newPairSink(room int) *pairSink {
+	return &pairSink{ready: make(chan *handedPair, room), stopc: make(chan struct{})}
+}
+
+// put offers hp to HandOff's loop; false: the sink stopped, hp is its
+// copies' again.
+func (s *pairSink) put(hp *handedPair) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if s.stopped {
+		return false
+	}
+	select {
+	case s.ready <- hp:
+		return true
+	case <-s.stopc:
+		return false
+	}
+}
+
+// stop gives every pair still waiting back to its copies.
+func (s *pairSink) stop() {
+	close(s.stopc)
+	s.mu.Lock()
+	s.stopped = true
+	s.mu.Unlock()
+	for {
+		select {
+		case hp := <-s.ready:
+			hp.c.pair.resumeDetached(hp.c.fe)
+		default:
+			return
+		}
+	}
+}
+
+// sendPairs sends batch and closes this process's descriptors of it; when
+// send fails the pairs go back to their copies.
+func sendPairs(batch []*handedPair, send func([]handover.Socket) error) error {
+	socks, err := pairSockets(batch)
+	if err == nil {
+		err = send(socks)
+	}
+	for _, s := range socks {
+		s.File.Close()
+	}
+	if err != nil {
+		for _, hp := range batch {
+			hp.c.pair.resumeDetached(hp.c.fe)
+		}
+		return err
+	}
+	for _, hp := range batch {
+		hp.c.handedOver()
+	}
+	return nil
 }
 
 // pairSockets are the sockets of batch: client then backend, the state on
@@ -292,14 +312,24 @@ func (c *connRecord) isPaired() bool {
 	return c.paired
 }
 
-// AdoptConns takes connections a predecessor handed over (pairs of
-// sockets, as HandOff sends them) and copies them on. A connection of a
+// AdoptConns takes connections a predecessor handed over (UDP flows and
+// pairs of sockets, as HandOff sends them) and copies them on. A connection of a
 // Service this daemon does not serve is closed.
 func (p *Proxier) AdoptConns(socks []handover.Socket) (adopted int, err error) {
 	var errs []string
 	byName := p.rec.frontendsByName()
-	for i := 0; i+1 < len(socks); i += 2 {
-		if err := p.adoptPair(byName, socks[i], socks[i+1]); err != nil {
+	var pairs []handover.Socket
+	for _, s := range socks {
+		if s.Name != udpFlowName {
+			pairs = append(pairs, s)
+		} else if err := p.adoptFlow(byName, s); err != nil {
+			errs = append(errs, err.Error())
+		} else {
+			adopted++
+		}
+	}
+	for i := 0; i+1 < len(pairs); i += 2 {
+		if err := p.adoptPair(byName, pairs[i], pairs[i+1]); err != nil {
 			errs = append(errs, err.Error())
 			continue
 		}

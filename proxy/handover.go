@@ -13,11 +13,13 @@ package proxy
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net/netip"
 	"os"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
@@ -89,9 +91,10 @@ func (in *inherited) closeRest() int {
 
 // Adopt gives the Proxier the sockets a predecessor handed over (before
 // Run); freeze is called once, just before the first sync, to stop the
-// predecessor from changing anything from then on. Sockets whose name is
+// predecessor from changing anything from then on; it returns the
+// predecessor's pick state (Freeze), which that sync applies. Sockets whose name is
 // not a frontend's are left out (the caller's).
-func (p *Proxier) Adopt(socks []handover.Socket, freeze func() error) {
+func (p *Proxier) Adopt(socks []handover.Socket, freeze func() (json.RawMessage, error)) {
 	in := &inherited{socks: make(map[string]handover.Socket)}
 	for _, s := range socks {
 		if strings.HasPrefix(s.Name, "frontend ") {
@@ -99,8 +102,16 @@ func (p *Proxier) Adopt(socks []handover.Socket, freeze func() error) {
 		}
 	}
 	p.dp.inherited = in
+	p.dp.udpGate = make(chan struct{})
+	// A hard bound on the UDP pause should the predecessor never send
+	// its flows (FlowsAdopted).
+	time.AfterFunc(udpGateLimit, p.dp.openUDPGate)
 	p.freeze = freeze
 }
+
+// udpGateLimit bounds how long a successor's UDP frontends wait for the
+// predecessor's flows.
+const udpGateLimit = 10 * time.Second
 
 // Serving is closed once the first sync's rules are written: every
 // frontend serves.
@@ -140,15 +151,20 @@ func (p *Proxier) Lend(ctx context.Context) ([]handover.Socket, error) {
 	return socks, err
 }
 
-// Freeze stops syncing (changes queue) until Thaw or Release.
-func (p *Proxier) Freeze(ctx context.Context) error {
-	return p.call(ctx, func() error {
+// Freeze stops syncing (changes queue) until Thaw or Release, and returns
+// the state that decides the frontends' future picks (pickstate.go).
+func (p *Proxier) Freeze(ctx context.Context) (json.RawMessage, error) {
+	var picks json.RawMessage
+	err := p.call(ctx, func() error {
 		if p.handedOver {
 			return ErrHandedOver
 		}
 		p.frozen = true
-		return nil
+		var err error
+		picks, err = json.Marshal(p.rec.pickStates())
+		return err
 	})
+	return picks, err
 }
 
 // Thaw syncs again what queued while frozen.
@@ -173,6 +189,7 @@ func (p *Proxier) Release(ctx context.Context) error {
 		for _, w := range p.writer.stop(ErrHandedOver) {
 			p.rec.written(w)
 		}
+		p.rec.detachUDPFlows()
 		p.rec.closeAll()
 		p.dp.closeListeners()
 		return nil

@@ -20,6 +20,7 @@ package proxy
 
 import (
 	"context"
+	"encoding/json"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,10 +43,10 @@ type Proxier struct {
 	released atomic.Bool   // Release was called
 
 	// The sync goroutine's.
-	frozen      bool         // a handover is under way: no syncs
-	handedOver  bool         // Release was called: nothing is served any more
-	freeze      func() error // called before the first sync (Adopt)
-	servingShut bool         // serving is closed
+	frozen      bool                            // a handover is under way: no syncs
+	handedOver  bool                            // Release was called: nothing is served any more
+	freeze      func() (json.RawMessage, error) // called before the first sync (Adopt): the predecessor's pick state
+	servingShut bool                            // serving is closed
 	stopWriter  context.CancelFunc
 
 	mu         sync.Mutex    // guards the fields below
@@ -190,12 +191,17 @@ func (p *Proxier) syncPending(verify bool) bool {
 		// the frontends and the rules are ours.
 		freeze := p.freeze
 		p.freeze = nil
-		if err := freeze(); err != nil {
-			p.cfg.log().WithError(err).Warn("The predecessor did not freeze; syncing anyway")
+		picks, err := freeze()
+		if err == nil && len(picks) > 0 {
+			err = json.Unmarshal(picks, &p.rec.inheritedPicks)
+		}
+		if err != nil {
+			p.cfg.log().WithError(err).Warn("The predecessor did not freeze (or its pick state is unreadable); syncing anyway")
 		}
 	}
 	p.activity.enter()
 	w := p.rec.apply(*d, verify)
+	p.rec.inheritedPicks = nil // what no frontend took: Services gone meanwhile
 	p.activity.leave()
 	w.queuedAt = queuedAt
 	p.writer.submit(w)

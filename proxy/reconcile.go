@@ -54,6 +54,9 @@ type reconciler struct {
 	healthChecks []healthcheck.Service
 	// lines are the listeners opened and closed since the last log of them.
 	lines listenerLines
+	// inheritedPicks is a predecessor's pick state by frontend key, until
+	// the first sync applied it (pickstate.go).
+	inheritedPicks map[string]pickState
 
 	mu sync.Mutex // guards the fields below: written by the sync goroutine, read by anyone
 	// frontends are the live listeners.

@@ -139,6 +139,7 @@ func (r *reconciler) update(fe *frontend, sp *config.ServicePort, ks keyServe) e
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	fe.sourcePolicy.Store(ks.source)
 	fe.bal.Update(ks.eps, sp.AffinityTimeout, ks.outlier, sp.Scheduler)
+	r.applyInheritedPicks(fe)
 	fe.noLocal.Store(ks.noLocal)
 	if fe.udp != nil && ks.serving != nil {
 		fe.udp.endFlowsOff(ks.serving)

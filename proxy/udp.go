@@ -67,6 +67,13 @@ type udpFlow struct {
 
 	failovers int // endpoints of this client's exchange that failed before this flow's
 
+	// A handover (udphandoff.go): detached asks the reply goroutine to stop
+	// at its next read, leaving the socket open; it sets handable when it
+	// did so, then closes stopped, as it does whenever it exits.
+	detached atomic.Bool
+	handable bool
+	stopped  chan struct{}
+
 	lastMu sync.Mutex // guards last
 	last   []byte     // the last datagram sent to the endpoint, if small: re-sent after a failover
 }
@@ -103,11 +110,20 @@ type udpServer struct {
 	sk        *udpSocket
 	flows     udpFlows
 	served    sync.WaitGroup // the read loop
+	quit      chan struct{}  // closed when the read loop is to stop; guarded by flows.mu
 }
 
 // serve reads datagrams until the socket is closed: whatever is queued
-// when it wakes, a batch at a time (sock.Batch).
-func (u *udpServer) serve() {
+// when it wakes, a batch at a time (sock.Batch). In a successor it first
+// waits for the predecessor's flows (dataplane.udpGate).
+func (u *udpServer) serve(quit <-chan struct{}) {
+	if g := u.dp.udpGate; g != nil {
+		select {
+		case <-g:
+		case <-quit:
+			return
+		}
+	}
 	in, err := sock.NewReceiver(u.sk.conn, true)
 	if err != nil {
 		u.log().WithError(err).Error("UDP socket unusable; service port not served")
@@ -240,6 +256,21 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 		}
 	}
 
+	in, ok := u.insert(fl)
+	if !ok {
+		// Not serving, or the read loop made one meanwhile (a failover
+		// racing a new datagram): keep that one.
+		fl.backend.Close()
+		fl.release()
+		u.bal.Done(fl.endpoint)
+	}
+	return in
+}
+
+// insert puts fl (open to its endpoint) in the table and starts its reply
+// goroutine. It returns the client's flow in the table and whether that is
+// fl: nil when the server no longer serves.
+func (u *udpServer) insert(fl *udpFlow) (*udpFlow, bool) {
 	t := &u.flows
 	t.mu.Lock()
 	if t.flows == nil {
@@ -247,26 +278,18 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 	}
 	if t.closed {
 		t.mu.Unlock()
-		fl.backend.Close()
-		fl.release()
-		u.bal.Done(fl.endpoint)
-		return nil
+		return nil, false
 	}
-	if cur, ok := t.flows[client]; ok {
-		// The read loop made one meanwhile (a failover racing a new
-		// datagram): keep that one.
+	if cur, ok := t.flows[fl.client]; ok {
 		t.mu.Unlock()
-		fl.backend.Close()
-		fl.release()
-		u.bal.Done(fl.endpoint)
-		return cur
+		return cur, false
 	}
 	var victim *udpFlow
 	if max := u.dp.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
 	}
 	fl.elem = t.lru.PushFront(fl)
-	t.flows[client] = fl
+	t.flows[fl.client] = fl
 	u.m.get().udpActive.Inc()
 	overBudget := t.budget.flowOpened(u)
 	t.wg.Add(1)
@@ -278,8 +301,9 @@ func (u *udpServer) newFlow(fl *udpFlow, avoid netip.AddrPort, resend []byte) *u
 	case overBudget:
 		t.budget.evictForNew() // the daemon's UDP share is: a flow of the fullest service port
 	}
+	fl.stopped = make(chan struct{})
 	go u.replies(fl, fl.backend)
-	return fl
+	return fl, true
 }
 
 // failFlow ends fl because its endpoint socket failed with err.
@@ -319,9 +343,14 @@ type errBox struct{ error }
 // replies copies the endpoint's datagrams to the client until the flow has
 // been idle for the UDP timeout or its socket is closed.
 func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
+	defer close(fl.stopped)
 	defer u.flows.wg.Done()
 	defer u.bal.Done(fl.endpoint)
-	defer fl.release() // its socket is closed by then: every way out of the loop closes it
+	defer func() {
+		if !fl.handable {
+			fl.release() // its socket is closed by then: every way out of the loop but a detach closes it
+		}
+	}()
 	timeout := u.dp.cfg.udpTimeout()
 	// This goroutine's own, as they hold the datagram in flight.
 	toClient, serr := sock.NewSender(u.sk.conn, u.sk.family)
@@ -345,6 +374,10 @@ func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
 	armed := false // the read deadline is set; it moves only when it fires
 	for serr == nil {
 		if !armed {
+			if fl.detached.Load() {
+				fl.handable = true // for a successor: the socket stays open
+				return
+			}
 			last := time.Unix(0, fl.lastSeen.Load())
 			if time.Since(last) >= timeout {
 				u.endFlow(fl, CauseIdleTimeout)
@@ -354,6 +387,10 @@ func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
 			// heap): an expiry re-checks lastSeen instead.
 			_ = backend.SetReadDeadline(last.Add(timeout))
 			armed = true
+			if fl.detached.Load() {
+				armed = false // detachFlows' wake-up may have come before this deadline
+				continue
+			}
 		}
 		// A read error: an ICMP error the kernel reports, the deadline, a
 		// close.
@@ -407,18 +444,31 @@ func payloadBytes(datagrams [][]byte) (n int64) {
 
 // open starts serving on sk: a new server, or one that refused meanwhile.
 func (u *udpServer) open(sk *udpSocket) {
+	quit := make(chan struct{})
 	u.flows.mu.Lock()
-	u.sk, u.flows.closed = sk, false
+	u.sk, u.flows.closed, u.quit = sk, false, quit
 	u.flows.mu.Unlock()
 	u.flows.budget.addUDP(u)
-	u.served.Go(u.serve)
+	u.served.Go(func() { u.serve(quit) })
+}
+
+// stopReading closes the frontend socket and waits for the read loop.
+func (u *udpServer) stopReading() {
+	u.flows.mu.Lock()
+	quit := u.quit
+	u.quit = nil
+	u.flows.mu.Unlock()
+	if quit != nil {
+		close(quit)
+	}
+	u.sk.conn.Close()
+	u.served.Wait()
 }
 
 // close stops the read loop and ends every flow (the frontend is going
 // away, or refuses), waiting for them.
 func (u *udpServer) close() {
-	u.sk.conn.Close()
-	u.served.Wait()
+	u.stopReading()
 	u.flows.budget.removeUDP(u)
 	u.flows.mu.Lock()
 	u.flows.closed = true

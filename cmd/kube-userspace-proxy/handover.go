@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"os"
@@ -95,7 +96,7 @@ func (p *predecessor) adopt(ctx context.Context, px *proxy.Proxier) {
 			rest = append(rest, s)
 		}
 	}
-	px.Adopt(rest, func() error { return p.Freeze(ctx) })
+	px.Adopt(rest, func() (json.RawMessage, error) { return p.Freeze(ctx) })
 }
 
 // close ends the exchange and closes what nobody took.
@@ -112,13 +113,16 @@ func (p *predecessor) close() {
 	p.Close()
 }
 
-// adoptConns takes the predecessor's live connections until it has none
-// left.
+// adoptConns takes the predecessor's UDP flows (its first batch, after
+// which the UDP frontends read their sockets) and live connections until
+// it has none left.
 func adoptConns(ctx context.Context, pred *predecessor, p *proxy.Proxier, log logrus.FieldLogger) {
+	defer p.FlowsAdopted()
 	start := time.Now()
 	total := 0
 	err := pred.Conns(ctx, func(socks []handover.Socket) {
 		n, err := p.AdoptConns(socks)
+		p.FlowsAdopted()
 		total += n
 		if err != nil {
 			log.WithError(err).Warn("Connections the predecessor handed over were closed")
@@ -159,8 +163,8 @@ func (g *giver) HandOff(ctx context.Context, send func([]handover.Socket) error)
 	return g.p.HandOff(ctx, send)
 }
 
-func (g *giver) Freeze(ctx context.Context) error { return g.p.Freeze(ctx) }
-func (g *giver) Thaw()                            { g.p.Thaw() }
+func (g *giver) Freeze(ctx context.Context) (json.RawMessage, error) { return g.p.Freeze(ctx) }
+func (g *giver) Thaw()                                               { g.p.Thaw() }
 
 func (g *giver) Release(successor int) {
 	g.ready.set(false)
@@ -186,6 +190,7 @@ func serveHandovers(ctx context.Context, path string, pred *predecessor, p *prox
 		if pred != nil {
 			if err := pred.Serving(ctx); err != nil {
 				log.WithError(err).Warn("The predecessor did not confirm the handover; it was stopped meanwhile, or stops serving by itself")
+				p.FlowsAdopted()
 				pred.close()
 			} else {
 				log.WithField("predecessor", pred.PID).Info("Took over: the predecessor serves nothing more")

@@ -76,8 +76,10 @@ type message struct {
 	Reason   string `json:"reason,omitempty"`
 	// NetNS is the sender's network namespace (hello, offer): listeners
 	// and connections only make sense in the namespace they live in.
-	NetNS   uint64   `json:"netns,omitempty"`
-	Sockets []Socket `json:"sockets,omitempty"`
+	NetNS uint64 `json:"netns,omitempty"`
+	// State is the giver\'s state beyond the sockets (frozen).
+	State   json.RawMessage `json:"state,omitempty"`
+	Sockets []Socket        `json:"sockets,omitempty"`
 }
 
 // perMessage bounds the descriptors of one message (the kernel's limit for
@@ -124,8 +126,9 @@ type Giver interface {
 	// goes on serving on its own.
 	Lend(ctx context.Context) ([]Socket, error)
 	// Freeze stops every change to what was lent (no sync, no rule
-	// write) until Release or Thaw.
-	Freeze(ctx context.Context) error
+	// write) until Release or Thaw, and returns the state the successor
+	// needs beyond the sockets (opaque here: the pick state).
+	Freeze(ctx context.Context) (json.RawMessage, error)
 	// Thaw: the successor went away before it served; go on as before.
 	Thaw()
 	// Release: the successor serves. Stop serving, close the lent
@@ -220,7 +223,8 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 		log.WithError(err).WithField("message", m.Type).Warn("Handover broke off before the successor synced; serving on")
 		return false
 	}
-	if err := g.Freeze(ctx); err != nil {
+	state, err := g.Freeze(ctx)
+	if err != nil {
 		log.WithError(err).Warn("Handover broke off: cannot freeze; serving on")
 		return false
 	}
@@ -230,7 +234,7 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 			g.Thaw()
 		}
 	}()
-	if err := send(c, message{Type: "frozen"}, nil); err != nil {
+	if err := send(c, message{Type: "frozen", State: state}, nil); err != nil {
 		log.WithError(err).Warn("Handover broke off; serving on")
 		return false
 	}
@@ -396,32 +400,35 @@ func Take(ctx context.Context, path string) (*Predecessor, error) {
 }
 
 // Freeze tells the predecessor that this daemon syncs now: it stops
-// changing anything until Serving (or until this connection ends).
-func (p *Predecessor) Freeze(ctx context.Context) error {
-	return p.step(ctx, "freeze", "frozen")
+// changing anything until Serving (or until this connection ends). It
+// returns the predecessor's state beyond the sockets.
+func (p *Predecessor) Freeze(ctx context.Context) (json.RawMessage, error) {
+	m, err := p.step(ctx, "freeze", "frozen")
+	return m.State, err
 }
 
 // Serving tells the predecessor that this daemon serves: it closes its
 // copies and serves nothing more.
 func (p *Predecessor) Serving(ctx context.Context) error {
-	return p.step(ctx, "serving", "released")
+	_, err := p.step(ctx, "serving", "released")
+	return err
 }
 
-func (p *Predecessor) step(ctx context.Context, say, want string) error {
+func (p *Predecessor) step(ctx context.Context, say, want string) (message, error) {
 	stop := context.AfterFunc(ctx, func() { p.c.Close() })
 	defer stop()
 	_ = p.c.SetDeadline(time.Now().Add(stepTimeout))
 	if err := send(p.c, message{Type: say}, nil); err != nil {
-		return fmt.Errorf("handover %s: %w", say, err)
+		return message{}, fmt.Errorf("handover %s: %w", say, err)
 	}
 	m, _, err := receive(p.c)
 	if err != nil {
-		return fmt.Errorf("handover %s: %w", say, err)
+		return message{}, fmt.Errorf("handover %s: %w", say, err)
 	}
 	if m.Type != want {
-		return fmt.Errorf("handover %s: answered %q", say, m.Type)
+		return message{}, fmt.Errorf("handover %s: answered %q", say, m.Type)
 	}
-	return nil
+	return m, nil
 }
 
 // Conns receives the connections the predecessor hands over after

@@ -2,6 +2,7 @@ package handover
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net"
 	"os"
@@ -47,7 +48,10 @@ func (g *fakeGiver) Lend(ctx context.Context) ([]Socket, error) {
 	return socks, nil
 }
 
-func (g *fakeGiver) Freeze(ctx context.Context) error { g.step("freeze"); return nil }
+func (g *fakeGiver) Freeze(ctx context.Context) (json.RawMessage, error) {
+	g.step("freeze")
+	return json.RawMessage(`{"picks":1}`), nil
+}
 func (g *fakeGiver) HandOff(ctx context.Context, send func([]Socket) error) error {
 	g.step("handoff")
 	return nil
@@ -114,8 +118,10 @@ func TestExchange(t *testing.T) {
 	} else {
 		a.Close()
 	}
-	if err := p.Freeze(ctx); err != nil {
+	if state, err := p.Freeze(ctx); err != nil {
 		t.Fatal(err)
+	} else if string(state) != `{"picks":1}` {
+		t.Errorf("the giver's state arrived as %s", state)
 	}
 	if err := p.Serving(ctx); err != nil {
 		t.Fatal(err)
@@ -151,7 +157,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the next successor: %v", err)
 	}
-	if err := p.Freeze(ctx); err != nil {
+	if _, err := p.Freeze(ctx); err != nil {
 		t.Fatal(err)
 	}
 	p.Close() // gone after freezing, before serving
@@ -161,7 +167,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 		t.Fatalf("the third successor: %v", err)
 	}
 	defer p.Close()
-	if err := p.Freeze(ctx); err != nil {
+	if _, err := p.Freeze(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.Serving(ctx); err != nil {

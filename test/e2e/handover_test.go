@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -25,8 +26,9 @@ import (
 // is the test's own.
 type handoverLab struct {
 	*Lab
-	socket string
-	args   []string
+	socket   string
+	manifest string
+	args     []string
 }
 
 // The old daemons' grace is short: a connection that was not handed over
@@ -40,7 +42,7 @@ func newHandoverLab(t *testing.T) *handoverLab {
 	m := filepath.Join(t.TempDir(), "m.yaml")
 	writeManifest(t, m, webManifest()+"---\n"+service("echo", "ClusterIP", "10.96.0.20", "", `{name: echo, port: 7, targetPort: 9007, protocol: TCP}`)+
 		slices("echo", `{name: echo, port: 9007, protocol: TCP}`, false))
-	return &handoverLab{Lab: l, socket: filepath.Join(t.TempDir(), "run", "handover.sock"),
+	return &handoverLab{Lab: l, socket: filepath.Join(t.TempDir(), "run", "handover.sock"), manifest: m,
 		args: []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "1s"}}
 }
 
@@ -219,8 +221,11 @@ func TestHandoverRefusesNothing(t *testing.T) {
 		download <- result{sum: fmt.Sprintf("%x", hash.Sum(nil)), n: n}
 	}()
 
-	// A UDP client on one fixed source port, one question every 50 ms.
+	// A UDP client on one fixed source port, one question every 50 ms: its
+	// flow is handed over, so every answer comes from the same pod.
 	var udpSent, udpAnswered atomic.Int64
+	var udpPodsMu sync.Mutex
+	udpPods := map[string]int{}
 	udpStop := make(chan struct{})
 	udpDone := make(chan struct{})
 	go func() {
@@ -248,6 +253,10 @@ func TestHandoverRefusesNothing(t *testing.T) {
 			_ = c.SetReadDeadline(time.Now().Add(time.Second))
 			if n, err := c.Read(buf); err == nil && n > 0 {
 				udpAnswered.Add(1)
+				pod, _, _ := strings.Cut(string(buf[:n]), ":")
+				udpPodsMu.Lock()
+				udpPods[pod]++
+				udpPodsMu.Unlock()
 				time.Sleep(50 * time.Millisecond)
 			}
 		}
@@ -300,6 +309,19 @@ func TestHandoverRefusesNothing(t *testing.T) {
 	}
 	if s, a := udpSent.Load(), udpAnswered.Load(); a*100 < s*99 {
 		t.Errorf("UDP: %d of %d answered, want ≥ 99 %%", a, s)
+	}
+	if len(udpPods) != 1 {
+		t.Errorf("the UDP client on one source port was answered by %v: its flow was not handed over", udpPods)
+	}
+	for _, p := range []*Proc{second, third} {
+		if !strings.Contains(p.Output(), "Adopted the predecessor's connections") || !strings.Contains(grepLines(p.Output(), "Adopted the predecessor"), "connections=") {
+			t.Errorf("no adoption logged:\n%s", tail(p.Output(), 2000))
+		}
+	}
+	for _, p := range []*Proc{first, second} {
+		if !strings.Contains(p.Output(), "UDP flows handed over") {
+			t.Errorf("the old daemon handed no UDP flow over:\n%s", grepLines(p.Output(), "handover"))
+		}
 	}
 	if after := h.MustExec("node", "iptables-save", "-t", "nat"); stripCounters(after) != stripCounters(rulesBefore) {
 		t.Errorf("the rules changed across the handovers:\nbefore:\n%s\nafter:\n%s", rulesBefore, after)
@@ -468,5 +490,176 @@ func TestManyHandovers(t *testing.T) {
 	}
 	if last.rssKiB > first.rssKiB*3/2+10<<10 {
 		t.Errorf("RSS grew from %d KiB to %d KiB", first.rssKiB, last.rssKiB)
+	}
+}
+
+// keepAlive is one HTTP/1.1 connection through a Service, asked again and
+// again: a client that holds its connection across a handover.
+type keepAlive struct {
+	c  net.Conn
+	br *bufio.Reader
+}
+
+func dialKeepAlive(t *testing.T, l *Lab, addr string) *keepAlive {
+	t.Helper()
+	c, err := cluster.DialContextIn(l.NS("client"))(context.Background(), "tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	k := &keepAlive{c: c, br: bufio.NewReader(c)}
+	if _, err := k.get(); err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+// get asks once and returns the pod that answered, within 5 s.
+func (k *keepAlive) get() (string, error) {
+	_ = k.c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.WriteString(k.c, "GET / HTTP/1.1\r\nHost: web\r\n\r\n"); err != nil {
+		return "", err
+	}
+	resp, err := http.ReadResponse(k.br, nil)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if f := strings.Fields(string(b)); len(f) > 0 {
+		return f[0], nil
+	}
+	return "", fmt.Errorf("empty answer")
+}
+
+// Either side killed with -9 half-way through a handover. The API server
+// is stopped first, so that the successor, once it holds the sockets,
+// waits before its first sync: the exchange is open, the running daemon
+// still serving. A successor killed there leaves the running daemon
+// serving (not one connection refused or lost) and the next successor
+// takes over as usual. A running daemon killed there leaves its
+// connections closed (never owned twice) and its listening sockets with
+// the successor, which serves every Service at its first sync: nothing
+// is refused meanwhile, connections wait in the kernel's backlog.
+func TestHandoverKilledMidway(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "handover.sock")
+	cl := startClusterLab(t, clusterLabOptions{daemonArgs: []string{"--handover-socket", socket, "--shutdown-grace", "1s"}})
+	cl.pod(t, "pod1", "10.251.19.12", "node", "web")
+	cl.service(t, webService("web", "10.96.0.10"))
+	cl.expectPods(t, "client", "http://10.96.0.10/", "pod1")
+	kc := cl.deployKubeconfig(t, cl.cp.URL)
+	start := func() *Proc {
+		p := cl.Daemon("--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms",
+			"--handover-socket", socket, "--shutdown-grace", "1s")
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("daemon %d's log:\n%s", p.Cmd.Process.Pid, tail(p.Output(), 4000))
+			}
+		})
+		return p
+	}
+	first := cl.daemon
+	held := dialKeepAlive(t, cl.Lab, "10.96.0.10:80")
+
+	// The successor killed half-way: the first daemon serves on.
+	ld := startLoad(cl.Lab, "10.96.0.10:80")
+	cl.cp.StopAPIServer()
+	killed := start()
+	waitLog(t, killed, "Taking over from the running daemon")
+	_ = killed.Cmd.Process.Kill()
+	_ = killed.Cmd.Wait()
+	waitLog(t, first, "Handover broke off before the successor synced; serving on")
+	if pod, err := held.get(); err != nil || pod != "pod1" {
+		t.Fatalf("the held connection after the successor was killed: %q %v", pod, err)
+	}
+	if err := cl.cp.StartAPIServer(cl.ctx); err != nil {
+		t.Fatal(err)
+	}
+	second := start()
+	waitLog(t, second, "Adopted the predecessor's connections")
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	if err := first.Cmd.Wait(); err != nil {
+		t.Errorf("the first daemon on SIGTERM: %v", err)
+	}
+	if pod, err := held.get(); err != nil || pod != "pod1" {
+		t.Fatalf("the held connection after the next successor took over: %q %v", pod, err)
+	}
+	tries, fails, errs := ld.end()
+	t.Logf("successor killed: %d connections, %d failed", tries, fails)
+	if fails > 0 {
+		t.Errorf("%d of %d connections failed with the successor killed half-way: %s", fails, tries, strings.Join(errs, "; "))
+	}
+
+	// The running daemon killed half-way: its connections are closed, the
+	// successor serves at its first sync, and nothing is refused.
+	ld = startLoad(cl.Lab, "10.96.0.10:80")
+	cl.cp.StopAPIServer()
+	third := start()
+	waitLog(t, third, "Taking over from the running daemon")
+	_ = second.Cmd.Process.Kill()
+	_ = second.Cmd.Wait()
+	if pod, err := held.get(); err == nil {
+		t.Errorf("the held connection answered (%q) after its owner was killed: owned twice", pod)
+	}
+	if err := cl.cp.StartAPIServer(cl.ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitLog(t, third, "msg=Synced")
+	testutil.WaitFor(t, "the ClusterIP right after the survivor's first sync", 3*time.Second, 20*time.Millisecond, func() bool {
+		return strings.HasPrefix(cl.Curl("client", "http://10.96.0.10/"), "pod1")
+	})
+	// Its own source: a Service added after the handover is served.
+	cl.pod(t, "pod2", "10.251.19.8", "node", "web2")
+	cl.service(t, webService("web2", "10.96.0.11"))
+	cl.expectPods(t, "client", "http://10.96.0.11/", "pod2")
+	tries, fails, errs = ld.end()
+	t.Logf("running daemon killed: %d connections, %d failed (waiting in the backlog for the survivor's first sync): %s",
+		tries, fails, strings.Join(errs, "; "))
+	for _, e := range errs {
+		if strings.Contains(e, "refused") || strings.Contains(e, "reset") {
+			t.Errorf("a connection was refused or reset with the running daemon killed half-way: %s", e)
+		}
+	}
+	if strings.Contains(third.Output(), "level=error") {
+		t.Errorf("errors in the survivor's log:\n%s", grepLines(third.Output(), "level=error"))
+	}
+}
+
+// What decides future picks moves with the handover: a drain set by hand
+// on the old daemon holds in the new one (every connection to the other
+// endpoint), and clients pinned by ClientIP affinity keep their endpoint.
+// Without it the successor would start both afresh: the drained endpoint
+// back in rotation, the pins made again wherever round-robin stands.
+func TestHandoverKeepsPickState(t *testing.T) {
+	h := newHandoverLab(t)
+	writeManifest(t, h.manifest, webManifest()+stickyManifest+slices("sticky", `{name: http, port: 8080, protocol: TCP}`, false))
+	first := h.daemon()
+	reachesBoth(t, h.Lab, "client", "http://10.96.0.10:80/")
+	waitFor(t, "the sticky Service", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.20/"), "pod") })
+	pinned := map[string]string{}
+	for _, ns := range []string{"client", "node"} {
+		pinned[ns] = strings.Fields(h.Curl(ns, "http://10.96.0.20/"))[0]
+	}
+	out := h.MustExec("node", "curl", "-s", "--unix-socket", h.AdminSocket, "-X", "POST", "-H", "X-Kube-Userspace-Proxy: drain",
+		"http://localhost/debug/drain?service=lab/web:http&endpoint=10.251.19.12:8080")
+	if !strings.Contains(out, `"drained": true`) {
+		t.Fatalf("drain: %s", out)
+	}
+	second := h.daemon()
+	waitLog(t, second, "Took over: the predecessor serves nothing more")
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = first.Cmd.Wait()
+	for i := 0; i < 10; i++ {
+		if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod2") {
+			t.Fatalf("request %d after the handover reached %q: the drain of pod1 was lost", i, got)
+		}
+		for ns, pod := range pinned {
+			if got := h.Curl(ns, "http://10.96.0.20/"); !strings.HasPrefix(got, pod) {
+				t.Fatalf("%s, pinned to %s, reached %q after the handover", ns, pod, got)
+			}
+		}
 	}
 }

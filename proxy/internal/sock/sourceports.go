@@ -169,3 +169,27 @@ func (c *routeCache) forget(ep netip.AddrPort) {
 	delete(c.entries, ep.Addr())
 	c.mu.Unlock()
 }
+
+// claim marks port of addr taken, for a socket a predecessor bound to it;
+// false when it is outside the range or taken already.
+func (s *sourcePorts) claim(addr netip.Addr, port uint16) bool {
+	p := int(port) - s.base
+	if p < 0 || p >= s.size {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.byAddr == nil {
+		s.byAddr = make(map[netip.Addr]*portSet)
+	}
+	set := s.byAddr[addr]
+	if set == nil {
+		set = &portSet{taken: make([]uint64, (s.size+63)/64)}
+		s.byAddr[addr] = set
+	}
+	if set.taken[p/64]&(1<<(p%64)) != 0 {
+		return false
+	}
+	set.taken[p/64] |= 1 << (p % 64)
+	return true
+}

@@ -1,0 +1,244 @@
+package proxy
+
+// UDP flows handed to a successor. At Release each UDP server stops its
+// read loop and detaches its flows: a flow's reply goroutine stops at its
+// next read, leaving the socket to its endpoint open and what the endpoint
+// sends meanwhile queued in it. HandOff sends those sockets first, one
+// batch (empty when there are none), with what the flow table knows of
+// each (client, the address its datagrams arrived on, endpoint, the
+// address the backend sees). The successor puts each flow in its table
+// and only then reads its frontend sockets, which hold the clients'
+// datagrams of the pause: a client on one source port keeps its endpoint
+// and its conntrack source NAT, and loses nothing.
+//
+// Who owns what: a detached flow is its reply goroutine's until that
+// exits (fl.stopped); then the dataplane's (handedFlows) until HandOff
+// sent it and closed this process's socket. In the successor an adopted
+// flow is its UDP server's, as one it opened.
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+)
+
+// flowState is what a successor needs of a handed-over UDP flow.
+type flowState struct {
+	Frontend string         `json:"frontend"`
+	Client   netip.AddrPort `json:"client"`
+	Local    netip.Addr     `json:"local"`
+	Endpoint netip.AddrPort `json:"endpoint"`
+	Reason   Reason         `json:"reason"`
+	Sees     netip.Addr     `json:"sees,omitzero"`
+	Start    time.Time      `json:"start"`
+	LastSeen int64          `json:"lastSeen"`
+	Up       int64          `json:"up"`
+	Down     int64          `json:"down"`
+}
+
+// udpFlowName is a handed-over UDP flow's socket name.
+const udpFlowName = "udp flow"
+
+// detachFlows stops the read loop and takes every flow out of the table,
+// its reply goroutine stopped and its socket open: the flows that can be
+// handed over (one that ended meanwhile is not).
+func (u *udpServer) detachFlows() []*udpFlow {
+	u.stopReading()
+	u.flows.mu.Lock()
+	all := make([]*udpFlow, 0, len(u.flows.flows))
+	for _, fl := range u.flows.flows {
+		all = append(all, fl)
+	}
+	for _, fl := range all {
+		u.flows.removeLocked(fl)
+		u.m.get().udpActive.Dec()
+	}
+	u.flows.mu.Unlock()
+	for _, fl := range all {
+		fl.detached.Store(true)
+		_ = fl.backend.SetReadDeadline(time.Now()) // wakes its reply goroutine
+	}
+	out := all[:0]
+	for _, fl := range all {
+		<-fl.stopped
+		if fl.handable {
+			out = append(out, fl)
+		}
+	}
+	return out
+}
+
+// detachUDPFlows detaches every UDP server's flows for HandOff.
+func (r *reconciler) detachUDPFlows() {
+	var flows []handedFlow
+	for _, fe := range r.frontends {
+		if fe.udp == nil || fe.udp.sk == nil {
+			continue
+		}
+		for _, fl := range fe.udp.detachFlows() {
+			flows = append(flows, handedFlow{u: fe.udp, fl: fl})
+		}
+	}
+	r.dp.mu.Lock()
+	r.dp.handedFlows = flows
+	r.dp.mu.Unlock()
+}
+
+// handedFlow is a detached flow and its server.
+type handedFlow struct {
+	u  *udpServer
+	fl *udpFlow
+}
+
+// sendFlows sends the detached flows in one batch (empty when there are
+// none: the successor reads its UDP sockets once it has it), and ends them
+// here. A flow that cannot be sent ends here, as at a shutdown.
+func (p *Proxier) sendFlows(send func([]handover.Socket) error) (int, error) {
+	p.dp.mu.Lock()
+	flows := p.dp.handedFlows
+	p.dp.handedFlows = nil
+	p.dp.mu.Unlock()
+	socks := make([]handover.Socket, 0, len(flows))
+	var sent []handedFlow
+	for _, hf := range flows {
+		s, err := hf.socket()
+		if err != nil {
+			hf.end(CauseShutdown, true)
+			continue
+		}
+		socks = append(socks, s)
+		sent = append(sent, hf)
+	}
+	err := send(socks)
+	for _, s := range socks {
+		s.File.Close()
+	}
+	for _, hf := range sent {
+		if err != nil {
+			hf.end(CauseShutdown, true)
+		} else {
+			hf.end(CauseHandedOver, false)
+		}
+	}
+	if err != nil {
+		return 0, fmt.Errorf("UDP flows: %w", err)
+	}
+	return len(sent), nil
+}
+
+// socket is hf's flow socket (a duplicate) and state, for the successor.
+func (hf handedFlow) socket() (handover.Socket, error) {
+	fl := hf.fl
+	meta, err := json.Marshal(flowState{Frontend: hf.u.key.String(), Client: fl.client, Local: fl.local, Endpoint: fl.endpoint,
+		Reason: fl.reason, Sees: fl.sees, Start: fl.start, LastSeen: fl.lastSeen.Load(), Up: fl.up.Load(), Down: fl.down.Load()})
+	if err != nil {
+		return handover.Socket{}, err
+	}
+	f, err := dupConn(fl.backend)
+	if err != nil {
+		return handover.Socket{}, err
+	}
+	return handover.Socket{Name: udpFlowName, Proto: "udp", Addr: fl.endpoint.String(), Meta: meta, File: f}, nil
+}
+
+// end ends a detached flow here: its socket closed, its source NAT given
+// back unless the successor has it, its line in the connection log.
+func (hf handedFlow) end(cause Cause, release bool) {
+	fl, u := hf.fl, hf.u
+	fl.cause.CompareAndSwap(uint32(causeNone), uint32(cause))
+	fl.backend.Close()
+	if release {
+		fl.release()
+	}
+	u.logEnd(endLine{protocol: config.UDP, client: fl.client, endpoint: fl.endpoint, reason: fl.reason,
+		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load()), backendSees: seesName(fl.sees)})
+}
+
+// dupConn duplicates c's descriptor without making it blocking.
+func dupConn(c *net.UDPConn) (*os.File, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var f *os.File
+	var ferr error
+	if err := raw.Control(func(fd uintptr) {
+		d, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			ferr = os.NewSyscallError("fcntl", err)
+			return
+		}
+		f = os.NewFile(uintptr(d), "udp flow")
+	}); err != nil {
+		return nil, err
+	}
+	return f, ferr
+}
+
+// adoptFlow puts a flow a predecessor handed over in its frontend's table
+// and starts its reply goroutine.
+func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) error {
+	var st flowState
+	if err := json.Unmarshal(s.Meta, &st); err != nil {
+		return fmt.Errorf("UDP flow state: %w", err)
+	}
+	fe := byName[st.Frontend]
+	if fe == nil || fe.udp == nil {
+		return fmt.Errorf("%s: no such UDP frontend here", st.Frontend)
+	}
+	u := fe.udp
+	pc, err := net.FilePacketConn(s.File)
+	if err != nil {
+		return err
+	}
+	c, ok := pc.(*net.UDPConn)
+	if !ok {
+		pc.Close()
+		return errors.New("handed-over flow socket is not a UDP socket")
+	}
+	out, err := sock.NewSender(c, config.Family(st.Endpoint.Addr()))
+	if err != nil {
+		c.Close()
+		return err
+	}
+	nat := p.dp.clientNAT.Load().forFamily(st.Client.Addr().Unmap())
+	fl := &udpFlow{client: st.Client, local: st.Local, endpoint: st.Endpoint, reason: st.Reason, backend: c, out: out,
+		sees: st.Sees, start: st.Start}
+	fl.release = sock.AdoptUDPFrom(c, st.Endpoint, nat, st.Sees)
+	fl.lastSeen.Store(st.LastSeen)
+	fl.up.Store(st.Up)
+	fl.down.Store(st.Down)
+	fe.bal.Adopted(st.Endpoint)
+	if in, ok := u.insert(fl); !ok {
+		c.Close()
+		fl.release()
+		fe.bal.Done(st.Endpoint)
+		if in == nil {
+			return fmt.Errorf("%s: not serving", st.Frontend)
+		}
+		return fmt.Errorf("%s: the flow of %s exists already", st.Frontend, st.Client)
+	}
+	return nil
+}
+
+// openUDP lets the UDP read loops run: the predecessor's flows are in the
+// tables, or will not come.
+func (d *dataplane) openUDPGate() {
+	if d.udpGate != nil {
+		d.openUDP.Do(func() { close(d.udpGate) })
+	}
+}
+
+// FlowsAdopted says the predecessor's UDP flows are in (or will not come):
+// the UDP frontends read their sockets from now on.
+func (p *Proxier) FlowsAdopted() { p.dp.openUDPGate() }
