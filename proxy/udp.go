@@ -12,6 +12,10 @@ package proxy
 //	the address the client's datagram arrived on so that conntrack can undo
 //	the REDIRECT, until the flow has been idle for the UDP timeout; then
 //	the flow's source NAT entry and port are given back (fl.release).
+//
+// At a handover the flow leaves whole instead (udphandoff.go): replies
+// stops at its next read and the socket, NAT and all, goes to the
+// successor, whose own replies goroutine carries on.
 
 import (
 	"container/list"

@@ -221,46 +221,9 @@ func TestHandoverRefusesNothing(t *testing.T) {
 		download <- result{sum: fmt.Sprintf("%x", hash.Sum(nil)), n: n}
 	}()
 
-	// A UDP client on one fixed source port, one question every 50 ms: its
-	// flow is handed over, so every answer comes from the same pod.
-	var udpSent, udpAnswered atomic.Int64
-	var udpPodsMu sync.Mutex
-	udpPods := map[string]int{}
-	udpStop := make(chan struct{})
-	udpDone := make(chan struct{})
-	go func() {
-		defer close(udpDone)
-		var c net.Conn
-		err := cluster.InNetns(h.NS("client"), func() error {
-			var err error
-			c, err = (&net.Dialer{LocalAddr: &net.UDPAddr{Port: 45321}}).Dial("udp", "10.96.0.10:53")
-			return err
-		})
-		if err != nil {
-			t.Errorf("UDP client: %v", err)
-			return
-		}
-		defer c.Close()
-		buf := make([]byte, 512)
-		for {
-			select {
-			case <-udpStop:
-				return
-			default:
-			}
-			udpSent.Add(1)
-			_, _ = c.Write([]byte("hello"))
-			_ = c.SetReadDeadline(time.Now().Add(time.Second))
-			if n, err := c.Read(buf); err == nil && n > 0 {
-				udpAnswered.Add(1)
-				pod, _, _ := strings.Cut(string(buf[:n]), ":")
-				udpPodsMu.Lock()
-				udpPods[pod]++
-				udpPodsMu.Unlock()
-				time.Sleep(50 * time.Millisecond)
-			}
-		}
-	}()
+	// A UDP client on one fixed source port: its flow is handed over, so
+	// every answer comes from the same pod.
+	udp := startUDPClient(t, h.Lab, 45321, "10.96.0.10:53")
 
 	time.Sleep(time.Second) // load before the handover
 	second := h.daemon()
@@ -298,20 +261,13 @@ func TestHandoverRefusesNothing(t *testing.T) {
 	}
 
 	tries, fails, errs := ld.end()
-	close(udpStop)
-	<-udpDone
-	t.Logf("%d connections, %d failed; UDP %d of %d answered", tries, fails, udpAnswered.Load(), udpSent.Load())
+	udp.end(t)
+	t.Logf("%d connections, %d failed", tries, fails)
 	if fails > 0 {
 		t.Errorf("%d of %d connections failed across the handovers: %s", fails, tries, strings.Join(errs, "; "))
 	}
 	if tries < 100 {
 		t.Errorf("only %d connections tried", tries)
-	}
-	if s, a := udpSent.Load(), udpAnswered.Load(); a*100 < s*99 {
-		t.Errorf("UDP: %d of %d answered, want ≥ 99 %%", a, s)
-	}
-	if len(udpPods) != 1 {
-		t.Errorf("the UDP client on one source port was answered by %v: its flow was not handed over", udpPods)
 	}
 	for _, p := range []*Proc{second, third} {
 		if !strings.Contains(p.Output(), "Adopted the predecessor's connections") || !strings.Contains(grepLines(p.Output(), "Adopted the predecessor"), "connections=") {
@@ -333,6 +289,70 @@ func TestHandoverRefusesNothing(t *testing.T) {
 		if strings.Contains(p.Output(), "level=error") {
 			t.Errorf("errors in a handed-over daemon's log:\n%s", grepLines(p.Output(), "level=error"))
 		}
+	}
+}
+
+// udpClient asks one question every 50 ms from one fixed source port, as
+// a resolver or game client does, and counts the answers by pod.
+type udpClient struct {
+	sent, answered atomic.Int64
+	mu             sync.Mutex
+	pods           map[string]int
+	stop, done     chan struct{}
+}
+
+func startUDPClient(t *testing.T, l *Lab, port int, addr string) *udpClient {
+	u := &udpClient{pods: map[string]int{}, stop: make(chan struct{}), done: make(chan struct{})}
+	var c net.Conn
+	err := cluster.InNetns(l.NS("client"), func() error {
+		var err error
+		c, err = (&net.Dialer{LocalAddr: &net.UDPAddr{Port: port}}).Dial("udp", addr)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("UDP client: %v", err)
+	}
+	go func() {
+		defer close(u.done)
+		defer c.Close()
+		buf := make([]byte, 512)
+		for {
+			select {
+			case <-u.stop:
+				return
+			default:
+			}
+			u.sent.Add(1)
+			_, _ = c.Write([]byte("hello"))
+			_ = c.SetReadDeadline(time.Now().Add(time.Second))
+			if n, err := c.Read(buf); err == nil && n > 0 {
+				u.answered.Add(1)
+				pod, _, _ := strings.Cut(string(buf[:n]), ":")
+				u.mu.Lock()
+				u.pods[pod]++
+				u.mu.Unlock()
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
+	}()
+	return u
+}
+
+// end stops the client and checks that ≥ 99 % of its questions were
+// answered, all by one pod.
+func (u *udpClient) end(t *testing.T) {
+	t.Helper()
+	close(u.stop)
+	<-u.done
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	s, a := u.sent.Load(), u.answered.Load()
+	t.Logf("UDP: %d of %d answered, by %v", a, s, u.pods)
+	if a*100 < s*99 {
+		t.Errorf("UDP: %d of %d answered, want ≥ 99 %%", a, s)
+	}
+	if len(u.pods) != 1 {
+		t.Errorf("the UDP client on one source port was answered by %v: its flow did not stay with its endpoint", u.pods)
 	}
 }
 
@@ -440,7 +460,8 @@ func handovers() int {
 }
 
 // 100 handovers in a row under load (40 new connections a second, an idle
-// connection held throughout): no client error, and the last daemon holds
+// connection held throughout, a UDP client on one source port): no client
+// error, the UDP client kept its endpoint, and the last daemon holds
 // no more descriptors, goroutines or memory than the first successor did.
 func TestManyHandovers(t *testing.T) {
 	h := newHandoverLab(t)
@@ -456,6 +477,7 @@ func TestManyHandovers(t *testing.T) {
 		t.Fatal(err)
 	}
 	ld := startLoad(h.Lab, "10.96.0.10:80")
+	udp := startUDPClient(t, h.Lab, 45322, "10.96.0.10:53")
 	n := handovers()
 	var first daemonUsage
 	for i := 1; i <= n; i++ {
@@ -476,6 +498,7 @@ func TestManyHandovers(t *testing.T) {
 	time.Sleep(time.Second)
 	last := usageOf(t, h, cur)
 	tries, fails, errs := ld.end()
+	udp.end(t)
 	t.Logf("%d handovers; %d connections, %d failed; first successor %+v, last %+v", n, tries, fails, first, last)
 	if fails > 0 {
 		t.Errorf("%d of %d connections failed: %s", fails, tries, strings.Join(errs, "; "))
