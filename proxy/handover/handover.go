@@ -13,10 +13,13 @@
 //	                          ←      sockets {sockets} + descriptors, until count
 //	                          ←      end
 //	freeze                    →      (stops changing anything the successor took)
-//	                          ←      frozen
+//	                          ←      frozen {count}, state {data} × count
+//	                                 (the giver's state beyond the sockets)
 //	   (the successor syncs: it serves on the sockets it took and writes its rules)
 //	serving                   →      (closes its copies, serves nothing more)
 //	                          ←      released
+//	                          ←      conns {sockets} + descriptors, in
+//	                                 batches (the UDP flows first), until done
 //
 // Until the running daemon is told "serving" it keeps serving: both accept
 // on the shared sockets meanwhile, each connection has one owner. If the
@@ -77,9 +80,10 @@ type message struct {
 	// NetNS is the sender's network namespace (hello, offer): listeners
 	// and connections only make sense in the namespace they live in.
 	NetNS uint64 `json:"netns,omitempty"`
-	// State is the giver\'s state beyond the sockets (frozen).
-	State   json.RawMessage `json:"state,omitempty"`
-	Sockets []Socket        `json:"sockets,omitempty"`
+	// Data is a piece of the giver's state beyond the sockets ("state",
+	// Count of them after "frozen").
+	Data    []byte   `json:"data,omitempty"`
+	Sockets []Socket `json:"sockets,omitempty"`
 }
 
 // perMessage bounds the descriptors of one message (the kernel's limit for
@@ -234,7 +238,7 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 			g.Thaw()
 		}
 	}()
-	if err := send(c, message{Type: "frozen", State: state}, nil); err != nil {
+	if err := sendState(c, state); err != nil {
 		log.WithError(err).Warn("Handover broke off; serving on")
 		return false
 	}
@@ -404,7 +408,42 @@ func Take(ctx context.Context, path string) (*Predecessor, error) {
 // returns the predecessor's state beyond the sockets.
 func (p *Predecessor) Freeze(ctx context.Context) (json.RawMessage, error) {
 	m, err := p.step(ctx, "freeze", "frozen")
-	return m.State, err
+	if err != nil {
+		return nil, err
+	}
+	var state []byte
+	for i := 0; i < m.Count; i++ {
+		piece, _, err := receive(p.c)
+		if err != nil {
+			return nil, fmt.Errorf("handover state: %w", err)
+		}
+		if piece.Type != "state" {
+			return nil, fmt.Errorf("handover state: answered %q", piece.Type)
+		}
+		state = append(state, piece.Data...)
+	}
+	return state, nil
+}
+
+// statePiece bounds one piece of the state: base64 in JSON, it stays well
+// inside maxMessage and a unix socket's default send buffer (208 KiB).
+const statePiece = 96 << 10
+
+// sendState sends "frozen" and state in pieces (10 000 service ports'
+// pick state is megabytes).
+func sendState(c *net.UnixConn, state []byte) error {
+	pieces := (len(state) + statePiece - 1) / statePiece
+	if err := send(c, message{Type: "frozen", Count: pieces}, nil); err != nil {
+		return err
+	}
+	for len(state) > 0 {
+		n := min(len(state), statePiece)
+		if err := send(c, message{Type: "state", Data: state[:n]}, nil); err != nil {
+			return err
+		}
+		state = state[n:]
+	}
+	return nil
 }
 
 // Serving tells the predecessor that this daemon serves: it closes its

@@ -50,8 +50,13 @@ func (g *fakeGiver) Lend(ctx context.Context) ([]Socket, error) {
 
 func (g *fakeGiver) Freeze(ctx context.Context) (json.RawMessage, error) {
 	g.step("freeze")
-	return json.RawMessage(`{"picks":1}`), nil
+	return bigState, nil
 }
+
+// bigState is a state of many messages (10 000 service ports' pick state
+// is megabytes).
+var bigState = json.RawMessage(`{"picks":"` + strings.Repeat("x", 1<<20) + `"}`)
+
 func (g *fakeGiver) HandOff(ctx context.Context, send func([]Socket) error) error {
 	g.step("handoff")
 	return nil
@@ -120,8 +125,8 @@ func TestExchange(t *testing.T) {
 	}
 	if state, err := p.Freeze(ctx); err != nil {
 		t.Fatal(err)
-	} else if string(state) != `{"picks":1}` {
-		t.Errorf("the giver's state arrived as %s", state)
+	} else if string(state) != string(bigState) {
+		t.Errorf("the giver's state arrived as %d bytes, want %d", len(state), len(bigState))
 	}
 	if err := p.Serving(ctx); err != nil {
 		t.Fatal(err)
