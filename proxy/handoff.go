@@ -91,14 +91,19 @@ func (h *halfCopy) stopped() {
 	}
 }
 
-// cancelDetach takes a detach back because direction h ended: the other
-// direction, if it stopped already, copies on.
-func (h *halfCopy) cancelDetach() {
+// endAndCancelDetach counts direction h's end and takes a detach back:
+// the other direction, if it stopped already, copies on. Both under the
+// detach lock, so that requestDetach, which checks the count under it,
+// never starts a detach of a pair one of whose directions is ending (its
+// other direction would stop and wait for a partner that never comes). It
+// reports whether h is the last direction to end.
+func (h *halfCopy) endAndCancelDetach() (last bool) {
 	pr := h.pr
 	pr.detach.mu.Lock()
+	last = pr.ended.Add(1) == 2
 	if !pr.detach.requested || pr.detach.cancelled {
 		pr.detach.mu.Unlock()
-		return
+		return last
 	}
 	pr.detach.cancelled = true
 	other := &pr.up
@@ -112,6 +117,7 @@ func (h *halfCopy) cancelDetach() {
 		other.src.Undetach()
 		h.f.dp.copiers.Go(other.run)
 	}
+	return last
 }
 
 // resumeDetached gives a stopped pair back to its copies.

@@ -9,8 +9,8 @@ package proxy
 // round-robin goes on where it was.
 //
 // Who owns what: the running daemon's sync goroutine takes it (Freeze);
-// the successor's reconciler holds it until its first sync has applied or
-// dropped every frontend's part.
+// the successor's reconciler holds it until its first sync has applied
+// (reconciler.update) or dropped every frontend's part.
 
 import (
 	"net/netip"
@@ -116,15 +116,4 @@ func (r *reconciler) pickStates() map[string]pickState {
 		out[key.String()] = fe.bal.exportState()
 	}
 	return out
-}
-
-// applyInheritedPicks gives fe the pick state its predecessor had, once
-// fe's balancer has its endpoints.
-func (r *reconciler) applyInheritedPicks(fe *frontend) {
-	st, ok := r.inheritedPicks[fe.key.String()]
-	if !ok {
-		return
-	}
-	delete(r.inheritedPicks, fe.key.String())
-	fe.bal.importState(st)
 }

@@ -139,7 +139,11 @@ func (r *reconciler) update(fe *frontend, sp *config.ServicePort, ks keyServe) e
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	fe.sourcePolicy.Store(ks.source)
 	fe.bal.Update(ks.eps, sp.AffinityTimeout, ks.outlier, sp.Scheduler)
-	r.applyInheritedPicks(fe)
+	if st, ok := r.inheritedPicks[fe.key.String()]; ok {
+		// A predecessor's pick state (pickstate.go), once the endpoints are set.
+		delete(r.inheritedPicks, fe.key.String())
+		fe.bal.importState(st)
+	}
 	fe.noLocal.Store(ks.noLocal)
 	if fe.udp != nil && ks.serving != nil {
 		fe.udp.endFlowsOff(ks.serving)

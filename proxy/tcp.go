@@ -273,8 +273,7 @@ func (h *halfCopy) resume() { h.f.dp.copiers.Go(h.run) }
 // ended is the end of the direction's copy: err nil is the source's EOF.
 func (h *halfCopy) ended(err error) {
 	pr := h.pr
-	h.cancelDetach() // a pair with a direction ended stays here
-	last := pr.ended.Add(1) == 2
+	last := h.endAndCancelDetach() // a pair with a direction ended stays here
 	switch {
 	case err == nil && !last:
 		pr.setCause(h.eofCause)
