@@ -18,14 +18,9 @@ package proxy
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
-	"net"
 	"net/netip"
-	"os"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
@@ -144,7 +139,7 @@ func (hf handedFlow) socket() (handover.Socket, error) {
 	if err != nil {
 		return handover.Socket{}, err
 	}
-	f, err := dupConn(fl.backend)
+	f, err := sock.UDPFile(fl.backend)
 	if err != nil {
 		return handover.Socket{}, err
 	}
@@ -164,27 +159,6 @@ func (hf handedFlow) end(cause Cause, release bool) {
 		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load()), backendSees: seesName(fl.sees)})
 }
 
-// dupConn duplicates c's descriptor without making it blocking.
-func dupConn(c *net.UDPConn) (*os.File, error) {
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
-	var f *os.File
-	var ferr error
-	if err := raw.Control(func(fd uintptr) {
-		d, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
-		if err != nil {
-			ferr = os.NewSyscallError("fcntl", err)
-			return
-		}
-		f = os.NewFile(uintptr(d), "udp flow")
-	}); err != nil {
-		return nil, err
-	}
-	return f, ferr
-}
-
 // adoptFlow puts a flow a predecessor handed over in its frontend's table
 // and starts its reply goroutine.
 func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) error {
@@ -197,14 +171,9 @@ func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) erro
 		return fmt.Errorf("%s: no such UDP frontend here", st.Frontend)
 	}
 	u := fe.udp
-	pc, err := net.FilePacketConn(s.File)
+	c, err := sock.FileUDP(s.File)
 	if err != nil {
 		return err
-	}
-	c, ok := pc.(*net.UDPConn)
-	if !ok {
-		pc.Close()
-		return errors.New("handed-over flow socket is not a UDP socket")
 	}
 	out, err := sock.NewSender(c, config.Family(st.Endpoint.Addr()))
 	if err != nil {

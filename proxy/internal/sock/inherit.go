@@ -126,8 +126,9 @@ func FileListener(f *os.File) (*Listener, error) {
 	return &Listener{fd: fd, addr: addr, inq: inq == 1}, nil
 }
 
-// UDPFile returns a duplicate of a UDP socket's descriptor (from
-// ListenUDP); the caller closes it.
+// UDPFile returns a duplicate of a UDP socket's descriptor (a frontend's
+// from ListenUDP, or a flow's from DialUDPFrom), still non-blocking; the
+// caller closes it.
 func UDPFile(c *net.UDPConn) (*os.File, error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
@@ -141,9 +142,9 @@ func UDPFile(c *net.UDPConn) (*os.File, error) {
 	return f, ferr
 }
 
-// FileUDP makes a frontend UDP socket (as ListenUDP's) of one another
-// process handed over; its options (buffers, IP_PKTINFO) came with it. f
-// stays the caller's.
+// FileUDP makes a UDP socket (a frontend's as ListenUDP's, or a flow's)
+// of one another process handed over; its options (buffers, IP_PKTINFO)
+// came with it. f stays the caller's.
 func FileUDP(f *os.File) (*net.UDPConn, error) {
 	pc, err := net.FilePacketConn(f)
 	if err != nil {
