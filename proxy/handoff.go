@@ -5,10 +5,12 @@ package proxy
 // when everything they read has been written on; the pair's two sockets
 // then go to the successor with what its record says, and the successor
 // starts the copies again. Nothing is in flight at that moment, so not a
-// byte is lost or doubled. A pair whose direction ends meanwhile (a FIN, a
-// reset) stays: the detach is taken back and the pair finishes here, as a
-// pair whose copy is held up by a peer that does not read stays until it
-// pauses.
+// byte is lost or doubled. A half-closed pair (one direction ended by a
+// FIN, passed on) goes too: its ended direction's watch for that peer's
+// reset stops like a copy and goes on in the successor. A pair whose
+// direction ends during its detach, or ended by a reset, stays: the detach
+// is taken back and the pair finishes here, as a pair whose copy is held
+// up by a peer that does not read stays until it pauses.
 //
 // Who owns what: a pair being detached is its copies' until both stopped;
 // then handOff gives it to the dataplane's sink (HandOff's loop), which
@@ -42,6 +44,10 @@ type pairState struct {
 	Start       time.Time      `json:"start"`
 	Up          int64          `json:"up"`
 	Down        int64          `json:"down"`
+	// UpClosed and DownClosed: the direction's source sent its FIN,
+	// passed on; the successor watches that peer for a reset.
+	UpClosed   bool `json:"upClosed,omitempty"`
+	DownClosed bool `json:"downClosed,omitempty"`
 }
 
 // detachState is a pair's handoff under way.
@@ -49,7 +55,7 @@ type detachState struct {
 	mu        sync.Mutex
 	requested bool
 	cancelled bool // a direction ended: the pair stays here
-	stopped   int  // directions whose Copy returned ErrDetached
+	stopped   int  // directions whose Copy (or reset watch) returned ErrDetached
 }
 
 // handedPair is a pair whose copies both stopped, ready to go.
@@ -58,11 +64,15 @@ type handedPair struct {
 	state pairState
 }
 
-// requestDetach has both copies stop at their next pause, unless a
-// direction has ended already.
+// requestDetach has both directions stop at their next pause: a copy
+// when nothing is in flight, a direction that passed its source's FIN on
+// in its watch for that peer's reset. Not while a direction is ending or
+// has ended otherwise (the pair finishes here).
 func (pr *tcpPair) requestDetach() bool {
 	pr.detach.mu.Lock()
-	if pr.detach.requested || pr.ended.Load() > 0 {
+	ended := int(pr.ended.Load())
+	halfClosed := pr.up.closed || pr.down.closed
+	if pr.detach.requested || ended == 2 || (ended == 1 && !halfClosed) {
 		pr.detach.mu.Unlock()
 		return false
 	}
@@ -73,14 +83,32 @@ func (pr *tcpPair) requestDetach() bool {
 	return true
 }
 
-// stopped is a direction's Copy returning ErrDetached.
+// halfClosed marks h as watching for its peer's reset (its copy ended by
+// a FIN passed on): the pair may go to a successor half-closed.
+func (h *halfCopy) halfClosed() {
+	h.pr.detach.mu.Lock()
+	h.closed = true
+	h.pr.detach.mu.Unlock()
+}
+
+// next is what runs h again after a detach taken back: its copy, or its
+// watch. Called with the detach lock held.
+func (h *halfCopy) next() func() {
+	if h.closed {
+		return h.watchPeerReset
+	}
+	return h.run
+}
+
+// stopped is a direction's Copy, or reset watch, returning ErrDetached.
 func (h *halfCopy) stopped() {
 	pr := h.pr
 	pr.detach.mu.Lock()
 	if pr.detach.cancelled {
+		next := h.next()
 		pr.detach.mu.Unlock()
 		h.src.Undetach()
-		h.f.dp.copiers.Go(h.run)
+		h.f.dp.copiers.Go(next)
 		return
 	}
 	pr.detach.stopped++
@@ -92,7 +120,7 @@ func (h *halfCopy) stopped() {
 }
 
 // endAndCancelDetach counts direction h's end and takes a detach back:
-// the other direction, if it stopped already, copies on. Both under the
+// the other direction, if it stopped already, runs on. Both under the
 // detach lock, so that requestDetach, which checks the count under it,
 // never starts a detach of a pair one of whose directions is ending (its
 // other direction would stop and wait for a partner that never comes). It
@@ -111,31 +139,37 @@ func (h *halfCopy) endAndCancelDetach() (last bool) {
 		other = &pr.down
 	}
 	restart := pr.detach.stopped == 1
+	next := other.next()
 	pr.detach.stopped = 0
 	pr.detach.mu.Unlock()
 	if restart {
 		other.src.Undetach()
-		h.f.dp.copiers.Go(other.run)
+		h.f.dp.copiers.Go(next)
 	}
 	return last
 }
 
-// resumeDetached gives a stopped pair back to its copies.
+// resumeDetached gives a stopped pair back to its directions.
 func (pr *tcpPair) resumeDetached(f *frontend) {
 	pr.detach.mu.Lock()
 	pr.detach.requested, pr.detach.cancelled, pr.detach.stopped = false, false, 0
+	up, down := pr.up.next(), pr.down.next()
 	pr.detach.mu.Unlock()
 	pr.client.Undetach()
 	pr.backend.Undetach()
-	f.dp.copiers.Go(pr.down.run)
-	f.dp.copiers.Go(pr.up.run)
+	f.dp.copiers.Go(down)
+	f.dp.copiers.Go(up)
 }
 
 // handOff gives a stopped pair to the dataplane's sink, or back to its
-// copies when there is none.
+// directions when there is none.
 func (f *frontend) handOff(c *connRecord, pr *tcpPair) {
+	st := c.state()
+	pr.detach.mu.Lock()
+	st.UpClosed, st.DownClosed = pr.up.closed, pr.down.closed
+	pr.detach.mu.Unlock()
 	sink := f.dp.handoffSink.Load()
-	if sink == nil || !(*sink)(&handedPair{c: c, state: c.state()}) {
+	if sink == nil || !(*sink)(&handedPair{c: c, state: st}) {
 		pr.resumeDetached(f)
 	}
 }
@@ -378,7 +412,20 @@ func (p *Proxier) adoptPair(byName map[string]*frontend, cs, bs handover.Socket)
 	c.setDialed(0, st.BackendSees)
 	fe.bal.Adopted(st.Endpoint)
 	pr := c.setPair(client, backend)
-	fe.dp.workers.Go(func() { fe.splice(c, pr) })
+	fe.halves(c, pr)
+	for _, h := range []struct {
+		*halfCopy
+		closed bool
+	}{{&pr.up, st.UpClosed}, {&pr.down, st.DownClosed}} {
+		if !h.closed {
+			fe.dp.copiers.Go(h.run)
+			continue
+		}
+		// Half-closed in the predecessor: the FIN was passed on there.
+		pr.ended.Add(1)
+		pr.setCause(h.eofCause)
+		fe.dp.copiers.Go(h.watchPeerReset)
+	}
 	return nil
 }
 

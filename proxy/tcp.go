@@ -219,12 +219,17 @@ func (pr *tcpPair) endCause() Cause { return Cause(pr.cause.Load()) }
 // upstream copy finished or parked; the last copy to finish closes the
 // pair and logs it.
 func (f *frontend) splice(c *connRecord, pr *tcpPair) {
+	f.halves(c, pr)
+	f.dp.copiers.Go(pr.down.run)
+	pr.up.run()
+}
+
+// halves sets up the pair's two directions.
+func (f *frontend) halves(c *connRecord, pr *tcpPair) {
 	pr.up = halfCopy{f: f, c: c, pr: pr, dst: pr.backend, src: pr.client,
 		eofCause: CauseClientClosed, resetCause: CauseClientReset, count: c.addUp}
 	pr.down = halfCopy{f: f, c: c, pr: pr, dst: pr.client, src: pr.backend,
 		eofCause: CauseBackendClosed, resetCause: CauseBackendReset, count: c.addDown}
-	f.dp.copiers.Go(pr.down.run)
-	pr.up.run()
 }
 
 // halfCopy is one direction of a pair. It runs on one goroutine at a time:
@@ -237,6 +242,9 @@ type halfCopy struct {
 	eofCause, resetCause Cause
 	count                func(int64)
 	n                    int64 // bytes copied
+	// closed: its source's FIN was passed on, and it watches for that
+	// peer's reset (watchPeerReset). Guarded by the pair's detach lock.
+	closed bool
 }
 
 // run copies until the direction ends or its source is idle; then it parks
@@ -278,18 +286,8 @@ func (h *halfCopy) ended(err error) {
 	case err == nil && !last:
 		pr.setCause(h.eofCause)
 		_ = h.dst.CloseWrite()
-		if h.src.WaitPeerReset() {
-			// The peer that sent the FIN reset its socket since (a
-			// client that left before the reply came back): no one
-			// will read the other direction, so end the pair now, a
-			// reset passed on, or it would wait for the other peer
-			// to close. The reset, not the FIN, ended the pair.
-			_ = h.dst.SetResetOnClose()
-			pr.cause.Store(uint32(h.resetCause))
-			pr.end(h.resetCause)
-		}
-		// Otherwise the pair was ended: by the other direction's end,
-		// the idle watch or shutdown.
+		h.watchPeerReset()
+		return
 	case err == nil:
 		// Both directions are done: the last Close sends the FIN, a
 		// shutdown(2) first would only cost a system call.
@@ -298,6 +296,31 @@ func (h *halfCopy) ended(err error) {
 		// Aborted: whoever ended the pair set the cause.
 	default:
 		_ = h.dst.SetResetOnClose()
+		pr.end(h.resetCause)
+	}
+	if pr.finished.Add(1) == 2 {
+		pr.finish(h.f, h.c)
+	}
+}
+
+// watchPeerReset is a direction after its source's FIN was passed on: it
+// waits until that peer resets its socket (a client that left before the
+// reply came back), when no one will read the other direction, so the pair
+// ends now, a reset passed on, or it would wait for the other peer to
+// close; the reset, not the FIN, ended the pair. Otherwise the pair was
+// ended (by the other direction's end, the idle watch or shutdown), or a
+// handover detached it (handoff.go): the watch goes on in the successor.
+func (h *halfCopy) watchPeerReset() {
+	pr := h.pr
+	h.halfClosed()
+	reset, err := h.src.WaitPeerReset()
+	if errors.Is(err, sock.ErrDetached) {
+		h.stopped()
+		return
+	}
+	if reset {
+		_ = h.dst.SetResetOnClose()
+		pr.cause.Store(uint32(h.resetCause))
 		pr.end(h.resetCause)
 	}
 	if pr.finished.Add(1) == 2 {

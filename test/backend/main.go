@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -22,6 +23,7 @@ func main() {
 	tcp := flag.String("tcp", ":8080", "TCP listen address (HTTP); empty to disable")
 	udp := flag.String("udp", ":8080", "UDP listen address; empty to disable")
 	echo := flag.String("echo", "", "TCP echo listen address (benchmarks); empty to disable")
+	slowEcho := flag.String("echo-after-eof", "", "TCP listen address that reads until the client half-closes, then sends back what it read, 1 KiB every 10 ms, and closes (a half-closed connection that lives for a while); empty to disable")
 	stall := flag.String("stall", "", "TCP listen address whose connections are accepted and never read (a stuck backend); empty to disable")
 	dns := flag.String("dns", "", "UDP DNS listen address: every question is answered with one A record, 192.0.2.1 (for dig); empty to disable")
 	flag.IntVar(&udpBuffer, "udp-buffer", 0, "UDP socket buffer size in bytes, each way (0: the kernel's default; with CAP_NET_ADMIN beyond net.core.rmem_max)")
@@ -43,6 +45,22 @@ func main() {
 					return
 				}
 				go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
+			}
+		}()
+	}
+	if *slowEcho != "" {
+		ln, err := net.Listen("tcp", *slowEcho)
+		if err != nil {
+			log.Fatal(err)
+		}
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					errc <- err
+					return
+				}
+				go echoAfterEOF(c)
 			}
 		}()
 	}
@@ -175,4 +193,22 @@ func dnsAnswer(q []byte, _ net.Addr) []byte {
 		0, 1, 0, 1, // type A, class IN
 		0, 0, 0, 30, // TTL
 		0, 4, 192, 0, 2, 1)
+}
+
+// echoAfterEOF reads c until the client's FIN, then sends back what it
+// read, 1 KiB every 10 ms, and closes c.
+func echoAfterEOF(c net.Conn) {
+	defer c.Close()
+	b, err := io.ReadAll(c)
+	if err != nil {
+		return
+	}
+	for len(b) > 0 {
+		n := min(len(b), 1024)
+		if _, err := c.Write(b[:n]); err != nil {
+			return
+		}
+		b = b[n:]
+		time.Sleep(10 * time.Millisecond)
+	}
 }

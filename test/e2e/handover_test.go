@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"fmt"
@@ -37,11 +38,13 @@ func newHandoverLab(t *testing.T) *handoverLab {
 	l := NewLab(t)
 	l.Backends()
 	for _, pod := range []string{"pod1", "pod2"} {
-		l.Start(pod, filepath.Join(binDir, "backend"), "--name", pod, "--tcp", "", "--udp", "", "--echo", ":9007")
+		l.Start(pod, filepath.Join(binDir, "backend"), "--name", pod, "--tcp", "", "--udp", "", "--echo", ":9007", "--echo-after-eof", ":9008")
 	}
 	m := filepath.Join(t.TempDir(), "m.yaml")
 	writeManifest(t, m, webManifest()+"---\n"+service("echo", "ClusterIP", "10.96.0.20", "", `{name: echo, port: 7, targetPort: 9007, protocol: TCP}`)+
-		slices("echo", `{name: echo, port: 9007, protocol: TCP}`, false))
+		slices("echo", `{name: echo, port: 9007, protocol: TCP}`, false)+"---\n"+
+		service("slowecho", "ClusterIP", "10.96.0.21", "", `{name: echo, port: 8, targetPort: 9008, protocol: TCP}`)+
+		slices("slowecho", `{name: echo, port: 9008, protocol: TCP}`, false))
 	return &handoverLab{Lab: l, socket: filepath.Join(t.TempDir(), "run", "handover.sock"), manifest: m,
 		args: []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "1s"}}
 }
@@ -684,5 +687,56 @@ func TestHandoverKeepsPickState(t *testing.T) {
 				t.Fatalf("%s, pinned to %s, reached %q after the handover", ns, pod, got)
 			}
 		}
+	}
+}
+
+// A half-closed connection goes over too: the client sent its request and
+// its FIN, the backend answers slowly for seconds after it. The old daemon
+// is stopped right after the handover with a 1 s grace, long before the
+// answer ends: every byte arrives, then the backend's FIN, because the
+// successor carries the connection on (the direction that ended stays
+// ended, the other copies on).
+func TestHandoverHalfClosed(t *testing.T) {
+	h := newHandoverLab(t)
+	first := h.daemon()
+	dial := cluster.DialContextIn(h.NS("client"))
+	var c net.Conn
+	waitFor(t, "the slow echo Service", func() bool {
+		var err error
+		c, err = dial(context.Background(), "tcp", "10.96.0.21:8")
+		return err == nil
+	})
+	defer c.Close()
+	sent := make([]byte, 300<<10) // echoed back in ~3 s
+	for i := range sent {
+		sent[i] = byte(i * 7)
+	}
+	if _, err := c.Write(sent); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	got := make([]byte, 4096)
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatalf("the first bytes of the answer: %v", err)
+	}
+	second := h.daemon()
+	waitLog(t, second, "Adopted the predecessor's connections")
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	if err := first.Cmd.Wait(); err != nil {
+		t.Errorf("the old daemon: %v", err)
+	}
+	rest, err := io.ReadAll(c)
+	got = append(got, rest...)
+	if err != nil || !bytes.Equal(got, sent) {
+		t.Fatalf("the half-closed connection across the handover: %d of %d bytes, equal %v, %v\nold daemon:\n%s",
+			len(got), len(sent), bytes.Equal(got, sent[:min(len(got), len(sent))]), err, grepLines(first.Output(), "handed over"))
+	}
+	// Adopted while the answer was still coming (a pair left in the old
+	// daemon would be adopted as none, once it had ended there).
+	if !strings.Contains(grepLines(second.Output(), "Adopted the predecessor"), "connections=1") {
+		t.Errorf("the successor did not adopt the half-closed connection:\n%s", grepLines(second.Output(), "Adopted"))
 	}
 }

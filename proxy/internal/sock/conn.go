@@ -177,20 +177,23 @@ func (c *Conn) SetResetOnClose() error {
 }
 
 // WaitPeerReset waits on c, whose peer has sent its FIN, until the peer
-// resets it (true) or c is aborted or closed (false). After the FIN nothing
-// but the reset makes c readable again; other wake-ups are checked and
-// ignored.
-func (c *Conn) WaitPeerReset() bool {
+// resets it (true), c is detached for a handover (false, ErrDetached) or
+// aborted or closed (false). After the FIN nothing but the reset makes c
+// readable again; other wake-ups are checked and ignored.
+func (c *Conn) WaitPeerReset() (bool, error) {
 	reset := false
 	// The first call checks at once: a reset that came between the EOF
 	// and this call woke no one.
-	_ = c.read(func(fd uintptr) bool {
+	err := c.read(func(fd uintptr) bool {
 		// The socket is in CLOSE_WAIT until the reset moves it to CLOSE.
 		state, err := tcpState(int(fd))
 		reset = err == nil && state == tcpClose
 		return reset
 	})
-	return reset
+	if !reset && errors.Is(err, os.ErrDeadlineExceeded) && c.detach.Load() {
+		return false, ErrDetached
+	}
+	return reset, nil
 }
 
 // OriginalDst returns where the client was going before iptables redirected
