@@ -94,7 +94,9 @@ func (b *imageBuilder) images() []image {
 			if err := addProgram(dir, b.ourBin, "usr/local/bin/kube-userspace-proxy"); err != nil {
 				return err
 			}
-			return hostFiles(dir, iptablesFiles()...)
+			// The DaemonSet's readiness probe runs test(1), which the
+			// Dockerfile's Debian base has.
+			return hostFiles(dir, append(iptablesFiles(), "/usr/bin/test")...)
 		}},
 	}
 }
