@@ -32,55 +32,10 @@ func main() {
 		*name, _ = os.Hostname()
 	}
 	errc := make(chan error, 5)
-	if *echo != "" {
-		ln, err := net.Listen("tcp", *echo)
-		if err != nil {
-			log.Fatal(err)
-		}
-		go func() {
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					errc <- err
-					return
-				}
-				go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
-			}
-		}()
-	}
-	if *slowEcho != "" {
-		ln, err := net.Listen("tcp", *slowEcho)
-		if err != nil {
-			log.Fatal(err)
-		}
-		go func() {
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					errc <- err
-					return
-				}
-				go echoAfterEOF(c)
-			}
-		}()
-	}
-	if *stall != "" {
-		ln, err := net.Listen("tcp", *stall)
-		if err != nil {
-			log.Fatal(err)
-		}
-		go func() {
-			var held []net.Conn // kept open, never read
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					errc <- err
-					return
-				}
-				held = append(held, c)
-			}
-		}()
-	}
+	serveTCP(*echo, errc, func(c net.Conn) { go func() { defer c.Close(); _, _ = io.Copy(c, c) }() })
+	serveTCP(*slowEcho, errc, func(c net.Conn) { go echoAfterEOF(c) })
+	var held []net.Conn // the stall port's: kept open, never read
+	serveTCP(*stall, errc, func(c net.Conn) { held = append(held, c) })
 	if *dns != "" {
 		go func() { errc <- serveUDP(*dns, dnsAnswer) }()
 	}
@@ -211,4 +166,26 @@ func echoAfterEOF(c net.Conn) {
 		b = b[n:]
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// serveTCP listens on addr (none when empty) and gives each connection to
+// handle, on the accept loop's goroutine; the loop's end goes to errc.
+func serveTCP(addr string, errc chan<- error, handle func(net.Conn)) {
+	if addr == "" {
+		return
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				errc <- err
+				return
+			}
+			handle(c)
+		}
+	}()
 }
