@@ -57,7 +57,7 @@ type dataplane struct {
 	handoffSink atomic.Pointer[func(*handedPair) bool]
 	// udpGate holds the UDP read loops of a successor until the
 	// predecessor's flows are in their tables (udphandoff.go); nil without
-	// a predecessor. Set before start, closed once by openUDP.
+	// a predecessor. Set before start, closed once by openUDPGate.
 	udpGate chan struct{}
 	openUDP sync.Once
 	// connLogLimit bounds the connection log (connlog.go).

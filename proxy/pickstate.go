@@ -73,9 +73,9 @@ func (rr *EndpointBalancer) exportState() pickState {
 }
 
 // importState applies st to rr, whose endpoints are set: what refers to an
-// endpoint rr does not have is dropped, the position only kept for the
-// same scheduler over the same number of endpoints, pins only with
-// affinity on. It returns how many pins it kept.
+// endpoint rr does not have is dropped, the position kept only for the
+// same scheduler and only where it falls inside rr's endpoint list, pins
+// only with affinity on. It returns how many pins it kept.
 func (rr *EndpointBalancer) importState(st pickState) int {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()

@@ -200,7 +200,7 @@ func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) erro
 	return nil
 }
 
-// openUDP lets the UDP read loops run: the predecessor's flows are in the
+// openUDPGate lets the UDP read loops run: the predecessor's flows are in the
 // tables, or will not come.
 func (d *dataplane) openUDPGate() {
 	if d.udpGate != nil {
