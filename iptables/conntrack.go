@@ -44,7 +44,8 @@ type conntrackCleaner struct {
 	fam int
 	// targets maps every UDP service address to the listener port it is
 	// redirected to (0: none); nil before the first sync, when every
-	// address counts as changed (entries may survive a daemon restart).
+	// address counts as changed (entries may survive a daemon restart) but
+	// an entry already redirected to the listener it has now is spared.
 	targets map[udpTarget]uint16
 	// delete removes the entries filter matches (netlink; tests replace it).
 	delete func(fam int, filter *udpFilter) (uint, error)
@@ -107,6 +108,16 @@ func udpTargets(frontends []config.Frontend) map[udpTarget]uint16 {
 func (c *conntrackCleaner) sync(frontends []config.Frontend, log logrus.FieldLogger) {
 	now := udpTargets(frontends)
 	filter := &udpFilter{addrs: map[netip.AddrPort]bool{}, ports: map[uint16]bool{}}
+	if c.targets == nil {
+		// The first sync knows nothing of what the rules said before: an
+		// entry already redirected to the listener its address has now
+		// stays (a successor that took its predecessor's listeners over,
+		// a restart that got the same ports). Deleting a live flow's entry
+		// would do harm: the flow's next reply makes an entry of its own,
+		// and the client's next datagram, clashing with it, comes with
+		// another source port, a new client to us.
+		filter.current = listenerPorts(now)
+	}
 	stale := func(t udpTarget) {
 		if t.addr.IsValid() {
 			filter.addrs[netip.AddrPortFrom(t.addr, t.port)] = true
@@ -143,16 +154,46 @@ func (c *conntrackCleaner) sync(frontends []config.Frontend, log logrus.FieldLog
 }
 
 // udpFilter matches the conntrack entries of UDP datagrams sent to one of
-// addrs, or to one of ports on any address (NodePorts).
+// addrs, or to one of ports on any address (NodePorts), but for those
+// redirected to a listener port current gives their address.
 type udpFilter struct {
 	addrs map[netip.AddrPort]bool
 	ports map[uint16]bool
+	// current maps a service address (a NodePort: the invalid address
+	// with its port) to the listener ports it is redirected to; nil: no
+	// entry is spared.
+	current map[netip.AddrPort]map[uint16]bool
 }
 
-// match says whether an entry whose original direction is proto to dst
-// is one to delete.
-func (f *udpFilter) match(proto uint8, dst netip.AddrPort) bool {
-	return proto == unix.IPPROTO_UDP && (f.ports[dst.Port()] || f.addrs[dst])
+// listenerPorts maps every UDP service address of targets to the listener
+// ports its datagrams are redirected to (none: no listener).
+func listenerPorts(targets map[udpTarget]uint16) map[netip.AddrPort]map[uint16]bool {
+	out := map[netip.AddrPort]map[uint16]bool{}
+	for t, port := range targets {
+		if port == 0 {
+			continue
+		}
+		key := netip.AddrPortFrom(t.addr, t.port)
+		if out[key] == nil {
+			out[key] = map[uint16]bool{}
+		}
+		out[key][port] = true
+	}
+	return out
+}
+
+// match says whether an entry whose original direction is proto to dst,
+// and whose replies come from port redirect (the listener a REDIRECT sent
+// it to; 0: not known), is one to delete.
+func (f *udpFilter) match(proto uint8, dst netip.AddrPort, redirect uint16) bool {
+	if proto != unix.IPPROTO_UDP || !(f.ports[dst.Port()] || f.addrs[dst]) {
+		return false
+	}
+	if f.current == nil || redirect == 0 {
+		return true
+	}
+	nodePort := netip.AddrPortFrom(netip.Addr{}, dst.Port())
+	return !f.current[dst][redirect] && !f.current[nodePort][redirect]
 }
 
 // Conntrack netlink attributes the netlink package does not name
@@ -201,7 +242,7 @@ func deleteUDPConntrack(fam int, filter *udpFilter) (deleted, read uint, err err
 		}
 		read++
 		attrs := msg[nl.SizeofNfgenmsg:]
-		if proto, dst, ok := origDestination(attrs); ok && filter.match(proto, dst) {
+		if proto, dst, ok := origDestination(attrs); ok && filter.match(proto, dst, replySourcePort(attrs)) {
 			stale = append(stale, bytes.Clone(attrs))
 		}
 		return true
@@ -253,6 +294,24 @@ func origDestination(attrs []byte) (proto uint8, dst netip.AddrPort, ok bool) {
 		return 0, dst, false
 	}
 	return proto, netip.AddrPortFrom(addr.Unmap(), port), true
+}
+
+// replySourcePort reads the source port of an entry's reply direction
+// (CTA_TUPLE_REPLY): for a REDIRECTed datagram, the listener's port; 0 when
+// the entry has none.
+func replySourcePort(attrs []byte) uint16 {
+	tuple, found := nestedAttr(attrs, nl.CTA_TUPLE_REPLY)
+	if !found {
+		return 0
+	}
+	p, found := nestedAttr(tuple, nl.CTA_TUPLE_PROTO)
+	if !found {
+		return 0
+	}
+	if v, found := nestedAttr(p, nl.CTA_PROTO_SRC_PORT); found && len(v) == 2 {
+		return binary.BigEndian.Uint16(v)
+	}
+	return 0
 }
 
 // nestedAttr returns the value of the first attribute of type typ in attrs

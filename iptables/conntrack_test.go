@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"testing"
 
 	"github.com/sirupsen/logrus"
@@ -51,15 +52,26 @@ func TestConntrackDeletesWhatChanged(t *testing.T) {
 	if len(*got) != 1 || len((*got)[0].addrs) != 2 || !(*got)[0].ports[30053] || len((*got)[0].ports) != 1 {
 		t.Fatalf("first sync deleted %+v, want both UDP ClusterIPs and the NodePort", *got)
 	}
+	// ... but for the entries already redirected to today's listeners.
+	first := (*got)[0]
+	if first.match(unix.IPPROTO_UDP, netip.MustParseAddrPort("10.96.0.10:53"), 45001) ||
+		first.match(unix.IPPROTO_UDP, netip.MustParseAddrPort("192.168.1.7:30053"), 45002) ||
+		!first.match(unix.IPPROTO_UDP, netip.MustParseAddrPort("10.96.0.10:53"), 45002) {
+		t.Fatalf("first sync's filter spares %v, want the entries redirected to 45001 (dns) and 45002 (stats' NodePort)", first.current)
+	}
 	// Nothing changed: nothing deleted.
 	*got = nil
 	c.sync([]config.Frontend{dns, stats, tcp}, log)
 	if len(*got) != 0 {
 		t.Fatalf("an unchanged sync deleted %+v", (*got)[0])
 	}
-	// dns's listener moved; stats went: their addresses are stale.
+	// dns's listener moved; stats went: their addresses are stale, every
+	// entry of theirs.
 	dns2 := udpFrontend("dns", 45009, 0, "10.96.0.10")
 	c.sync([]config.Frontend{dns2, tcp}, log)
+	if len(*got) == 1 && (*got)[0].current != nil {
+		t.Fatalf("a later sync spares %v", (*got)[0].current)
+	}
 	want := map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true, netip.MustParseAddrPort("10.96.0.20:53"): true}
 	if len(*got) != 1 || len((*got)[0].addrs) != 2 || !(*got)[0].addrs[netip.MustParseAddrPort("10.96.0.10:53")] ||
 		!(*got)[0].addrs[netip.MustParseAddrPort("10.96.0.20:53")] || !(*got)[0].ports[30053] {
@@ -99,28 +111,56 @@ func (h *countHook) Fire(*logrus.Entry) error {
 
 func TestUDPFilterMatches(t *testing.T) {
 	f := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{30053: true}}
-	for _, tc := range []struct {
-		proto uint8
-		dst   string
-		want  bool
+	cases := []struct {
+		proto    uint8
+		dst      string
+		redirect uint16
+		want     bool
 	}{
-		{unix.IPPROTO_UDP, "10.96.0.10:53", true},
-		{unix.IPPROTO_TCP, "10.96.0.10:53", false},
-		{unix.IPPROTO_UDP, "10.96.0.10:54", false},
-		{unix.IPPROTO_UDP, "192.168.1.7:30053", true},
-		{unix.IPPROTO_TCP, "192.168.1.7:30053", false},
-		{unix.IPPROTO_UDP, "10.96.0.11:53", false},
-	} {
-		if got := f.match(tc.proto, netip.MustParseAddrPort(tc.dst)); got != tc.want {
+		{unix.IPPROTO_UDP, "10.96.0.10:53", 45001, true},
+		{unix.IPPROTO_TCP, "10.96.0.10:53", 45001, false},
+		{unix.IPPROTO_UDP, "10.96.0.10:54", 45001, false},
+		{unix.IPPROTO_UDP, "192.168.1.7:30053", 45002, true},
+		{unix.IPPROTO_TCP, "192.168.1.7:30053", 45002, false},
+		{unix.IPPROTO_UDP, "10.96.0.11:53", 45001, false},
+	}
+	for _, tc := range cases {
+		if got := f.match(tc.proto, netip.MustParseAddrPort(tc.dst), tc.redirect); got != tc.want {
 			t.Errorf("proto %d to %s: %v, want %v", tc.proto, tc.dst, got, tc.want)
+		}
+	}
+	// The first sync's filter spares what is redirected to today's
+	// listener: 10.96.0.10:53 to 45001, the NodePort to 45002.
+	f.current = map[netip.AddrPort]map[uint16]bool{
+		netip.MustParseAddrPort("10.96.0.10:53"):     {45001: true},
+		netip.AddrPortFrom(netip.Addr{}, 30053):      {45002: true},
+		netip.MustParseAddrPort("192.168.1.7:30053"): {45003: true}, // an externalIP on the NodePort's number
+		netip.MustParseAddrPort("10.96.0.99:53"):     {45009: true},
+	}
+	for _, tc := range []struct {
+		dst      string
+		redirect uint16
+		want     bool
+	}{
+		{"10.96.0.10:53", 45001, false},
+		{"10.96.0.10:53", 45999, true}, // an old listener's
+		{"10.96.0.10:53", 0, true},     // not redirected: came before the rules
+		{"192.168.1.7:30053", 45002, false},
+		{"192.168.1.7:30053", 45003, false},
+		{"192.168.1.8:30053", 45003, true},
+		{"10.96.0.10:53", 45009, true}, // another address's listener
+	} {
+		if got := f.match(unix.IPPROTO_UDP, netip.MustParseAddrPort(tc.dst), tc.redirect); got != tc.want {
+			t.Errorf("first sync: to %s redirected to %d: %v, want %v", tc.dst, tc.redirect, got, tc.want)
 		}
 	}
 }
 
-// In a network namespace of its own holding 300 TCP entries and three UDP
-// ones, the cleanup deletes the two UDP entries its filter names (a
-// ClusterIP's and a NodePort's), keeps the third and every TCP entry, and
-// the kernel hands it only the UDP entries (Linux 5.8 and later filter the
+// In a network namespace of its own holding 300 TCP entries and five UDP
+// ones, the cleanup deletes the three UDP entries its filter names (a
+// ClusterIP's, one of it redirected to an old listener, a NodePort's),
+// keeps another Service's, the one redirected to today's listener and
+// every TCP entry, and the kernel hands it only the UDP entries (Linux 5.8 and later filter the
 // dump by protocol); IPv6 entries the same, in their own family's dump.
 func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 	testutil.RequireRoot(t, "it creates a network namespace")
@@ -159,24 +199,34 @@ func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 			t.Fatalf("create TCP entry %d: %v", i, err)
 		}
 	}
+	// redirected is an entry REDIRECTed to a listener: its replies come
+	// from the node's listener port.
+	redirected := func(src, dst string, listener uint16) *netlink.ConntrackFlow {
+		fl := flow(unix.IPPROTO_UDP, src, dst)
+		fl.Reverse.SrcIP, fl.Reverse.SrcPort = net.ParseIP("10.1.0.1"), listener
+		return fl
+	}
 	for _, f := range []*netlink.ConntrackFlow{
 		flow(unix.IPPROTO_UDP, "10.1.9.1:40053", "10.96.0.10:53"),     // a stale ClusterIP's
 		flow(unix.IPPROTO_UDP, "10.1.9.2:40053", "192.168.7.7:30053"), // a stale NodePort's
 		flow(unix.IPPROTO_UDP, "10.1.9.3:40053", "10.96.0.11:53"),     // another Service's
+		redirected("10.1.9.4:40053", "10.96.0.10:53", 45001),          // to today's listener
+		redirected("10.1.9.5:40053", "10.96.0.10:53", 45999),          // to an old one
 	} {
 		if err := h.ConntrackCreate(netlink.ConntrackTable, unix.AF_INET, f); err != nil {
 			t.Fatalf("create UDP entry: %v", err)
 		}
 	}
 
-	filter := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{30053: true}}
+	filter := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{30053: true},
+		current: map[netip.AddrPort]map[uint16]bool{netip.MustParseAddrPort("10.96.0.10:53"): {45001: true}}}
 	var deleted, read uint
 	err = inNamespace(ns, func() (err error) {
 		deleted, read, err = deleteUDPConntrack(4, filter)
 		return err
 	})
-	if err != nil || deleted != 2 {
-		t.Fatalf("deleted %d (%v), want 2", deleted, err)
+	if err != nil || deleted != 3 {
+		t.Fatalf("deleted %d (%v), want 3", deleted, err)
 	}
 	left, err := h.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
 	if err != nil {
@@ -189,11 +239,12 @@ func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 		case unix.IPPROTO_TCP:
 			tcp++
 		case unix.IPPROTO_UDP:
-			udp = append(udp, fmt.Sprintf("%v:%d", f.Forward.DstIP, f.Forward.DstPort))
+			udp = append(udp, fmt.Sprintf("%v:%d>%d", f.Forward.DstIP, f.Forward.DstPort, f.Reverse.SrcPort))
 		}
 	}
-	if tcp != tcpEntries || len(udp) != 1 || udp[0] != "10.96.0.11:53" {
-		t.Fatalf("left %d TCP entries and UDP %v, want %d and [10.96.0.11:53]", tcp, udp, tcpEntries)
+	slices.Sort(udp)
+	if tcp != tcpEntries || !slices.Equal(udp, []string{"10.96.0.10:53>45001", "10.96.0.11:53>53"}) {
+		t.Fatalf("left %d TCP entries and UDP %v, want %d and [10.96.0.10:53>45001 10.96.0.11:53>53]", tcp, udp, tcpEntries)
 	}
 	// IPv6: its own dump, its own addresses.
 	for _, f := range []*netlink.ConntrackFlow{
@@ -218,8 +269,8 @@ func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 	_ = unix.Uname(&uts)
 	var major, minor int
 	_, _ = fmt.Sscanf(unix.ByteSliceToString(uts.Release[:]), "%d.%d", &major, &minor)
-	if (major > 5 || major == 5 && minor >= 8) && read != 3 {
-		t.Fatalf("the dump returned %d entries on Linux %d.%d, want the 3 UDP ones", read, major, minor)
+	if (major > 5 || major == 5 && minor >= 8) && read != 5 {
+		t.Fatalf("the dump returned %d entries on Linux %d.%d, want the 5 UDP ones", read, major, minor)
 	}
 }
 
