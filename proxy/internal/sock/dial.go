@@ -163,6 +163,13 @@ func bindSource(fd int, ep netip.AddrPort, src Source, proto uint8) (boundSource
 		return boundSource{}, fmt.Errorf("the client %s and the endpoint %s are of two families", client, ep)
 	}
 	// A client on the node itself: its own address, if it is one of ours.
+	// A TCP socket's port is chosen at connect (IP_BIND_ADDRESS_NO_PORT),
+	// as for one not bound: unique per endpoint, where a bind takes a port
+	// of the address's for every endpoint, runs out at the size of the
+	// ephemeral range and searches it among the listeners' ports.
+	if proto == unix.IPPROTO_TCP {
+		_ = unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_BIND_ADDRESS_NO_PORT, 1)
+	}
 	err := bindTo(fd, netip.AddrPortFrom(client, 0))
 	if err == nil {
 		return boundSource{Dialed: Dialed{Sees: client}}, nil
