@@ -21,6 +21,7 @@ package proxy
 //	ones give their ports back.
 
 import (
+	"runtime"
 	"sync"
 	"time"
 
@@ -110,6 +111,16 @@ func (r *reconciler) written(w *ruleWrite) {
 		r.unreleased = r.unreleased[:0]
 	}
 	r.lines.flush(r.cfg.log())
+	if w.bulk {
+		// A bulk sync (a start, a restore of many Services) and its rule
+		// write leave tens of MB of garbage; collected later, it would land
+		// on the next small change, whose sync then shares the CPU with the
+		// mark phase (at 10k: +15-25 ms, in ~40 % of the changes measured
+		// right after a load; at 1k, +5 ms in every one). Collect it now.
+		start := time.Now()
+		runtime.GC()
+		r.cfg.log().WithField("took", time.Since(start).String()).Debug("Collected a bulk sync's garbage")
+	}
 }
 
 // closeAll stops every frontend and gives its port back (at shutdown: the

@@ -55,6 +55,7 @@ type ruleWrite struct {
 	queuedAt       time.Time     // the oldest change in it
 	state          *config.State // the State of the last sync in it
 	err            error         // the write's outcome, once written
+	bulk           bool          // a bulk sync is in it: its garbage is collected once written
 }
 
 // merge returns the write that does w and then next: the newer view, the
@@ -65,6 +66,7 @@ func (w *ruleWrite) merge(next *ruleWrite) *ruleWrite {
 	}
 	m := *next
 	m.verify = w.verify || next.verify
+	m.bulk = w.bulk || next.bulk
 	m.release = append(slices.Clip(w.release), next.release...)
 	m.stale = append(slices.Clip(w.stale), next.stale...)
 	m.start = w.start

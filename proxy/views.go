@@ -3,7 +3,6 @@ package proxy
 import (
 	"errors"
 	"net/netip"
-	"runtime"
 	"slices"
 	"sort"
 	"time"
@@ -198,30 +197,22 @@ func (r *reconciler) publish(p *syncPlan, w *ruleWrite, kept int) {
 	r.lastListenFailures, r.nodeDeleting = r.listenFailures, p.st.NodeDeleting
 	r.mu.Unlock()
 	r.lines.flush(r.cfg.log())
-	r.logSync(w.start, kept, len(p.closed), p.changed)
+	w.bulk = r.logSync(w.start, kept, len(p.closed), p.changed)
 	for _, name := range p.unserved {
 		deleteServiceMetrics(name.String())
 	}
 }
 
-// logSync writes the sync's debug line; after a bulk sync it collects the
-// garbage the sync left.
-func (r *reconciler) logSync(start time.Time, kept, closed int, changed []config.ServicePortName) {
+// logSync writes the sync's debug line and says whether the sync was bulk
+// (its garbage is collected once its rules are written: reconciler.written).
+func (r *reconciler) logSync(start time.Time, kept, closed int, changed []config.ServicePortName) (bulk bool) {
 	fields := logrus.Fields{"frontends": len(r.frontends), "closed": closed, "took": time.Since(start).String(), "visited": "all"}
 	if changed != nil {
 		fields["visited"] = len(changed)
 	}
-	if opened := len(r.frontends) - kept; opened+closed >= bulkSync {
-		// A bulk sync (a start, a restore of many Services) leaves tens of
-		// MB of garbage; collected later, it would land on the next small
-		// change, whose sync then shares the CPU with the mark phase (at
-		// 10k: +15-25 ms, in ~40 % of the changes measured right after a
-		// load). Collect it now.
-		gcStart := time.Now()
-		runtime.GC()
-		fields["gcAfterBulk"] = time.Since(gcStart).String()
-	}
+	opened := len(r.frontends) - kept
 	r.cfg.log().WithFields(fields).Debug("Synced")
+	return opened+closed >= bulkSync
 }
 
 // bulkSync is how many frontends opened or closed in one sync make it bulk.
