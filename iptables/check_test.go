@@ -3,6 +3,8 @@ package iptables
 import (
 	"context"
 	"errors"
+	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -10,6 +12,12 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 func TestRulesetSame(t *testing.T) {
@@ -128,6 +136,58 @@ func TestStuckRestoreIsKilled(t *testing.T) {
 		t.Fatalf("the write returned after %v", took)
 	}
 	gone(t, pidFile)
+}
+
+// TestStoppedWriteIsNoFailure: a diff write whose iptables-restore is
+// stopped by its context (shutdown, handover) ends at once, counts no
+// restore failure, warns of none and attempts no full rewrite.
+func TestStoppedWriteIsNoFailure(t *testing.T) {
+	bin, pidFile := stuckCommand(t)
+	f := &family{fam: 4, restore: bin, save: bin, features: allFeatures, jumpsOK: true, timeout: time.Minute}
+	f.installed = &Ruleset{Nat: map[string][]string{}, Filter: map[string][]string{}}
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	warnings := &countHook{}
+	log.AddHook(warnings)
+	restores := counterValue(t, restoreFailures.WithLabelValues("IPv4"))
+	partial := counterValue(t, partialRestoreFailures.WithLabelValues("IPv4"))
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		for { // cancel once the restore runs
+			if _, err := os.Stat(pidFile); err == nil {
+				cancel()
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	sp := &config.ServicePort{Name: config.ServicePortName{Namespace: "ns", Name: "a"}, Protocol: config.TCP, Port: 80,
+		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")}}
+	fes := []config.Frontend{{Service: sp, Kind: config.KindAll, Family: 4, Protocol: config.TCP, Listen: netip.MustParseAddrPort("0.0.0.0:45001")}}
+	_, _, err := f.sync(ctx, fes, RenderOptions{}, false, nil, log)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("err = %v, want the cancellation", err)
+	}
+	if warnings.warnings != 0 || f.installed != nil {
+		t.Fatalf("%d warnings, installed %v: want none and the records dropped", warnings.warnings, f.installed)
+	}
+	if d := counterValue(t, restoreFailures.WithLabelValues("IPv4")) - restores; d != 0 {
+		t.Fatalf("%v restore failures counted", d)
+	}
+	if d := counterValue(t, partialRestoreFailures.WithLabelValues("IPv4")) - partial; d != 0 {
+		t.Fatalf("%v partial restore failures counted", d)
+	}
+	gone(t, pidFile)
+}
+
+// counterValue is c's value.
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var d dto.Metric
+	if err := c.Write(&d); err != nil {
+		t.Fatal(err)
+	}
+	return d.GetCounter().GetValue()
 }
 
 // TestShutdownKillsAStuckSave: the periodic check's iptables-save ends when

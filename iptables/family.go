@@ -170,18 +170,29 @@ func (f *family) probe() error {
 // run runs bin with args and stdin as its input, bound by ctx and the
 // family's timeout.
 func (f *family) run(ctx context.Context, bin string, args []string, stdin string) error {
+	stopped := ctx.Done()
 	cmd, ctx, done := f.command(ctx, bin, args)
 	defer done()
 	cmd.Stdin = strings.NewReader(stdin)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
-		if bin == f.restore {
+		if bin == f.restore && !closed(stopped) { // one stopped (shutdown, handover) did not fail
 			restoreFailures.WithLabelValues(familyName(f.fam)).Inc()
 		}
 		return f.commandError(ctx, bin, args, err, stderr.String())
 	}
 	return nil
+}
+
+// closed says whether c is closed (nil: never).
+func closed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }
 
 // sync writes the rules of frontends: it brings the records up to date,
@@ -207,6 +218,12 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 	if f.installed != nil {
 		if nat, filter, err = f.commit(ctx, f.plan(f.installed, want, writeDiff), log, start); err == nil {
 			return nat, filter, nil
+		}
+		if ctx.Err() != nil {
+			// Stopped (a shutdown, a handover), not failed: the next write,
+			// if any, reads what the kernel has.
+			f.installed = nil
+			return 0, 0, err
 		}
 		partialRestoreFailures.WithLabelValues(familyName(f.fam)).Inc()
 		log.WithError(err).Warn("Partial rule update failed; rewriting all rules")
