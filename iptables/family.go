@@ -170,29 +170,19 @@ func (f *family) probe() error {
 // run runs bin with args and stdin as its input, bound by ctx and the
 // family's timeout.
 func (f *family) run(ctx context.Context, bin string, args []string, stdin string) error {
-	stopped := ctx.Done()
+	parent := ctx
 	cmd, ctx, done := f.command(ctx, bin, args)
 	defer done()
 	cmd.Stdin = strings.NewReader(stdin)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
-		if bin == f.restore && !closed(stopped) { // one stopped (shutdown, handover) did not fail
+		if bin == f.restore && parent.Err() == nil { // one stopped (shutdown, handover) did not fail
 			restoreFailures.WithLabelValues(familyName(f.fam)).Inc()
 		}
 		return f.commandError(ctx, bin, args, err, stderr.String())
 	}
 	return nil
-}
-
-// closed says whether c is closed (nil: never).
-func closed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
-	}
 }
 
 // sync writes the rules of frontends: it brings the records up to date,

@@ -18,7 +18,7 @@ package proxy
 //	                 ruleWrite, which the rule writer carries out (rulewriter.go)
 //	  → publish      (views.go) the view readers see, the log, the metrics
 //	written, once the rule writer is done: replaced frontends stop, closed
-//	ones give their ports back.
+//	ones give their ports back, a bulk sync's garbage is collected.
 
 import (
 	"runtime"

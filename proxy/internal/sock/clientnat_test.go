@@ -481,39 +481,44 @@ func TestDialUDPFromClientThroughConntrack(t *testing.T) {
 // A client on the node itself gets its own address at the backend with a
 // port chosen at connect: with an ephemeral range of 4 ports, 4
 // connections to each of two endpoints all keep the node's address (a port
-// taken at bind would run out at the fifth).
+// taken at bind would run out at the fifth), IPv4 and IPv6.
 func TestDialFromTheNodeSharesPorts(t *testing.T) {
 	l := newNATLab(t)
 	if out, err := exec.Command("ip", "netns", "exec", l.node, "sysctl", "-qw", "net.ipv4.ip_local_port_range=40000 40003").CombinedOutput(); err != nil {
 		t.Fatalf("sysctl: %v: %s", err, out)
 	}
-	node := netip.MustParseAddr("10.0.2.1")
-	for _, addr := range []string{"10.0.2.2:9001", "10.0.2.2:9002"} {
-		got := l.peers(t, addr)
-		ep := netip.MustParseAddrPort(addr)
-		for i := 0; i < 4; i++ {
-			var d Dialed
-			var err error
-			var c *Conn
-			in(t, l.node, func() {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				c, d, err = DialTCPFrom(ctx, ep, 5*time.Second, Source{Client: node})
-			})
-			if err != nil {
-				t.Fatalf("connection %d to %s: %v", i+1, ep, err)
-			}
-			t.Cleanup(func() { c.Close() })
-			if d.SourceErr != nil || d.Sees != node {
-				t.Fatalf("connection %d to %s: the backend sees %v (%v), want %v", i+1, ep, d.Sees, d.SourceErr, node)
-			}
-			select {
-			case peer := <-got:
-				if peer.Addr() != node || peer.Port() < 40000 || peer.Port() > 40003 {
-					t.Fatalf("connection %d to %s came from %v", i+1, ep, peer)
+	for _, tc := range []struct{ node, ep1, ep2 string }{
+		{"10.0.2.1", "10.0.2.2:9001", "10.0.2.2:9002"},
+		{"fd00:2::1", "[fd00:2::2]:9001", "[fd00:2::2]:9002"},
+	} {
+		node := netip.MustParseAddr(tc.node)
+		for _, addr := range []string{tc.ep1, tc.ep2} {
+			got := l.peers(t, addr)
+			ep := netip.MustParseAddrPort(addr)
+			for i := 0; i < 4; i++ {
+				var d Dialed
+				var err error
+				var c *Conn
+				in(t, l.node, func() {
+					ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+					defer cancel()
+					c, d, err = DialTCPFrom(ctx, ep, 5*time.Second, Source{Client: node})
+				})
+				if err != nil {
+					t.Fatalf("connection %d to %s: %v", i+1, ep, err)
 				}
-			case <-time.After(5 * time.Second):
-				t.Fatalf("connection %d to %s: not accepted", i+1, ep)
+				t.Cleanup(func() { c.Close() })
+				if d.SourceErr != nil || d.Sees != node {
+					t.Fatalf("connection %d to %s: the backend sees %v (%v), want %v", i+1, ep, d.Sees, d.SourceErr, node)
+				}
+				select {
+				case peer := <-got:
+					if peer.Addr() != node || peer.Port() < 40000 || peer.Port() > 40003 {
+						t.Fatalf("connection %d to %s came from %v", i+1, ep, peer)
+					}
+				case <-time.After(5 * time.Second):
+					t.Fatalf("connection %d to %s: not accepted", i+1, ep)
+				}
 			}
 		}
 	}
