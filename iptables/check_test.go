@@ -140,7 +140,8 @@ func TestStuckRestoreIsKilled(t *testing.T) {
 
 // TestStoppedWriteIsNoFailure: a diff write whose iptables-restore is
 // stopped by its context (shutdown, handover) ends at once, counts no
-// restore failure, warns of none and attempts no full rewrite.
+// restore failure, warns of none and attempts no full rewrite (the log
+// says it was stopped: TestHungRuleWrite).
 func TestStoppedWriteIsNoFailure(t *testing.T) {
 	bin, pidFile := stuckCommand(t)
 	f := &family{fam: 4, restore: bin, save: bin, features: allFeatures, jumpsOK: true, timeout: time.Minute}

@@ -213,6 +213,7 @@ func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts Ren
 			// Stopped (a shutdown, a handover), not failed: the next write,
 			// if any, reads what the kernel has.
 			f.installed = nil
+			log.WithError(err).WithField("family", f.fam).Info("Rule write stopped; the rules are what the kernel holds")
 			return 0, 0, err
 		}
 		partialRestoreFailures.WithLabelValues(familyName(f.fam)).Inc()
