@@ -152,7 +152,7 @@ func (p *Proxier) Lend(ctx context.Context) ([]handover.Socket, error) {
 }
 
 // Freeze stops syncing (changes queue) until Thaw or Release, and returns
-// the state that decides the frontends' future picks (pickstate.go).
+// the state that decides the frontends' future picks (balancer.go).
 func (p *Proxier) Freeze(ctx context.Context) (json.RawMessage, error) {
 	var picks json.RawMessage
 	err := p.call(ctx, func() error {
@@ -228,4 +228,13 @@ func (r *reconciler) lend() ([]handover.Socket, error) {
 		socks = append(socks, s)
 	}
 	return socks, nil
+}
+
+// pickStates is every live frontend's pick state, by key.
+func (r *reconciler) pickStates() map[string]pickState {
+	out := make(map[string]pickState, len(r.frontends))
+	for key, fe := range r.frontends {
+		out[key.String()] = fe.bal.exportState()
+	}
+	return out
 }

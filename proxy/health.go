@@ -1,13 +1,7 @@
 package proxy
 
 import (
-	"cmp"
-	"net/netip"
-	"slices"
 	"time"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
 // Health is what /healthz reports.
@@ -53,41 +47,4 @@ func (r *reconciler) health() (listenFailures int, nodeDeleting bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.lastListenFailures, r.nodeDeleting
-}
-
-// syncHealthChecks gives ServiceHealth every Service with a health check
-// node port and its ready endpoints on this node (counted once across the
-// Service's ports and families), when that changed.
-func (r *reconciler) syncHealthChecks(st *config.State) {
-	if r.cfg.ServiceHealth == nil {
-		return
-	}
-	byService := map[config.ServiceName]*healthcheck.Service{}
-	local := map[config.ServiceName]map[netip.Addr]bool{}
-	for _, sp := range st.Ports {
-		if sp.HealthCheckNodePort == 0 {
-			continue
-		}
-		k := sp.Name.Service()
-		if byService[k] == nil {
-			byService[k] = &healthcheck.Service{Namespace: k.Namespace, Name: k.Name, Port: sp.HealthCheckNodePort}
-			local[k] = map[netip.Addr]bool{}
-		}
-		for _, ep := range sp.Endpoints {
-			if ep.Ready && ep.NodeName == st.Node {
-				local[k][ep.Addr.Addr()] = true
-			}
-		}
-	}
-	out := make([]healthcheck.Service, 0, len(byService))
-	for k, svc := range byService {
-		svc.LocalEndpoints = len(local[k])
-		out = append(out, *svc)
-	}
-	slices.SortFunc(out, func(a, b healthcheck.Service) int { return cmp.Compare(a.Port, b.Port) })
-	if r.healthChecks != nil && slices.Equal(out, r.healthChecks) {
-		return
-	}
-	r.healthChecks = out
-	r.cfg.ServiceHealth.Sync(out)
 }

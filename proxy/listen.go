@@ -300,3 +300,47 @@ func listenOn(proto config.Protocol, ap netip.AddrPort) (listener, error) {
 // it: every proxied TCP connection holds two sockets, and the default soft
 // limit of 1024 would cap the proxy at a few hundred connections.
 func RaiseFileLimit() (uint64, error) { return sock.RaiseFileLimit() }
+
+// refuseIf has fe's port refuse connections while no endpoint can serve it
+// (refuse), and its listener accept again once one can. Refusing, the
+// listener is closed and a socket that refuses holds its port
+// (sock.RefusePort): a TCP SYN gets a reset, a UDP datagram an ICMP port
+// unreachable, from the first packet and whatever address the rules
+// redirected from, at no cost per packet, as kube-proxy's REJECT does.
+// Established connections go on. Without a socket on the port the kernel
+// would answer the same, but another process could take the port meanwhile.
+func (fe *frontend) refuseIf(refuse bool) error {
+	if refuse == (fe.refusing != nil) {
+		return nil
+	}
+	fe.clearPort()
+	if !refuse {
+		ln, err := listenOn(fe.protocol, fe.listen)
+		if err != nil {
+			return err
+		}
+		return fe.dp.serve(fe, ln)
+	}
+	h, err := sock.RefusePort(fe.protocol == config.UDP, fe.listen)
+	if err != nil {
+		return fmt.Errorf("holding %s while no endpoint serves: %w", fe.listen, err)
+	}
+	fe.refusing = h
+	fe.refused.Store(true)
+	return nil
+}
+
+// clearPort closes what is on fe's port: the socket that refuses for it, or
+// its listener.
+func (fe *frontend) clearPort() {
+	switch {
+	case fe.refusing != nil:
+		fe.refusing.Close()
+		fe.refusing = nil
+		fe.refused.Store(false)
+	case fe.tcp != nil:
+		fe.tcp.ln.Close()
+	case fe.udp != nil:
+		fe.udp.close()
+	}
+}

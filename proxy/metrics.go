@@ -318,17 +318,3 @@ func (noLocalCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(noLocalDesc, prometheus.GaugeValue, float64(n), s.policy, fmt.Sprintf("IPv%d", s.family))
 	}
 }
-
-// deleteServiceMetrics drops every series of a service port that is no longer
-// served. Connections still draining keep counting into their detached
-// series; a service that comes back starts from zero, which Prometheus reads
-// as a counter reset.
-func deleteServiceMetrics(service string) {
-	match := prometheus.Labels{"service": service}
-	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
-		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration, endpointEjections, udpEndpointErrors,
-	} {
-		v.DeletePartialMatch(match)
-	}
-}

@@ -12,7 +12,7 @@
 // A Proxier is four owners, each with its own state, lock and goroutines:
 //
 //	Proxier     the change intake (Update) and the sync goroutine (Run)
-//	reconciler  the frontends: one Delta in, listeners and one rule write out (reconcile.go, plan.go, serve.go)
+//	reconciler  the frontends: one Delta in, listeners and one rule write out (reconcile.go, frontend.go, publish.go)
 //	ruleWriter  the rule writes, one at a time on a goroutine of its own (rulewriter.go)
 //	dataplane   what connections share: accept loop, workers, parker,
 //	            connection table, descriptor budget, port allocator (dataplane.go)

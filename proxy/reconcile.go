@@ -4,29 +4,37 @@ package proxy
 // through three files, each once:
 //
 //	apply            (here)
-//	  → plan         (plan.go) decide, changing nothing: the ports to visit
+//	  → plan         (here) decide, changing nothing: the ports to visit
 //	                 (the changed ones, or all), what becomes of each live
 //	                 frontend of them (kept, retaken, closed now, closed
 //	                 after the serve, closed after the rule write), the
 //	                 order to serve the ports in (NodePort claims first,
 //	                 the oldest Service winning; then new listeners in name
 //	                 order, so that a restart opens the same ports), and
-//	                 what each frontend takes (its endpoints, settings)
-//	  → carryOut     (serve.go) do it: close, retake NodePorts, open what
-//	                 is missing (dataplane.open), hand the balancers their
-//	                 endpoints, refuse where none serves; out comes the
-//	                 ruleWrite, which the rule writer carries out (rulewriter.go)
-//	  → publish      (views.go) the view readers see, the log, the metrics
-//	written, once the rule writer is done: replaced frontends stop, closed
-//	ones give their ports back, a bulk sync's garbage is collected.
+//	                 what each frontend takes (its endpoints, settings, a
+//	                 predecessor's picks)
+//	  → carryOut     (frontend.go) do it: close, retake NodePorts, open what
+//	                 is missing, each frontend takes what the plan decided
+//	                 (its balancer, its UDP flows, its port refusing where
+//	                 none serves); out comes the ruleWrite, which the rule
+//	                 writer carries out (rulewriter.go)
+//	  → publish      (publish.go) the health checks, the view readers see,
+//	                 the log, the metrics
+//	written (frontend.go), once the rule writer is done: replaced frontends
+//	stop, closed ones give their ports back, a bulk sync's garbage is
+//	collected.
 
 import (
-	"runtime"
+	"maps"
+	"net/netip"
+	"slices"
+	"sort"
 	"sync"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+	"github.com/sirupsen/logrus"
 )
 
 // reconciler owns the frontends. Everything but mu's fields is the sync
@@ -51,12 +59,12 @@ type reconciler struct {
 	// zone is the node's zone the balancers' endpoints were chosen for: a
 	// new zone chooses again for every port.
 	zone string
-	// healthChecks is what ServiceHealth was last given (health.go).
+	// healthChecks is what ServiceHealth was last given (publish.go).
 	healthChecks []healthcheck.Service
 	// lines are the listeners opened and closed since the last log of them.
 	lines listenerLines
 	// inheritedPicks is a predecessor's pick state by frontend key, until
-	// the first sync applied it (pickstate.go).
+	// the first sync gave it to the frontends (keyServe.picks; balancer.go).
 	inheritedPicks map[string]pickState
 
 	mu sync.Mutex // guards the fields below: written by the sync goroutine, read by anyone
@@ -90,51 +98,368 @@ func (r *reconciler) apply(d config.Delta, verify bool) *ruleWrite {
 	start := time.Now()
 	p := r.plan(d, verify)
 	w, kept := r.carryOut(p, start)
-	r.syncHealthChecks(p.st)
 	r.publish(p, w, kept)
 	return w
 }
 
-// written finishes w on the sync goroutine once its rules are written (err
-// nil) or failed: replaced listeners stop, and after a success the ports of
-// every frontend closed before it go back to the allocator.
-func (r *reconciler) written(w *ruleWrite) {
-	for _, fe := range w.stale {
-		r.stop(fe)
-	}
-	r.unreleased = append(append(r.unreleased, w.release...), w.stale...)
-	if w.err == nil {
-		for _, fe := range r.unreleased {
-			fe.release()
+// syncPlan is what one sync does to the frontends, decided before any of it
+// is done (plan) and then carried out (carryOut, frontend.go). Nothing in it is
+// changed on the way: it is the sync's record.
+type syncPlan struct {
+	st     *config.State
+	verify bool
+	// changed are the ports visited; nil: every port.
+	changed []config.ServicePortName
+	// rezone: the node's zone changed, every balancer chooses again.
+	rezone bool
+
+	// What becomes of the live frontends visited. retake: their NodePort
+	// was held elsewhere, a new frontend tries it again (kept only if it
+	// gets it). closeNow: they hold a NodePort their successor may need
+	// (the one replacement that is break-before-make). gone: removed,
+	// they stop once the rest is served. stale: replaced, they stop once
+	// the rules point at their successors.
+	retake                []frontendKey
+	closeNow, gone, stale []*frontend
+	closed                []config.ServicePortName // the ports of every frontend closed
+	unserved              []config.ServicePortName // those of closed that no frontend serves any more
+	closing               map[frontendKey]bool     // the keys of closeNow, gone and stale
+	view                  []config.Frontend        // the view of the ports not visited
+	unchanged             int                      // len(view) before carryOut appends to it
+	serve                 []portServe              // in the order they are served (serveOrder)
+	keysScratch           []frontendKey
+}
+
+// portServe is what serving one port does: a frontend per key.
+type portServe struct {
+	sp   *config.ServicePort
+	keys []keyServe
+}
+
+// keyServe is what becomes of the frontend of one key. update: its
+// frontend takes sp's settings and endpoints (a listener just opened always
+// does); eps are the endpoints its balancer gets, noLocal its Local
+// policies that find no endpoint on this node (noLocalPolicies).
+type keyServe struct {
+	key     frontendKey
+	update  bool
+	eps     []netip.AddrPort
+	noLocal uint32
+	source  *sourcePolicy
+	outlier OutlierConfig
+	// serving are the endpoints a UDP frontend that stays keeps its flows
+	// to (nil: a new frontend, no flows yet).
+	serving map[netip.AddrPort]bool
+	// picks are a predecessor's pick state for this key, at the first sync
+	// after a handover (nil: none).
+	picks *pickState
+}
+
+// plan decides the sync of d: which ports it visits (the changed ones, or
+// all), what becomes of each live frontend of them, and in which order the
+// ports are served. It changes nothing.
+func (r *reconciler) plan(d config.Delta, verify bool) *syncPlan {
+	p := &syncPlan{st: d.To, verify: verify, changed: r.changedSince(d, verify), rezone: d.To.Zone != r.zone}
+	p.closing = map[frontendKey]bool{}
+	if p.changed == nil {
+		for key, fe := range r.frontends {
+			p.visit(r.cfg, key, fe)
 		}
-		clear(r.unreleased)
-		r.unreleased = r.unreleased[:0]
+	} else {
+		for _, name := range p.changed {
+			for _, key := range allFrontendKeys(name) {
+				if fe := r.frontends[key]; fe != nil {
+					p.visit(r.cfg, key, fe)
+				}
+			}
+		}
 	}
-	r.lines.flush(r.cfg.log())
-	if w.bulk {
-		// A bulk sync (a start, a restore of many Services) and its rule
-		// write leave tens of MB of garbage; collected later, it would land
-		// on the next small change, whose sync then shares the CPU with the
-		// mark phase (at 10k: +15-25 ms, in ~40 % of the changes measured
-		// right after a load; at 1k, +5 ms in every one). Collect it now.
-		start := time.Now()
-		runtime.GC()
-		r.cfg.log().WithField("took", time.Since(start).String()).Debug("Collected a bulk sync's garbage")
+	for _, name := range p.closed {
+		if sp := p.st.Ports[name]; sp == nil || len(frontendKeys(nil, name, sp, r.cfg.serves)) == 0 {
+			p.unserved = append(p.unserved, name)
+		}
+	}
+	ports := p.startView(r)
+	p.serve = p.decide(r, p.serveOrder(r, ports))
+	return p
+}
+
+// changedSince returns the names of the ports d may change, when d starts
+// at the State synced last and says, and those of the frontends that
+// failed, to be tried again (nil: visit every port). A full visit is kept
+// for what only it does: verify the rules and choose endpoints again for a
+// new zone. One NodePort held by another process used to make every sync a
+// full one: at 10k service ports 30-60 ms instead of 1.
+func (r *reconciler) changedSince(d config.Delta, verify bool) []config.ServicePortName {
+	last, st := r.synced, d.To
+	if verify || last == nil || d.From != last || d.All() || st.Zone != r.zone || st.Node != last.Node {
+		return nil
+	}
+	names := make([]config.ServicePortName, 0, len(d.Changed)+len(r.failingNames))
+	seen := make(map[config.ServicePortName]bool, cap(names))
+	for _, name := range slices.Concat(d.Changed, r.failingNames) {
+		if !seen[name] {
+			seen[name] = true
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// visit decides about the live frontend fe of key: kept, retaken, closed
+// now, or closed later (gone or stale).
+func (p *syncPlan) visit(cfg *Config, key frontendKey, fe *frontend) {
+	sp := p.st.Ports[key.Name]
+	change := config.ComparePorts(fe.spec, sp)
+	if fe.nodePortErr != nil && change < config.PortFrontend {
+		// Every full sync tries again to take the NodePort another
+		// process (or Service) held.
+		p.retake = append(p.retake, key)
+		return
+	}
+	if change < config.PortFrontend {
+		return // the listener serves sp as it is
+	}
+	removed := sp == nil
+	if !removed {
+		p.keysScratch = frontendKeys(p.keysScratch[:0], key.Name, sp, cfg.serves)
+		removed = !slices.Contains(p.keysScratch, key)
+	}
+	p.closing[key] = true
+	p.closed = append(p.closed, key.Name)
+	switch {
+	case fe.hold != nil || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort):
+		// It holds the NodePort (as its listener or as a socket that
+		// only keeps others off it), which its successor may need.
+		p.closeNow = append(p.closeNow, fe)
+	case removed:
+		p.gone = append(p.gone, fe)
+	default:
+		p.stale = append(p.stale, fe)
 	}
 }
 
-// closeAll stops every frontend and gives its port back (at shutdown: the
-// rules still point at the closed ports, so a new connection is refused at
-// once instead of timing out).
-func (r *reconciler) closeAll() {
-	r.mu.Lock()
-	all := r.frontends
-	r.frontends = make(map[frontendKey]*frontend)
-	r.view, r.sorted = nil, nil
-	r.mu.Unlock()
-	for _, fe := range all {
-		r.stop(fe)
-		fe.release()
+// startView returns the ports to serve, and starts the view with the last
+// view's frontends of the ports not visited: every port of the State, or
+// the changed ports and the last view without them.
+func (p *syncPlan) startView(r *reconciler) []*config.ServicePort {
+	if p.changed == nil {
+		p.view = make([]config.Frontend, 0, max(len(r.frontends), len(p.st.Ports))+8)
+		return slices.Collect(maps.Values(p.st.Ports))
 	}
-	r.lines.flush(r.cfg.log())
+	var ports []*config.ServicePort
+	set := make(map[config.ServicePortName]bool, len(p.changed))
+	for _, name := range p.changed {
+		set[name] = true
+		if sp := p.st.Ports[name]; sp != nil {
+			ports = append(ports, sp)
+		}
+	}
+	r.mu.Lock()
+	last := r.view
+	r.mu.Unlock()
+	p.view = make([]config.Frontend, 0, len(last)+2*len(p.changed)+8)
+	for _, f := range last {
+		if !set[f.Service.Name] {
+			p.view = append(p.view, f)
+		}
+	}
+	p.unchanged = len(p.view)
+	return ports
+}
+
+// serveOrder orders the ports to serve. Ports with a NodePort first, the
+// oldest Service first: of two that claim the same NodePort, the same one
+// wins at every start. Then the ports that need a listener, in the order of
+// their names: with ports chosen from each one's preferred port upwards, a
+// restart opens the same Services on the same ports (and finds its rules).
+// The rest (their listeners stay) first of all, in any order.
+func (p *syncPlan) serveOrder(r *reconciler, ports []*config.ServicePort) []*config.ServicePort {
+	var kept, claims, opening []*config.ServicePort
+	for _, sp := range ports {
+		if sp.NodePort != 0 {
+			claims = append(claims, sp)
+			continue
+		}
+		p.keysScratch = frontendKeys(p.keysScratch[:0], sp.Name, sp, r.cfg.serves)
+		if p.needsListener(r, p.keysScratch) {
+			opening = append(opening, sp)
+			continue
+		}
+		kept = append(kept, sp)
+	}
+	sort.Slice(claims, func(i, j int) bool { return claimsFirst(claims[i], claims[j]) })
+	slices.SortFunc(opening, func(a, b *config.ServicePort) int { return a.Name.Compare(b.Name) })
+	return slices.Concat(kept, claims, opening)
+}
+
+// needsListener says whether a frontend of keys has no listener yet, or
+// loses it in this sync.
+func (p *syncPlan) needsListener(r *reconciler, keys []frontendKey) bool {
+	for _, key := range keys {
+		if r.frontends[key] == nil || p.closing[key] {
+			return true
+		}
+	}
+	return false
+}
+
+// decide says, for every key of every port of ports, what serving it
+// does: whether its frontend takes sp's settings (new, replaced, retaken,
+// of a port that changed, or of a new zone) and what they are. The keys of all ports
+// share one backing array.
+func (p *syncPlan) decide(r *reconciler, ports []*config.ServicePort) []portServe {
+	out := make([]portServe, len(ports))
+	all := make([]frontendKey, 0, len(ports)+len(ports)/4)
+	for i, sp := range ports {
+		from := len(all)
+		all = frontendKeys(all, sp.Name, sp, r.cfg.serves)
+		out[i] = portServe{sp: sp}
+		for _, key := range all[from:len(all):len(all)] {
+			fe := r.frontends[key]
+			ks := keyServe{key: key, update: fe == nil || p.closing[key] || p.rezone || slices.Contains(p.retake, key) ||
+				config.ComparePorts(fe.spec, sp) != config.PortSame}
+			if ks.update {
+				ks.eps = config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), p.st.Node, p.st.Zone)
+				ks.noLocal = noLocalPolicies(key, sp, len(ks.eps), p.st.Node, p.st.Zone)
+				ks.source = newSourcePolicy(r.cfg, key, sp)
+				ks.outlier = r.cfg.outlierFor(sp)
+				var prev *config.ServicePort // nil: a new listener
+				if fe != nil && !p.closing[key] && !slices.Contains(p.retake, key) {
+					prev = fe.spec
+				}
+				warnAnnotations(r.cfg.log().WithFields(logrus.Fields{"service": key.Name.String(), "family": key.Family, "kind": key.Kind}), prev, sp)
+				if prev != nil && sp.Protocol == config.UDP {
+					ks.serving = servingEndpoints(sp)
+				}
+				if r.inheritedPicks != nil {
+					if st, ok := r.inheritedPicks[key.String()]; ok {
+						ks.picks = &st
+					}
+				}
+			}
+			out[i].keys = append(out[i].keys, ks)
+		}
+	}
+	return out
+}
+
+// localOnly says whether the frontend of k serves sp's endpoints on this
+// node alone.
+func (k frontendKey) localOnly(sp *config.ServicePort) bool {
+	switch k.Kind {
+	case config.KindInternal:
+		return sp.InternalLocal
+	case config.KindExternal:
+		return sp.ExternalLocal
+	case config.KindLocalClients:
+		return false // kube-proxy's short-circuit: every endpoint
+	}
+	return sp.InternalLocal // KindAll: both policies agree
+}
+
+const (
+	noLocalInternal = 1 << iota
+	noLocalExternal
+)
+
+// noLocalPolicies are the Local policies of sp that key's frontend serves
+// without a local endpoint (usable: its endpoints) while the cluster has
+// some, as kube-proxy counts them.
+func noLocalPolicies(key frontendKey, sp *config.ServicePort, usable int, node, zone string) uint32 {
+	if !key.localOnly(sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
+		return 0
+	}
+	var m uint32
+	if key.Kind.ClusterIPs() && sp.InternalLocal {
+		m |= noLocalInternal
+	}
+	if key.Kind.External() && sp.ExternalLocal && sp.HasExternal() {
+		m |= noLocalExternal
+	}
+	return m
+}
+
+// claimsFirst orders the Services that claim NodePorts: the oldest first,
+// then by name.
+func claimsFirst(a, b *config.ServicePort) bool {
+	if !a.Created.Equal(b.Created) {
+		return a.Created.Before(b.Created)
+	}
+	return a.Name.String() < b.Name.String()
+}
+
+// frontendKeys appends the keys of the listeners sp needs to keys, without
+// allocating when keys has room: one per family, or two when internal and
+// external traffic policies differ (they select different endpoints, and a
+// UDP datagram cannot tell which address it was sent to once redirected),
+// and a third for clients on this node when both policies are Local (the
+// short-circuit needs every endpoint; see config.KindLocalClients).
+// It is the one enumeration of a Service port's frontends; serves says
+// which families may open (nil: every one).
+func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort, serves func(int) bool) []frontendKey {
+	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
+	localClients := sp.HasExternal() && sp.InternalLocal && sp.ExternalLocal
+	for _, fam := range sp.Families() {
+		if serves != nil && !serves(fam) {
+			continue
+		}
+		if split {
+			keys = append(keys, frontendKey{Name: name, Kind: config.KindInternal, Family: fam}, frontendKey{Name: name, Kind: config.KindExternal, Family: fam})
+		} else {
+			keys = append(keys, frontendKey{Name: name, Kind: config.KindAll, Family: fam})
+		}
+		if localClients {
+			keys = append(keys, frontendKey{Name: name, Kind: config.KindLocalClients, Family: fam})
+		}
+	}
+	return keys
+}
+
+// allFrontendKeys lists every key a frontend of the port name may have.
+func allFrontendKeys(name config.ServicePortName) []frontendKey {
+	keys := make([]frontendKey, 0, 6)
+	for _, fam := range []int{4, 6} {
+		for _, kind := range config.Kinds {
+			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
+		}
+	}
+	return keys
+}
+
+// servingEndpoints are the addresses of sp's endpoints that serve, ready or
+// terminating.
+func servingEndpoints(sp *config.ServicePort) map[netip.AddrPort]bool {
+	set := make(map[netip.AddrPort]bool, len(sp.Endpoints))
+	for _, ep := range sp.Endpoints {
+		if ep.Ready || ep.Serving {
+			set[ep.Addr] = true
+		}
+	}
+	return set
+}
+
+// warnAnnotations warns once about each of sp's annotations that has a value
+// the proxy does not know, when the value is new (prev is nil for a listener
+// just opened): a sync that changes nothing else says nothing again.
+func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
+	if prev == nil {
+		prev = &config.ServicePort{}
+	}
+	if sp.ProxyProtocol != prev.ProxyProtocol && !KnownProxyProtocol(sp.ProxyProtocol) {
+		log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
+			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
+	}
+	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
+		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
+			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
+	}
+	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(BackendSourceAuto) && v != string(BackendSourceNode) {
+		log.WithField("annotation", config.AnnotationBackendSource).WithField("value", v).
+			Warn("Unknown value (want \"auto\" or \"node\"); using auto")
+	}
+	if v := sp.OutlierDetection; v != prev.OutlierDetection && v != "" && v != "on" && v != "off" {
+		log.WithField("annotation", config.AnnotationOutlierDetection).WithField("value", v).
+			Warn("Unknown value (want \"on\" or \"off\"); outlier detection stays on")
+	}
 }
