@@ -21,14 +21,11 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	discovery "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -438,131 +435,6 @@ func (b *bench) restart(ctx context.Context, n *node, p *proc) (*proc, error) {
 	b.record("RSS peak from that restart to its first sync", mib(p.peak()))
 	return p, nil
 }
-
-// timeChanges times one change at a time, from the API call and from the
-// watch event (this process's own watch: about when the proxy's saw it).
-func (b *bench) timeChanges(ctx context.Context) error {
-	if b.o.runs == 0 {
-		return nil
-	}
-	if b.seen == nil {
-		if err := b.watchEvents(ctx); err != nil {
-			return err
-		}
-	}
-	var adds, changes, deletes [2][]time.Duration
-	for i := 0; i < b.o.runs; i++ {
-		a, c, del, err := b.oneChange(ctx, i)
-		if err != nil {
-			return err
-		}
-		for k := range 2 {
-			adds[k], changes[k], deletes[k] = append(adds[k], a[k]), append(changes[k], c[k]), append(deletes[k], del[k])
-		}
-	}
-	b.record("add a Service and its slice → traffic, from the API call (median / max)", medMax(adds[0]))
-	b.record("add a Service and its slice → traffic, from the slice's watch event", medMax(adds[1]))
-	b.record("change a slice's endpoint → traffic, from the API call", medMax(changes[0]))
-	b.record("change a slice's endpoint → traffic, from the watch event", medMax(changes[1]))
-	b.record("delete a Service → traffic refused, from the API call", medMax(deletes[0]))
-	b.record("delete a Service → traffic refused, from the watch event", medMax(deletes[1]))
-	return nil
-}
-
-// timeChurn makes endpoint changes at a steady rate, then one more change
-// whose latency says whether a lag built up.
-func (b *bench) timeChurn(ctx context.Context, n *node, p *proc) error {
-	if b.o.churn == 0 {
-		return nil
-	}
-	cpu0 := p.cpu()
-	pr, err := b.probeService(ctx, "churn-probe", 200)
-	if err != nil {
-		return err
-	}
-	profiled := make(chan error, 1)
-	if n.proxy == ours && b.o.profile != "" {
-		go func() { profiled <- b.cpuProfile(30 * time.Second) }()
-	} else {
-		profiled <- nil
-	}
-	if err := b.churn(ctx); err != nil {
-		return err
-	}
-	if err := <-profiled; err != nil {
-		return fmt.Errorf("profile: %w", err)
-	}
-	lag, _, err := b.switchBackend(ctx, pr)
-	if err != nil {
-		return err
-	}
-	b.record(fmt.Sprintf("churn: %d endpoint changes/s for %s, proxy CPU", b.o.rate, b.o.churn), fmt.Sprintf("%.1f s", p.cpu()-cpu0))
-	b.record("churn: the change after the last one → traffic (lag)", ms(lag))
-	b.record("RSS after the churn", mib(p.rss()))
-	return b.deleteProbe(ctx, pr.name)
-}
-
-// deleteProbe deletes a probe's Service and slice, so that the next
-// proxy's run creates them anew.
-func (b *bench) deleteProbe(ctx context.Context, name string) error {
-	if err := b.client.CoreV1().Services("bench").Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		return err
-	}
-	return b.client.DiscoveryV1().EndpointSlices("bench").Delete(ctx, name, metav1.DeleteOptions{})
-}
-
-func clusterIP(i int) string { return fmt.Sprintf("10.96.%d.%d", (i+1)/250, (i+1)%250+1) }
-
-// createAll creates the Services and their slices, 32 at a time.
-func (b *bench) createAll(ctx context.Context) error {
-	var next atomic.Int64
-	errs := make(chan error, 32)
-	var wg sync.WaitGroup
-	for w := 0; w < 32; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := int(next.Add(1)) - 1; i < b.o.n; i = int(next.Add(1)) - 1 {
-				name := fmt.Sprintf("s%d", i)
-				if _, err := b.client.CoreV1().Services("bench").Create(ctx, service(name, clusterIP(i)), metav1.CreateOptions{}); err != nil {
-					errs <- err
-					return
-				}
-				var addrs []string
-				for k := 0; k < b.o.m; k++ {
-					e := i*b.o.m + k
-					addrs = append(addrs, fmt.Sprintf("10.244.%d.%d", 1+e/250, e%250+1))
-				}
-				if _, err := b.client.DiscoveryV1().EndpointSlices("bench").Create(ctx, slice(name, addrs, bulkPort), metav1.CreateOptions{}); err != nil {
-					errs <- err
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	return <-errs
-}
-
-func service(name, ip string) *v1.Service {
-	return &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "bench"},
-		Spec: v1.ServiceSpec{ClusterIP: ip, Ports: []v1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}}
-}
-
-func slice(service string, addrs []string, port int32) *discovery.EndpointSlice {
-	es := &discovery.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: service, Namespace: "bench", Labels: map[string]string{discovery.LabelServiceName: service}},
-		AddressType: discovery.AddressTypeIPv4,
-		Ports:       []discovery.EndpointPort{{Name: ptr("http"), Port: ptr(port), Protocol: ptr(v1.ProtocolTCP)}},
-	}
-	for _, a := range addrs {
-		es.Endpoints = append(es.Endpoints, discovery.Endpoint{Addresses: []string{a}, Conditions: discovery.EndpointConditions{Ready: ptr(true)}})
-	}
-	return es
-}
-
-func ptr[T any](v T) *T { return &v }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
 func ms(d time.Duration) string   { return fmt.Sprintf("%.0f ms", float64(d.Microseconds())/1000) }

@@ -289,58 +289,22 @@ func measure(daemon string, n, c int) (result, error) {
 	if err := waitUntil(2*time.Minute, "serving", func() bool { return reachable(n-1) && reachable(0) }); err != nil {
 		return res, err
 	}
-	live := make([]net.Conn, 0, c)
+	live, err := dialLive(n, c)
 	defer func() {
 		for _, l := range live {
 			l.Close()
 		}
 	}()
-	for i := 0; i < c; i++ {
-		conn, err := net.DialTimeout("tcp4", clusterIP(i%n)+":80", 5*time.Second)
-		if err == nil {
-			err = exchange(conn)
-		}
-		if err != nil {
-			fds, _ := os.ReadDir("/proc/self/fd")
-			var lim syscall.Rlimit
-			_ = syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
-			return res, fmt.Errorf("live connection %d (%d descriptors open, limit %d): %w", i, len(fds), lim.Cur, err)
-		}
-		live = append(live, conn)
+	if err != nil {
+		return res, err
 	}
 
-	// The prober: one new connection a millisecond through one ClusterIP.
-	type probe struct {
-		at  time.Time
-		d   time.Duration
-		err error
-	}
-	var mu sync.Mutex
-	var probes []probe
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		tick := time.NewTicker(time.Millisecond)
-		defer tick.Stop()
-		for ctx.Err() == nil {
-			<-tick.C
-			t0 := time.Now()
-			conn, err := net.DialTimeout("tcp4", clusterIP(n/2)+":80", 5*time.Second)
-			if err == nil {
-				err = exchange(conn)
-				conn.Close()
-			}
-			mu.Lock()
-			probes = append(probes, probe{t0, time.Since(t0), err})
-			mu.Unlock()
-		}
-	})
+	pr := startProber(clusterIP(n/2) + ":80")
 	time.Sleep(time.Second) // the prober's baseline
 	t0 := time.Now()
 	next, err := start(daemon, dir, 2)
 	if err != nil {
-		cancel()
-		wg.Wait()
+		pr.stop()
 		return res, err
 	}
 	defer next.stop()
@@ -351,11 +315,88 @@ func measure(daemon string, n, c int) (result, error) {
 		res.moved = time.Since(t0) - res.serving
 	}
 	time.Sleep(time.Second)
-	cancel()
-	wg.Wait()
+	probes := pr.stop()
 	if err != nil {
 		return res, fmt.Errorf("%w\nold:\n%s\nnew:\n%s", err, old.log.String(), next.log.String())
 	}
+	tally(&res, probes, t0)
+	for i, l := range live {
+		if err := exchange(l); err != nil {
+			return res, fmt.Errorf("live connection %d after the handover: %w", i, err)
+		}
+	}
+	return res, nil
+}
+
+// dialLive opens c connections over the first n ClusterIPs, each with one
+// echo done; on an error, those opened so far.
+func dialLive(n, c int) ([]net.Conn, error) {
+	live := make([]net.Conn, 0, c)
+	for i := 0; i < c; i++ {
+		conn, err := net.DialTimeout("tcp4", clusterIP(i%n)+":80", 5*time.Second)
+		if err == nil {
+			err = exchange(conn)
+		}
+		if err != nil {
+			fds, _ := os.ReadDir("/proc/self/fd")
+			var lim syscall.Rlimit
+			_ = syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim)
+			return live, fmt.Errorf("live connection %d (%d descriptors open, limit %d): %w", i, len(fds), lim.Cur, err)
+		}
+		live = append(live, conn)
+	}
+	return live, nil
+}
+
+// probe is one of the prober's connections: when it began, how long its
+// echo took, and how it failed.
+type probe struct {
+	at  time.Time
+	d   time.Duration
+	err error
+}
+
+// prober makes one new connection a millisecond to one address, until stop.
+type prober struct {
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	probes []probe
+}
+
+func startProber(addr string) *prober {
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &prober{cancel: cancel}
+	p.wg.Go(func() {
+		tick := time.NewTicker(time.Millisecond)
+		defer tick.Stop()
+		for ctx.Err() == nil {
+			<-tick.C
+			t0 := time.Now()
+			conn, err := net.DialTimeout("tcp4", addr, 5*time.Second)
+			if err == nil {
+				err = exchange(conn)
+				conn.Close()
+			}
+			p.mu.Lock()
+			p.probes = append(p.probes, probe{t0, time.Since(t0), err})
+			p.mu.Unlock()
+		}
+	})
+	return p
+}
+
+// stop ends the prober and returns its probes.
+func (p *prober) stop() []probe {
+	p.cancel()
+	p.wg.Wait()
+	return p.probes
+}
+
+// tally puts into res what the probes saw of a handover begun at t0: the
+// failures, the median connection before it, and the longest pause beyond
+// that median during it.
+func tally(res *result, probes []probe, t0 time.Time) {
 	var before, during []time.Duration
 	for _, p := range probes {
 		switch {
@@ -377,10 +418,4 @@ func measure(daemon string, n, c int) (result, error) {
 	if len(during) > 0 {
 		res.pause = slices.Max(during) - res.median
 	}
-	for i, l := range live {
-		if err := exchange(l); err != nil {
-			return res, fmt.Errorf("live connection %d after the handover: %w", i, err)
-		}
-	}
-	return res, nil
 }
