@@ -22,14 +22,6 @@ type Health struct {
 	NodeDeleting bool
 }
 
-// earliest is the earlier of two change times, the zero time meaning none.
-func earliest(a, b time.Time) time.Time {
-	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
-		return b
-	}
-	return a
-}
-
 // Health returns the sync state for health checks.
 func (p *Proxier) Health() Health {
 	p.mu.Lock()

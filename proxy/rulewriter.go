@@ -294,3 +294,11 @@ func (a *activity) leave() {
 func (a *activity) quiet(d time.Duration) bool {
 	return a.busy.Load() == 0 && time.Since(time.Unix(0, a.idleSince.Load())) >= d
 }
+
+// earliest is the earlier of two change times, the zero time meaning none.
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
