@@ -286,3 +286,15 @@ func (t *task) stop() {
 	t.cancel()
 	<-t.done
 }
+
+// bindFor returns the address listeners of a family bind to, given
+// --bind-address b.
+func bindFor(b netip.Addr, family int) netip.Addr {
+	if b.IsValid() && !b.IsUnspecified() && config.Family(b) == family {
+		return b
+	}
+	if family == 6 {
+		return netip.IPv6Unspecified()
+	}
+	return netip.IPv4Unspecified()
+}

@@ -83,18 +83,6 @@ type tcpServer struct {
 	ln *sock.Listener
 }
 
-// bindFor returns the address listeners of a family bind to, given
-// --bind-address b.
-func bindFor(b netip.Addr, family int) netip.Addr {
-	if b.IsValid() && !b.IsUnspecified() && config.Family(b) == family {
-		return b
-	}
-	if family == 6 {
-		return netip.IPv6Unspecified()
-	}
-	return netip.IPv4Unspecified()
-}
-
 // log is the frontend's logger, made when something is said: a fields
 // map kept per frontend cost 6 MB at 10 000 Services.
 func (fe *frontend) log() logrus.FieldLogger {
