@@ -194,6 +194,49 @@ func TestTCPNoEndpointsRefuses(t *testing.T) {
 	expectRefused(t, h.addr("empty"))
 }
 
+// While a port refuses, another socket can listen on it (the refusing socket
+// binds with SO_REUSEADDR, as the listener did, for the connections it
+// accepted). When an endpoint then comes, the listener cannot open again:
+// the frontend leaves the live set, the view and the log say why, and the
+// sync goroutine opens it again on another port, where it serves. The
+// intruder's port is never given to the Service again.
+func TestTCPRefusingPortTakenMeanwhile(t *testing.T) {
+	h := startProxier(t, Config{})
+	h.apply(svc("empty", config.TCP))
+	port := h.port("empty")
+	expectRefused(t, h.addr("empty"))
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1) }); err != nil {
+			return err
+		}
+		return serr
+	}}
+	intruder, err := lc.Listen(context.Background(), "tcp4", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatalf("another socket on the refusing port %d: %v", port, err)
+	}
+	defer intruder.Close()
+
+	served := svc("empty", config.TCP, tcpBackend(t, "a"))
+	h.apply(served)
+	if len(h.logs.Find("Cannot open listener; service port not served, retrying")) == 0 {
+		t.Fatalf("no error logged for the listener that could not open again; log: %q", h.logs.Entries())
+	}
+	waitFor(t, "the Service served on another port", func() bool {
+		p := h.port("empty")
+		return p != 0 && p != port
+	})
+	if got := fetchName(t, h.addr("empty")); got != "a" {
+		t.Fatalf("reached %q, want a", got)
+	}
+	for _, f := range h.p.Frontends() {
+		if f.Err != nil || int(f.Listen.Port()) == port {
+			t.Fatalf("after the retry the view holds %+v", f)
+		}
+	}
+}
+
 // expectRefused connects and expects the connect itself to fail with
 // ECONNREFUSED (a reset to the SYN), within a bound.
 func expectRefused(t *testing.T, addr string) {
