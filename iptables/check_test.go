@@ -153,8 +153,9 @@ func TestStoppedWriteIsNoFailure(t *testing.T) {
 	restores := counterValue(t, restoreFailures.WithLabelValues("IPv4"))
 	partial := counterValue(t, partialRestoreFailures.WithLabelValues("IPv4"))
 	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel() // ends the watcher below if the restore never ran
 	go func() {
-		for { // cancel once the restore runs
+		for ctx.Err() == nil { // cancel once the restore runs
 			if _, err := os.Stat(pidFile); err == nil {
 				cancel()
 				return
