@@ -553,7 +553,13 @@ type keepAlive struct {
 
 func dialKeepAlive(t *testing.T, l *Lab, addr string) *keepAlive {
 	t.Helper()
-	c, err := cluster.DialContextIn(l.NS("client"))(context.Background(), "tcp", addr)
+	return dialKeepAliveIn(t, l, "client", addr)
+}
+
+// dialKeepAliveIn is dialKeepAlive from namespace ns.
+func dialKeepAliveIn(t *testing.T, l *Lab, ns, addr string) *keepAlive {
+	t.Helper()
+	c, err := cluster.DialContextIn(l.NS(ns))(context.Background(), "tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -567,23 +573,30 @@ func dialKeepAlive(t *testing.T, l *Lab, addr string) *keepAlive {
 
 // get asks once and returns the pod that answered, within 5 s.
 func (k *keepAlive) get() (string, error) {
+	pod, _, err := k.ask()
+	return pod, err
+}
+
+// ask asks once and returns the pod that answered and the client address
+// it saw, within 5 s.
+func (k *keepAlive) ask() (pod, peer string, err error) {
 	_ = k.c.SetDeadline(time.Now().Add(5 * time.Second))
 	if _, err := io.WriteString(k.c, "GET / HTTP/1.1\r\nHost: web\r\n\r\n"); err != nil {
-		return "", err
+		return "", "", err
 	}
 	resp, err := http.ReadResponse(k.br, nil)
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	if f := strings.Fields(string(b)); len(f) > 0 {
-		return f[0], nil
+		return f[0], peerOf(string(b)), nil
 	}
-	return "", fmt.Errorf("empty answer")
+	return "", "", fmt.Errorf("empty answer")
 }
 
 // Either side killed with -9 half-way through a handover. The API server

@@ -155,7 +155,7 @@ func (c *ClientNAT) Probe(family int) error {
 // claim creates the entry of the connection from local to remote with a
 // source NAT to client: its address, and its port unless that is 0 (then
 // local's stays). EEXIST: an entry with one of its two tuples is still
-// there (an earlier connection's, in TIME_WAIT; see takeOver).
+// there (an earlier connection's, in TIME_WAIT; see deleteIfOver).
 func (c *ClientNAT) claim(proto uint8, local, remote, client netip.AddrPort) error {
 	b := c.header(ctMsgNew, unix.NLM_F_CREATE|unix.NLM_F_EXCL, local)
 	b = putTuple(b, ctaTupleOrig, proto, local, remote)
@@ -187,17 +187,18 @@ func (c *ClientNAT) claim(proto uint8, local, remote, client netip.AddrPort) err
 	return c.do(b, nil)
 }
 
-// errEntryLive: takeOver found the entry of a connection still open.
-var errEntryLive = errors.New("conntrack: the client's earlier connection from that port is still open")
+// errEntryLive: deleteIfOver found the entry of a connection still open.
+var errEntryLive = errors.New("conntrack: a connection with that address and port is still open")
 
-// takeOver deletes the TCP entry whose replies go from remote to client
-// if its connection is over (TIME_WAIT, CLOSE), as conntrack lets a new
-// SYN take such an entry over: a client that reuses its port at once.
+// deleteIfOver deletes the TCP entry whose tuple typ (ctaTupleOrig or
+// ctaTupleReply) goes from src to dst if its connection is over
+// (TIME_WAIT, CLOSE), as conntrack lets a new SYN take such an entry over.
 // errEntryLive if it is not over: a connection still open, or one still
-// closing, whose last packets would be taken for the new one's. nil if
-// there is none.
-func (c *ClientNAT) takeOver(remote, client netip.AddrPort) error {
-	state, err := c.replyState(remote, client)
+// closing, whose last packets would be taken for the new one's, and
+// which loses its NAT with its entry (another socket's: a predecessor's
+// connection, or one a predecessor handed over). nil if there is none.
+func (c *ClientNAT) deleteIfOver(typ uint16, src, dst netip.AddrPort) error {
+	state, err := c.tcpState(typ, src, dst)
 	switch {
 	case errors.Is(err, syscall.ENOENT):
 		return nil
@@ -206,18 +207,18 @@ func (c *ClientNAT) takeOver(remote, client netip.AddrPort) error {
 	case state != tcpConntrackTimeWait && state != tcpConntrackClose:
 		return errEntryLive
 	}
-	b := putTuple(c.header(ctMsgDelete, 0, remote), ctaTupleReply, unix.IPPROTO_TCP, remote, client)
+	b := putTuple(c.header(ctMsgDelete, 0, src), typ, unix.IPPROTO_TCP, src, dst)
 	if err := c.do(b, nil); err != nil && !errors.Is(err, syscall.ENOENT) {
 		return err
 	}
 	return nil
 }
 
-// replyState is the TCP state of the entry whose replies go from remote
-// to client (ENOENT: none).
-func (c *ClientNAT) replyState(remote, client netip.AddrPort) (int, error) {
+// tcpState is the TCP state of the entry whose tuple typ goes from src to
+// dst (ENOENT: none).
+func (c *ClientNAT) tcpState(typ uint16, src, dst netip.AddrPort) (int, error) {
 	state := -1
-	b := putTuple(c.header(ctMsgGet, 0, remote), ctaTupleReply, unix.IPPROTO_TCP, remote, client)
+	b := putTuple(c.header(ctMsgGet, 0, src), typ, unix.IPPROTO_TCP, src, dst)
 	err := c.do(b, func(msg []byte) { state = entryTCPState(msg) })
 	return state, err
 }
@@ -272,6 +273,19 @@ func (c *ClientNAT) natted(local, remote netip.AddrPort, client netip.Addr) (boo
 		return false, err
 	}
 	return slices.Equal(dst, client.AsSlice()), nil
+}
+
+// dropEarlier deletes the entry of an earlier connection (or flow) from
+// local to remote, found by a claim for a new one: a TCP entry only once
+// its connection is over (errEntryLive if not), a UDP one always.
+func (c *ClientNAT) dropEarlier(proto uint8, local, remote netip.AddrPort) error {
+	if proto == unix.IPPROTO_TCP {
+		return c.deleteIfOver(ctaTupleOrig, local, remote)
+	}
+	if err := c.release(proto, local, remote); err != nil && !errors.Is(err, syscall.ENOENT) {
+		return err
+	}
+	return nil
 }
 
 // release deletes the entry of the connection from local to remote (after

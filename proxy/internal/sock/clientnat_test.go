@@ -218,7 +218,7 @@ func TestDialFromClientThroughConntrack(t *testing.T) {
 		}
 		for i := range 10 {
 			testutil.WaitFor(t, "the entry from port 40000 in TIME_WAIT", 10*time.Second, 2*time.Millisecond, func() bool {
-				state, err := nat.replyState(ep, from40000)
+				state, err := nat.tcpState(ctaTupleReply, ep, from40000)
 				return errors.Is(err, syscall.ENOENT) || state == tcpConntrackTimeWait
 			})
 			d := l.dialFrom(t, ep, Source{Client: client, Port: 40000, NAT: nat})
@@ -521,5 +521,58 @@ func TestDialFromTheNodeSharesPorts(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// A dial never takes the conntrack entry of another socket's live
+// connection: two processes' ClientNATs over one range (a daemon and its
+// successor, each handing out the range's ports from its first) both bind
+// the range's first port to the same endpoint, SO_REUSEADDR letting them.
+// The second dial takes another port, and the first connection keeps its
+// source NAT: its next bytes reach the backend and are acknowledged. Once
+// the first connection is adopted (AdoptSourcePort) its port is not handed
+// out while it is open, and is again once it is closed.
+func TestDialFromSparesAnotherSocketsConnection(t *testing.T) {
+	l := newNATLab(t)
+	old, successor := l.clientNAT(t, 1, 20000, 8), l.clientNAT(t, 1, 20000, 8)
+	ep, client := netip.MustParseAddrPort("10.0.2.2:8080"), netip.MustParseAddr("10.0.1.2")
+	peers := l.peers(t, ep.String())
+	held := l.hold(t, ep, Source{Client: client, NAT: old})
+	if p := <-peers; p.Addr() != client || p.Port() != 20000 {
+		t.Fatalf("the held connection: the backend saw %s, want %s from port 20000", p, client)
+	}
+	if d := l.dialFrom(t, ep, Source{Client: client, NAT: successor}); d.Sees != client || d.SourceErr != nil {
+		t.Fatalf("the successor's dial: %+v", d)
+	}
+	if p := <-peers; p.Addr() != client || p.Port() != 20001 {
+		t.Fatalf("the successor's dial: the backend saw %s, want %s from port 20001", p, client)
+	}
+	var sent uint64
+	ackedAll := func(what string) {
+		t.Helper()
+		if err := held.WriteAll([]byte("after")); err != nil {
+			t.Fatal(err)
+		}
+		sent += 5
+		testutil.WaitFor(t, what, 5*time.Second, 2*time.Millisecond, func() bool {
+			acked, ok := held.Acked()
+			return ok && acked >= sent
+		})
+	}
+	ackedAll("the held connection's bytes acknowledged after the successor's dial (its source NAT kept)")
+
+	// Adopted by a third: its first port is not handed out while the
+	// connection is open, and is once it is closed.
+	adopter := l.clientNAT(t, 1, 20000, 8)
+	held.AdoptSourcePort(adopter)
+	node := netip.MustParseAddr("10.0.2.1")
+	if p, _ := adopter.ports.take(node); p != 20001 {
+		t.Fatalf("with the adopted connection open the adopter handed out port %d, want 20001", p)
+	}
+	ackedAll("the adopted connection's bytes acknowledged")
+	held.Close()
+	adopter.ports.put(node, 20001)
+	if !adopter.ports.claim(node, 20000) {
+		t.Fatal("the adopted connection's port is still taken after its Close")
 	}
 }

@@ -67,15 +67,16 @@ func DialTCPFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, 
 			continue
 		}
 		// A port of the source NAT's range whose last connection to ep
-		// is still in TIME_WAIT (and not reusable): the next port.
-		if !ownPort || !IsNoLocalPort(err) {
+		// is still in TIME_WAIT (and not reusable), or still open in
+		// another socket: the next port.
+		if !ownPort || !IsNoLocalPort(err) && !errors.Is(err, errPortLive) {
 			return c, d, err
 		}
 	}
 	// Ports in a row still in TIME_WAIT with ep: the node's address
 	// rather than no connection.
 	c, _, _, err := dialFrom(ctx, ep, timeout, Source{})
-	return c, Dialed{SourceErr: fmt.Errorf("8 ports of the proxy port range in a row still in TIME_WAIT with %s, which the kernel reuses only with TCP timestamps (net.ipv4.tcp_timestamps)", ep)}, err
+	return c, Dialed{SourceErr: fmt.Errorf("8 ports of the proxy port range in a row still in TIME_WAIT with %s (which the kernel reuses only with TCP timestamps, net.ipv4.tcp_timestamps) or connected to it", ep)}, err
 }
 
 // dialFrom is one try of DialTCPFrom; ownPort says the socket was bound to
@@ -91,11 +92,16 @@ func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src
 		_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
 	}
 	b, err := bindSource(fd, ep, src, unix.IPPROTO_TCP)
+	ownPort = b.putPort != nil
+	failed := func() { b.undo(src.NAT, unix.IPPROTO_TCP, ep) }
+	if errors.Is(err, errPortLive) {
+		unix.Close(fd)
+		failed()
+		return nil, Dialed{}, ownPort, err
+	}
 	if err != nil {
 		b.Dialed = Dialed{SourceErr: err} // from the node's address, on the port bound if any
 	}
-	ownPort = b.putPort != nil
-	failed := func() { b.undo(src.NAT, unix.IPPROTO_TCP, ep) }
 	var sa unix.RawSockaddrInet6
 	n := putSockaddr(&sa, ep, family)
 	_, _, errno = unix.RawSyscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa)), uintptr(n))
@@ -128,6 +134,10 @@ func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src
 	}
 	return c, b.Dialed, ownPort, nil
 }
+
+// errPortLive: the port a source-NATed dial bound has a live connection
+// to the same endpoint in another socket; the dial takes another port.
+var errPortLive = errors.New("the port has a live connection to the endpoint")
 
 // errNATReplaced: the source NAT's entry was replaced during the handshake,
 // and the connection made from the node's address.
@@ -195,16 +205,22 @@ func bindSource(fd int, ep netip.AddrPort, src Source, proto uint8) (boundSource
 	err = src.NAT.claim(proto, local, ep, as)
 	if errors.Is(err, syscall.EEXIST) {
 		// An earlier connection's entry, which conntrack keeps for its
-		// TIME_WAIT (120 s): one from this socket's port (over: this
-		// socket holds the port now), or one of the client's from the
-		// same port to this endpoint (a client reusing its port at
-		// once), taken over only when over; else the client's address
-		// from this socket's port. UDP has no TIME_WAIT: its entry
-		// from the client's port is another flow's, live.
-		if err := src.NAT.release(proto, local, ep); err != nil && !errors.Is(err, syscall.ENOENT) {
+		// TIME_WAIT (120 s): one from this socket's port, or one of the
+		// client's from the same port to this endpoint (a client reusing
+		// its port at once), each taken over only when over. One from
+		// this socket's port that is not over is another socket's live
+		// connection (SO_REUSEADDR lets TCP sockets share a port: a
+		// predecessor's, or one it handed over), whose NAT goes with its
+		// entry: this dial takes another port. UDP sockets never share a
+		// port, so an entry from this one's is a closed flow's; but UDP
+		// has no TIME_WAIT, and its entry from the client's port is
+		// another flow's, live.
+		if err := src.NAT.dropEarlier(proto, local, ep); errors.Is(err, errEntryLive) {
+			return boundSource{putPort: putPort}, fmt.Errorf("%w: %s to %s", errPortLive, local, ep)
+		} else if err != nil {
 			return boundSource{putPort: putPort}, fmt.Errorf("conntrack source NAT to %s: %w", as, err)
 		}
-		if as.Port() != 0 && (proto != unix.IPPROTO_TCP || src.NAT.takeOver(ep, as) != nil) {
+		if as.Port() != 0 && (proto != unix.IPPROTO_TCP || src.NAT.deleteIfOver(ctaTupleReply, ep, as) != nil) {
 			as = netip.AddrPortFrom(client, 0)
 		}
 		err = src.NAT.claim(proto, local, ep, as)

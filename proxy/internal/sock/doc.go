@@ -24,7 +24,8 @@
 //     through a ClientNAT, which creates the connection's conntrack entry
 //     with a source NAT before its first packet, taking over the entry of
 //     the client's earlier connection from that port once it is in
-//     TIME_WAIT, and checking after the handshake that conntrack kept it).
+//     TIME_WAIT, never a live connection's, and checking after the
+//     handshake that conntrack kept it).
 //     DialUDPFrom does the same for a UDP flow's socket. The ClientNAT owns
 //     its netlink sockets and the ports of its range (sourceports.go), each
 //     lent to one dial and given back when its Conn is closed (a UDP
@@ -37,7 +38,9 @@
 //     Conn.Detach, which has a Copy from the Conn stop at its next pause
 //     with ErrDetached, everything it read written on; AdoptUDPFrom makes
 //     a handed-over flow socket's release in its new process (its port
-//     taken from the range, its conntrack entry deleted when it ends).
+//     taken from the range, its conntrack entry deleted when it ends),
+//     Conn.AdoptSourcePort takes a handed-over backend connection's port
+//     of the range until its Close.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
 //     a UDP port unreachable) and RaiseFileLimit.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"time"
 
@@ -82,6 +83,23 @@ func FileConn(f *os.File) (*Conn, error) {
 	inq, _ := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ)
 	c.inq = inq == 1
 	return c, nil
+}
+
+// AdoptSourcePort makes the port of c, a backend connection a predecessor
+// dialled from the port range of nat (a source-NATed dial), this
+// process's own while c is open, as if c had been dialled here: no dial
+// of this process binds it meanwhile, and c's Close gives it back. A port
+// outside the range is left alone.
+func (c *Conn) AdoptSourcePort(nat *ClientNAT) {
+	if nat == nil || nat.ports == nil {
+		return
+	}
+	var local netip.AddrPort
+	_ = c.control(func(fd int) { local, _ = localAddr(fd) })
+	addr := local.Addr().Unmap()
+	if local.IsValid() && nat.ports.claim(addr, local.Port()) {
+		c.onClose = func() { nat.ports.put(addr, local.Port()) }
+	}
 }
 
 // File returns a duplicate of the listener's descriptor; the caller
