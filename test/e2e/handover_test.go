@@ -34,7 +34,10 @@ type handoverLab struct {
 }
 
 // The old daemons' grace is short: a connection that was not handed over
-// is cut soon after their SIGTERM, and the test sees it.
+// is cut soon after their SIGTERM, and the test sees it. Local-traffic
+// detection is on, as on a kubeadm node: the pods' connections reach their
+// backends with the pod's address, the node's and external clients' of
+// Cluster Services with the node's.
 func newHandoverLab(t *testing.T) *handoverLab {
 	l := NewLab(t)
 	l.Backends()
@@ -47,7 +50,7 @@ func newHandoverLab(t *testing.T) *handoverLab {
 		service("slowecho", "ClusterIP", "10.96.0.21", "", `{name: echo, port: 8, targetPort: 9008, protocol: TCP}`)+
 		slices("slowecho", `{name: echo, port: 9008, protocol: TCP}`, false))
 	return &handoverLab{Lab: l, socket: filepath.Join(t.TempDir(), "run", "handover.sock"), manifest: m,
-		args: []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "1s"}}
+		args: append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--shutdown-grace", "1s"}, detectionArgs...)}
 }
 
 // echo says msg on c and reads it back.
@@ -474,7 +477,8 @@ func handovers() int {
 }
 
 // 100 handovers in a row under load (40 new connections a second, an idle
-// connection held throughout, a UDP client on one source port): no client
+// connection held throughout and keep-alive ones to the loaded Service, one
+// seeing the pod, one the node; a UDP client on one source port): no client
 // error, the UDP client kept its endpoint at every handover, and the last
 // daemon, once the load is over, holds no more descriptors, goroutines or
 // memory than the first successor did under it.
@@ -490,6 +494,18 @@ func TestManyHandovers(t *testing.T) {
 	defer idle.Close()
 	if err := echo(idle, "first"); err != nil {
 		t.Fatal(err)
+	}
+	// Keep-alive connections to the Service the load reaches: a pod's,
+	// whose backend sees the pod, and an external client's, whose
+	// backend sees the node (externalTrafficPolicy Cluster).
+	held := map[string]*heldConn{}
+	for _, c := range []struct{ ns, addr, sees string }{{"client", "10.96.0.10:80", "10.251.19.20"}, {"ext", "203.0.113.10:80", "10.251.19.1"}} {
+		k := dialKeepAliveIn(t, h.Lab, c.ns, c.addr)
+		pod, peer, err := k.ask()
+		if err != nil || peer != c.sees {
+			t.Fatalf("%s → %s: %q seeing %q, %v; want the backend to see %s", c.ns, c.addr, pod, peer, err, c.sees)
+		}
+		held[c.ns] = &heldConn{name: c.ns + " → " + c.addr, k: k, pod: pod, sees: peer}
 	}
 	ld := startLoad(h.Lab, "10.96.0.10:80")
 	udp := startUDPClient(t, h.Lab, 45322, "10.96.0.10:53")
@@ -509,6 +525,11 @@ func TestManyHandovers(t *testing.T) {
 		cur = next
 		if err := echo(idle, fmt.Sprintf("after handover %d", i)); err != nil {
 			t.Fatalf("the idle connection after handover %d: %v", i, err)
+		}
+		for _, c := range held {
+			if pod, peer, err := c.k.ask(); err != nil || pod != c.pod || peer != c.sees {
+				t.Fatalf("handover %d: %s (%s, seeing %s) answered %q seeing %q, %v", i, c.name, c.pod, c.sees, pod, peer, err)
+			}
 		}
 		if i == 1 {
 			first = usageOf(t, h, cur)
@@ -610,14 +631,14 @@ func (k *keepAlive) ask() (pod, peer string, err error) {
 // is refused meanwhile, connections wait in the kernel's backlog.
 func TestHandoverKilledMidway(t *testing.T) {
 	socket := filepath.Join(t.TempDir(), "handover.sock")
-	cl := startClusterLab(t, clusterLabOptions{daemonArgs: []string{"--handover-socket", socket, "--shutdown-grace", "1s"}})
+	cl := startClusterLab(t, clusterLabOptions{daemonArgs: append([]string{"--handover-socket", socket, "--shutdown-grace", "1s"}, detectionArgs...)})
 	cl.pod(t, "pod1", "10.251.19.12", "node", "web")
 	cl.service(t, webService("web", "10.96.0.10"))
 	cl.expectPods(t, "client", "http://10.96.0.10/", "pod1")
 	kc := cl.deployKubeconfig(t, cl.cp.URL)
 	start := func() *Proc {
-		p := cl.Daemon("--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms",
-			"--handover-socket", socket, "--shutdown-grace", "1s")
+		p := cl.Daemon(append([]string{"--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms",
+			"--handover-socket", socket, "--shutdown-grace", "1s"}, detectionArgs...)...)
 		t.Cleanup(func() {
 			if t.Failed() {
 				t.Logf("daemon %d's log:\n%s", p.Cmd.Process.Pid, tail(p.Output(), 4000))
@@ -626,7 +647,23 @@ func TestHandoverKilledMidway(t *testing.T) {
 		return p
 	}
 	first := cl.daemon
+	// Held across the first handover: a pod's connection, whose backend
+	// sees the pod, and the node's own.
 	held := dialKeepAlive(t, cl.Lab, "10.96.0.10:80")
+	heldNode := dialKeepAliveIn(t, cl.Lab, "node", "10.96.0.10:80")
+	askBoth := func(when string) {
+		t.Helper()
+		for _, c := range []struct {
+			k    *keepAlive
+			sees string
+		}{{held, "10.251.19.20"}, {heldNode, ""}} {
+			pod, peer, err := c.k.ask()
+			if err != nil || pod != "pod1" || c.sees != "" && peer != c.sees {
+				t.Fatalf("the held connection (seeing %q) %s: %q seeing %q, %v", c.sees, when, pod, peer, err)
+			}
+		}
+	}
+	askBoth("before the handovers")
 
 	// The successor killed half-way: the first daemon serves on.
 	ld := startLoad(cl.Lab, "10.96.0.10:80")
@@ -636,9 +673,7 @@ func TestHandoverKilledMidway(t *testing.T) {
 	_ = killed.Cmd.Process.Kill()
 	_ = killed.Cmd.Wait()
 	waitLog(t, first, "Handover broke off before the successor synced; serving on")
-	if pod, err := held.get(); err != nil || pod != "pod1" {
-		t.Fatalf("the held connection after the successor was killed: %q %v", pod, err)
-	}
+	askBoth("after the successor was killed")
 	if err := cl.cp.StartAPIServer(cl.ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -648,9 +683,7 @@ func TestHandoverKilledMidway(t *testing.T) {
 	if err := first.Cmd.Wait(); err != nil {
 		t.Errorf("the first daemon on SIGTERM: %v", err)
 	}
-	if pod, err := held.get(); err != nil || pod != "pod1" {
-		t.Fatalf("the held connection after the next successor took over: %q %v", pod, err)
-	}
+	askBoth("after the next successor took over")
 	tries, fails, errs := ld.end()
 	t.Logf("successor killed: %d connections, %d failed", tries, fails)
 	if fails > 0 {
@@ -667,8 +700,10 @@ func TestHandoverKilledMidway(t *testing.T) {
 	_ = second.Cmd.Process.Kill()
 	_ = second.Cmd.Wait()
 	gone := time.Now()
-	if pod, err := held.get(); err == nil {
-		t.Errorf("the held connection answered (%q) after its owner was killed: owned twice", pod)
+	for _, k := range []*keepAlive{held, heldNode} {
+		if pod, err := k.get(); err == nil {
+			t.Errorf("a held connection answered (%q) after its owner was killed: owned twice", pod)
+		}
 	}
 	if err := cl.cp.StartAPIServer(cl.ctx); err != nil {
 		t.Fatal(err)
