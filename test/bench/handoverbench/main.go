@@ -7,8 +7,15 @@
 // ClusterIP meanwhile, against its median before the handover. Every live
 // connection must still echo afterwards.
 //
-// It needs root. It creates its own network namespace, re-runs itself
-// inside it, and deletes it at the end (also when interrupted).
+// The node runs as a kubeadm node runs us, local-traffic detection on
+// (--cluster-cidr): the clients are a pod of the node and the echo server
+// another, routed through the node, so that the backend sees the client's
+// address on most connections; every fifth Service has the annotation that
+// keeps the node's, so a share of them go through the plain dial.
+//
+// It needs root. It creates its own network namespaces (the node, which
+// it re-runs itself inside, a client pod and a backend pod) and deletes
+// them at the end (also when interrupted).
 package main
 
 import (
@@ -26,8 +33,11 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 func main() {
@@ -36,6 +46,7 @@ func main() {
 	daemon := flag.String("daemon", "bin/kube-userspace-proxy", "the daemon binary")
 	runs := flag.Int("runs", 3, "runs per size; the median is reported, with the range")
 	inner := flag.Bool("inner", false, "internal: already inside the namespace")
+	flag.StringVar(&pods, "pods", "", "internal: the pods' namespaces' prefix")
 	flag.Parse()
 	if !*inner {
 		os.Exit(outer())
@@ -48,7 +59,7 @@ func main() {
 	}
 	ns := strings.Split(*sizes, ",")
 	cs := strings.Split(*conns, ",")
-	fmt.Println("| service ports | live connections | successor start → serving | connections moved in | accept pause (slowest connect during − median before) | connections failed |")
+	fmt.Println("| service ports | live connections (backend sees the client / the node) | successor start → serving | connections moved in | accept pause (slowest connect during − median before) | connections failed |")
 	fmt.Println("|---:|---:|---:|---:|---:|---:|")
 	for i, f := range ns {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
@@ -65,11 +76,11 @@ func main() {
 			if err != nil {
 				fatal(err)
 			}
-			fmt.Fprintf(os.Stderr, "n=%d c=%d run %d: serving after %v, connections moved in %v, pause %v (median connect %v), %d failed\n",
-				n, c, r+1, res.serving, res.moved, res.pause, res.median, res.failed)
+			fmt.Fprintf(os.Stderr, "n=%d c=%d (%d seeing the client, %d the node) run %d: serving after %v, connections moved in %v, pause %v (median connect %v), %d failed\n",
+				n, c, res.seesClient, res.seesNode, r+1, res.serving, res.moved, res.pause, res.median, res.failed)
 			all = append(all, res)
 		}
-		fmt.Printf("| %d | %d | %s | %s | %s | %d |\n", n, c,
+		fmt.Printf("| %d | %d (%d / %d) | %s | %s | %s | %d |\n", n, c, all[0].seesClient, all[0].seesNode,
 			spread(all, func(r result) time.Duration { return r.serving }),
 			spread(all, func(r result) time.Duration { return r.moved }),
 			spread(all, func(r result) time.Duration { return r.pause }),
@@ -80,6 +91,9 @@ func main() {
 type result struct {
 	serving, moved, pause, median time.Duration
 	failed                        int
+	// The live connections whose backend saw the client pod, and the
+	// node.
+	seesClient, seesNode int
 }
 
 func spread(rs []result, f func(result) time.Duration) string {
@@ -100,35 +114,80 @@ func fatal(err error) {
 	os.Exit(1)
 }
 
-// outer creates the namespace, runs itself inside and removes it.
+// The lab: the node (10.250.1.1 towards the client pod 10.250.1.2,
+// 10.250.2.1 towards the backend pod 10.250.2.2), the pods in the
+// cluster CIDR, each pod's default route through the node.
+const (
+	clusterCIDR = "10.250.0.0/16"
+	clientIP    = "10.250.1.2"
+	backendIP   = "10.250.2.2"
+	echoAddr    = backendIP + ":9000"
+	// The proxy port range: room beside 10 000 listeners for the source
+	// NAT's ports of the live connections and of the prober's 1 000
+	// connections a second; the node's own ephemeral ports above it.
+	proxyPortRange = "33000-59999"
+)
+
+// pods is the prefix of the pods' namespaces (-pods), set by outer.
+var pods string
+
+func clientNS() string  { return pods + "-client" }
+func backendNS() string { return pods + "-backend" }
+
+// outer creates the namespaces, runs itself inside the node's and removes
+// them.
 func outer() int {
 	ns := fmt.Sprintf("kuphandover-%d", os.Getpid())
-	if out, err := exec.Command("ip", "netns", "add", ns).CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "handoverbench: ip netns add (needs root): %v %s\n", err, out)
-		return 1
+	pods = ns
+	for _, n := range []string{ns, clientNS(), backendNS()} {
+		if out, err := exec.Command("ip", "netns", "add", n).CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "handoverbench: ip netns add (needs root): %v %s\n", err, out)
+			return 1
+		}
+		defer exec.Command("ip", "netns", "del", n).Run()
 	}
-	defer exec.Command("ip", "netns", "del", ns).Run()
+	in := func(n string, args ...string) []string { return append([]string{"ip", "netns", "exec", n}, args...) }
 	for _, args := range [][]string{
-		{"ip", "link", "set", "lo", "up"},
-		{"ip", "link", "add", "eth0", "type", "veth", "peer", "name", "eth1"},
-		{"ip", "addr", "add", "10.250.0.1/24", "dev", "eth0"},
-		{"ip", "link", "set", "eth0", "up"},
-		{"ip", "link", "set", "eth1", "up"},
-		{"ip", "route", "add", "default", "via", "10.250.0.2"},
-		{"ip", "route", "add", "local", "10.96.0.0/16", "dev", "lo"},
+		in(ns, "ip", "link", "set", "lo", "up"),
+		in(ns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", "eth1"),
+		in(ns, "ip", "addr", "add", "10.250.0.1/24", "dev", "eth0"),
+		in(ns, "ip", "link", "set", "eth0", "up"),
+		in(ns, "ip", "link", "set", "eth1", "up"),
+		in(ns, "ip", "route", "add", "default", "via", "10.250.0.2"),
+		in(ns, "ip", "route", "add", "local", "10.96.0.0/16", "dev", "lo"),
+		in(ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"),
+		in(ns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=60000 64999"),
+		in(ns, "ip", "link", "add", "vc", "type", "veth", "peer", "name", "eth0", "netns", clientNS()),
+		in(ns, "ip", "addr", "add", "10.250.1.1/24", "dev", "vc"),
+		in(ns, "ip", "link", "set", "vc", "up"),
+		in(ns, "ip", "link", "add", "vb", "type", "veth", "peer", "name", "eth0", "netns", backendNS()),
+		in(ns, "ip", "addr", "add", "10.250.2.1/24", "dev", "vb"),
+		in(ns, "ip", "link", "set", "vb", "up"),
+		in(clientNS(), "ip", "link", "set", "lo", "up"),
+		in(clientNS(), "ip", "addr", "add", clientIP+"/24", "dev", "eth0"),
+		in(clientNS(), "ip", "link", "set", "eth0", "up"),
+		in(clientNS(), "ip", "route", "add", "default", "via", "10.250.1.1"),
 		// The prober closes 1 000 connections a second to one address: its
-		// ports (the range minus the proxy's reserved ports) would all sit
-		// in TIME_WAIT within seconds, and its connects fail with
-		// EADDRNOTAVAIL — the bench's shortage, not the proxy's.
-		{"sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"},
+		// ports would all sit in TIME_WAIT within seconds, and its
+		// connects fail with EADDRNOTAVAIL — the bench's shortage, not
+		// the proxy's.
+		in(clientNS(), "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"),
+		in(clientNS(), "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"),
+		in(backendNS(), "ip", "link", "set", "lo", "up"),
+		in(backendNS(), "ip", "addr", "add", backendIP+"/24", "dev", "eth0"),
+		in(backendNS(), "ip", "link", "set", "eth0", "up"),
+		in(backendNS(), "ip", "route", "add", "default", "via", "10.250.2.1"),
+		// The same for the node's dials to the echo server, which close
+		// first: their ports come round every few seconds.
+		in(ns, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"),
 	} {
-		if out, err := exec.Command("ip", append([]string{"netns", "exec", ns}, args...)...).CombinedOutput(); err != nil {
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 			fmt.Fprintf(os.Stderr, "handoverbench: %v: %v %s\n", args, err, out)
 			return 1
 		}
 	}
 	self, _ := os.Executable()
-	cmd := exec.Command("ip", append([]string{"netns", "exec", ns, self, "-inner"}, os.Args[1:]...)...)
+	cmd := exec.Command("ip", append([]string{"netns", "exec", ns, self, "-inner", "-pods", pods}, os.Args[1:]...)...)
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	sig := make(chan os.Signal, 1)
@@ -154,13 +213,21 @@ func outer() int {
 
 func clusterIP(i int) string { return fmt.Sprintf("10.96.%d.%d", i/250, i%250+1) }
 
+// nodeSource says whether Service i keeps the node's address at its
+// backend (every fifth, by the annotation).
+func nodeSource(i int) bool { return i%5 == 0 }
+
 func manifests(n int) string {
 	var b strings.Builder
 	for i := 0; i < n; i++ {
+		annotations := ""
+		if nodeSource(i) {
+			annotations = ", annotations: {kube-userspace-proxy.io/backend-source-address: node}"
+		}
 		fmt.Fprintf(&b, `---
 apiVersion: v1
 kind: Service
-metadata: {name: s%[1]d, namespace: bench}
+metadata: {name: s%[1]d, namespace: bench%[4]s}
 spec: {clusterIP: %[2]s, ports: [{port: 80}]}
 ---
 apiVersion: discovery.k8s.io/v1
@@ -168,23 +235,39 @@ kind: EndpointSlice
 metadata: {name: s%[1]d, namespace: bench, labels: {kubernetes.io/service-name: s%[1]d}}
 addressType: IPv4
 ports: [{port: 9000}]
-endpoints: [{addresses: [127.0.0.1]}]
-`, i, clusterIP(i))
+endpoints: [{addresses: [%[3]s]}]
+`, i, clusterIP(i), backendIP, annotations)
 	}
 	return b.String()
 }
 
-// echoServer echoes every connection on 127.0.0.1:9000.
-func echoServer() (net.Listener, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:9000")
+// echoServer echoes every connection on the backend pod's port 9000 and
+// counts whose address it saw.
+type echoServer struct {
+	ln             net.Listener
+	client, others atomic.Int64
+}
+
+func startEcho() (*echoServer, error) {
+	e := &echoServer{}
+	err := cluster.InNetns(backendNS(), func() error {
+		var err error
+		e.ln, err = net.Listen("tcp", echoAddr)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
 	go func() {
 		for {
-			c, err := ln.Accept()
+			c, err := e.ln.Accept()
 			if err != nil {
 				return
+			}
+			if c.RemoteAddr().(*net.TCPAddr).IP.String() == clientIP {
+				e.client.Add(1)
+			} else {
+				e.others.Add(1)
 			}
 			// Not io.Copy(c, c): TCPConn.ReadFrom splices through a pipe
 			// held for the whole connection, two descriptors more each.
@@ -194,7 +277,7 @@ func echoServer() (net.Listener, error) {
 			}()
 		}
 	}()
-	return ln, nil
+	return e, nil
 }
 
 // proc is a daemon and its log.
@@ -220,7 +303,7 @@ func start(daemon, dir string, port int) (*proc, error) {
 	p := &proc{}
 	p.cmd = exec.Command(daemon, "--manifests", filepath.Join(dir, "m.yaml"), "--min-sync-period", "0",
 		"--handover-socket", filepath.Join(dir, "run", "handover.sock"), "--admin-socket", filepath.Join(dir, fmt.Sprintf("admin-%d.sock", port)),
-		"--shutdown-grace", "1s", "--tcp-idle-timeout", "0")
+		"--shutdown-grace", "1s", "--tcp-idle-timeout", "0", "--cluster-cidr", clusterCIDR, "--proxy-port-range", proxyPortRange)
 	p.cmd.Stdout, p.cmd.Stderr = p, p
 	return p, p.cmd.Start()
 }
@@ -267,11 +350,11 @@ func measure(daemon string, n, c int) (result, error) {
 	if err := os.WriteFile(filepath.Join(dir, "m.yaml"), []byte(manifests(n)), 0o644); err != nil {
 		return res, err
 	}
-	ln, err := echoServer()
+	echo, err := startEcho()
 	if err != nil {
 		return res, err
 	}
-	defer ln.Close()
+	defer echo.ln.Close()
 	old, err := start(daemon, dir, 1)
 	if err != nil {
 		return res, err
@@ -279,7 +362,7 @@ func measure(daemon string, n, c int) (result, error) {
 	defer old.stop()
 	defer exec.Command(daemon, "--cleanup").Run()
 	reachable := func(i int) bool {
-		conn, err := net.DialTimeout("tcp4", clusterIP(i)+":80", time.Second)
+		conn, err := dialClient(clusterIP(i)+":80", time.Second)
 		if err != nil {
 			return false
 		}
@@ -289,7 +372,10 @@ func measure(daemon string, n, c int) (result, error) {
 	if err := waitUntil(2*time.Minute, "serving", func() bool { return reachable(n-1) && reachable(0) }); err != nil {
 		return res, err
 	}
+	echo.client.Store(0)
+	echo.others.Store(0)
 	live, err := dialLive(n, c)
+	res.seesClient, res.seesNode = int(echo.client.Load()), int(echo.others.Load())
 	defer func() {
 		for _, l := range live {
 			l.Close()
@@ -299,8 +385,8 @@ func measure(daemon string, n, c int) (result, error) {
 		return res, err
 	}
 
-	pr := startProber(clusterIP(n/2) + ":80")
-	time.Sleep(time.Second) // the prober's baseline
+	pr := startProber(clusterIP(n/2+1) + ":80") // a Service whose backend sees the client
+	time.Sleep(time.Second)                     // the prober's baseline
 	t0 := time.Now()
 	next, err := start(daemon, dir, 2)
 	if err != nil {
@@ -328,12 +414,19 @@ func measure(daemon string, n, c int) (result, error) {
 	return res, nil
 }
 
+// dialClient connects from the client pod.
+func dialClient(addr string, timeout time.Duration) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return cluster.DialContextIn(clientNS())(ctx, "tcp4", addr)
+}
+
 // dialLive opens c connections over the first n ClusterIPs, each with one
 // echo done; on an error, those opened so far.
 func dialLive(n, c int) ([]net.Conn, error) {
 	live := make([]net.Conn, 0, c)
 	for i := 0; i < c; i++ {
-		conn, err := net.DialTimeout("tcp4", clusterIP(i%n)+":80", 5*time.Second)
+		conn, err := dialClient(clusterIP(i%n)+":80", 5*time.Second)
 		if err == nil {
 			err = exchange(conn)
 		}
@@ -373,7 +466,7 @@ func startProber(addr string) *prober {
 		for ctx.Err() == nil {
 			<-tick.C
 			t0 := time.Now()
-			conn, err := net.DialTimeout("tcp4", addr, 5*time.Second)
+			conn, err := dialClient(addr, 5*time.Second)
 			if err == nil {
 				err = exchange(conn)
 				conn.Close()
