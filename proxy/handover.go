@@ -167,12 +167,15 @@ func (p *Proxier) Freeze(ctx context.Context) (json.RawMessage, error) {
 	return picks, err
 }
 
-// Thaw syncs again what queued while frozen.
+// Thaw syncs again what queued while frozen, verifying the rules: a
+// successor that went away before it served may have written its own
+// (its first sync comes before it says it serves), for Services or
+// listeners this daemon does not have.
 func (p *Proxier) Thaw() {
 	_ = p.call(context.Background(), func() error {
 		if !p.handedOver {
 			p.frozen = false
-			p.wake()
+			p.syncPending(true)
 		}
 		return nil
 	})

@@ -551,3 +551,44 @@ func TestHealthQueuedUntilRulesAreWritten(t *testing.T) {
 	waitFor(t, "the write done", func() bool { return !h.p.Health().LastUpdated.IsZero() })
 	waitFor(t, "nothing queued", func() bool { return h.p.Health().QueuedAt.IsZero() })
 }
+
+// verifyRules records whether each Sync was asked to verify.
+type verifyRules struct {
+	mu       sync.Mutex
+	verifies []bool
+}
+
+func (r *verifyRules) Sync(_ context.Context, _ []config.Frontend, verify bool) error {
+	r.mu.Lock()
+	r.verifies = append(r.verifies, verify)
+	r.mu.Unlock()
+	return nil
+}
+
+func (r *verifyRules) last() (n int, verify bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.verifies) == 0 {
+		return 0, false
+	}
+	return len(r.verifies), r.verifies[len(r.verifies)-1]
+}
+
+// A handover that breaks off after the freeze (the successor gone before
+// it served, maybe after writing its own rules) leaves this daemon
+// rewriting its rules at once, verified against the kernel's, not at the
+// next sync period (an hour here).
+func TestThawVerifiesTheRules(t *testing.T) {
+	rules := &verifyRules{}
+	h := startProxier(t, Config{Rules: rules, SyncPeriod: time.Hour})
+	h.apply(svc("web", config.TCP, tcpBackend(t, "a")))
+	before, _ := rules.last()
+	if _, err := h.p.Freeze(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	h.p.Thaw()
+	waitFor(t, "a verifying rule write after the thaw", func() bool {
+		n, verify := rules.last()
+		return n > before && verify
+	})
+}

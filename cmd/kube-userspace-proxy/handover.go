@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"strconv"
@@ -14,6 +15,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 )
@@ -39,27 +41,54 @@ type predecessor struct {
 // when the exchange fails (said in the log: the start is then plain). It
 // returns the path this daemon serves its own successors on: path, or ""
 // when that socket is a daemon's of another network namespace (not ours
-// to replace).
-func takeOver(ctx context.Context, path string, log logrus.FieldLogger) (*predecessor, string) {
+// to replace). A running daemon that serves the node otherwise than
+// profile says this one would is an error: this one must not start.
+func takeOver(ctx context.Context, path string, profile handover.Profile, log logrus.FieldLogger) (*predecessor, string, error) {
 	if path == "" {
-		return nil, ""
+		return nil, "", nil
 	}
 	start := time.Now()
-	p, err := handover.Take(ctx, path)
+	p, err := handover.Take(ctx, path, profile)
+	var mismatch *handover.MismatchError
 	switch {
+	case errors.As(err, &mismatch):
+		return nil, "", fmt.Errorf("another kube-userspace-proxy (pid %d, handover socket %s) serves this node otherwise than this one would (%s); "+
+			"it serves on, untouched. To run this one beside it, give it --handover-socket '' (and addresses of its own for "+
+			"--metrics-bind-address and --healthz-bind-address); to replace it, start this one with its settings",
+			mismatch.PID, path, strings.Join(mismatch.Differences, "; "))
 	case errors.Is(err, handover.ErrOtherNetNS):
 		log.WithError(err).Error("The handover socket is another network namespace's daemon's: starting on our own, and no successor can take over from us; give each namespace's daemon its own --handover-socket")
-		return nil, ""
+		return nil, "", nil
 	case err != nil:
 		log.WithError(err).Warn("No handover from the running daemon; starting on our own")
-		return nil, path
+		return nil, path, nil
 	case p == nil:
 		log.WithField("socket", path).Debug("No daemon running; starting on our own")
-		return nil, path
+		return nil, path, nil
 	}
 	log.WithFields(logrus.Fields{"predecessor": p.PID, "sockets": len(p.Sockets), "took": time.Since(start).Round(time.Microsecond).String()}).
 		Info("Taking over from the running daemon")
-	return &predecessor{Predecessor: p, used: map[int]bool{}}, path
+	return &predecessor{Predecessor: p, used: map[int]bool{}}, path, nil
+}
+
+// handoverProfile is how this daemon would serve the node, which a
+// successor's must equal for it to take over (docs/operations.md,
+// Upgrades): the node's name, the kind of source, whether it manages the
+// rules, the proxy port range and the families it has rules for.
+func (o *options) handoverProfile(node string, ipt *iptables.Rules) handover.Profile {
+	source := "API server"
+	if o.manifests != "" {
+		source = "manifests"
+	}
+	rules, families := "not managed (--iptables=false)", []string{"IPv4", "IPv6"}
+	if ipt != nil {
+		rules, families = "managed", nil
+		for _, f := range ipt.Families() {
+			families = append(families, fmt.Sprintf("IPv%d", f))
+		}
+	}
+	return handover.Profile{"node": node, "source": source, "rules": rules,
+		"proxy port range": o.portRange.String(), "families": strings.Join(families, ",")}
 }
 
 // listener is the inherited HTTP listener name on addr, or nil.
@@ -175,7 +204,7 @@ func (g *giver) Release(successor int) {
 
 // serveHandovers tells the predecessor once this daemon serves, then
 // hands over to the next successor that asks, until ctx ends.
-func serveHandovers(ctx context.Context, path string, pred *predecessor, p *proxy.Proxier, g *giver, log logrus.FieldLogger) <-chan struct{} {
+func serveHandovers(ctx context.Context, path string, profile handover.Profile, pred *predecessor, p *proxy.Proxier, g *giver, log logrus.FieldLogger) <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -209,7 +238,7 @@ func serveHandovers(ctx context.Context, path string, pred *predecessor, p *prox
 			log.WithError(err).Warn("No handover socket: a successor will start on its own")
 			return
 		}
-		<-handover.Serve(ctx, ln, g, log)
+		<-handover.Serve(ctx, ln, g, profile, log)
 	}()
 	return done
 }

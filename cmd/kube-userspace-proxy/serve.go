@@ -64,9 +64,18 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if err != nil {
 		return err
 	}
-	// Everything is checked: take the sockets of a daemon that runs.
-	pred, handoverSocket := takeOver(ctx, o.handoverSocket, log.WithField("component", "handover"))
+	// Everything is checked: take the sockets of a daemon that runs, if
+	// it serves the node as this one would; else leave it alone, and the
+	// node untouched.
+	profile := o.handoverProfile(node, ipt)
+	pred, handoverSocket, err := takeOver(ctx, o.handoverSocket, profile, log.WithField("component", "handover"))
+	if err != nil {
+		return err
+	}
 	defer pred.close()
+	if err := prepareNode(o, ipt, log); err != nil {
+		return err
+	}
 	events, stopEvents := eventRecorder(ctx, client, node)
 	defer stopEvents()
 	hc := &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
@@ -116,7 +125,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
 		ready: readyFile{path: o.readyFile, log: log}, log: log.WithField("component", "handover")}
 	defer g.ready.set(false)
-	handoversDone := serveHandovers(srcCtx, handoverSocket, pred, p, g, log.WithField("component", "handover"))
+	handoversDone := serveHandovers(srcCtx, handoverSocket, profile, pred, p, g, log.WithField("component", "handover"))
 	defer func() { stopSource(); <-handoversDone }()
 
 	<-proxierDone // after ctx ends and connections drained
@@ -236,8 +245,8 @@ func setUpProcess(o *options, log *logrus.Logger) {
 	}
 }
 
-// newRules probes iptables and reserves the proxy port range (--iptables),
-// or returns no rules.
+// newRules probes iptables (--iptables), changing nothing on the node, or
+// returns no rules.
 func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, error) {
 	if !o.iptables {
 		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
@@ -258,6 +267,16 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	if err != nil {
 		return nil, nil, err
 	}
+	return r, r, nil
+}
+
+// prepareNode makes the node ready for the rules r (none without
+// --iptables): the guard of the proxy port range, the range reserved,
+// kube-proxy's conntrack settings; it sets the families served.
+func prepareNode(o *options, r *iptables.Rules, log *logrus.Logger) error {
+	if r == nil {
+		return nil
+	}
 	// The guard first: no listener may open before it, nor for a family
 	// without it (other hosts would reach ClusterIP-only listeners).
 	gctx, cancel := context.WithTimeout(context.Background(), guardTimeout)
@@ -267,7 +286,7 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	for _, fam := range r.Families() {
 		if err, bad := failed[fam]; bad {
 			if fam == 4 {
-				return nil, nil, fmt.Errorf("installing the guard of the proxy port range: %w", err)
+				return fmt.Errorf("installing the guard of the proxy port range: %w", err)
 			}
 			log.WithError(err).Warn("IPv6 disabled: its guard could not be installed, so no IPv6 listener opens")
 			continue
@@ -284,7 +303,7 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 	}
 	// Redirected connections are conntrack entries: kube-proxy's timeouts.
 	o.conntrack.apply(log.WithField("component", "conntrack"))
-	return r, r, nil
+	return nil
 }
 
 // checkEphemeralOverlap refuses a proxy port range that overlaps the

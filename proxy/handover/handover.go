@@ -8,8 +8,8 @@
 // list them, SCM_RIGHTS):
 //
 //	successor                        running daemon
-//	hello {versions}          →
-//	                          ←      offer {version, pid, count} | refuse {reason}
+//	hello {versions, profile} →
+//	                          ←      offer {version, pid, count} | refuse {reason, pid, differences}
 //	                          ←      sockets {sockets} + descriptors, until count
 //	                          ←      end
 //	freeze                    →      (stops changing anything the successor took)
@@ -20,6 +20,13 @@
 //	                          ←      released
 //	                          ←      conns {sockets} + descriptors, in
 //	                                 batches (the UDP flows first), until done
+//
+// Only a true successor takes over: the running daemon refuses one whose
+// profile (how it would serve the node: the daemon's settings, named by
+// the daemon) differs from its own, before it lends anything, and names
+// each difference; such a successor must not start (Take's
+// *MismatchError). A successor that sends no profile (an older version)
+// is taken as a true one.
 //
 // Until the running daemon is told "serving" it keeps serving: both accept
 // on the shared sockets meanwhile, each connection has one owner. If the
@@ -41,6 +48,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -50,6 +59,42 @@ import (
 // Version is the exchange's version; a successor and a running daemon
 // hand over only when they share one.
 const Version = 1
+
+// Profile is how a daemon serves its node, setting by setting (its
+// names and values are the daemon's): a successor takes over only from a
+// running daemon with the same profile.
+type Profile map[string]string
+
+// differences lists, sorted, the settings in which successor's profile
+// differs from running's, each as "name: the running daemon's X, this
+// one's Y".
+func (running Profile) differences(successor Profile) []string {
+	var out []string
+	seen := map[string]bool{}
+	for _, m := range []Profile{running, successor} {
+		for name := range m {
+			if seen[name] {
+				continue
+			}
+			seen[name] = true
+			r, rok := running[name]
+			s, sok := successor[name]
+			if r == s && rok == sok {
+				continue
+			}
+			out = append(out, fmt.Sprintf("%s: the running daemon's %s, this one's %s", name, said(r, rok), said(s, sok)))
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func said(v string, ok bool) string {
+	if !ok {
+		return "unsaid"
+	}
+	return strconv.Quote(v)
+}
 
 // Socket is one socket handed over.
 type Socket struct {
@@ -80,6 +125,10 @@ type message struct {
 	// NetNS is the sender's network namespace (hello, offer): listeners
 	// and connections only make sense in the namespace they live in.
 	NetNS uint64 `json:"netns,omitempty"`
+	// Profile is the successor's (hello); Differences are the running
+	// daemon's reasons to refuse it.
+	Profile     Profile  `json:"profile,omitempty"`
+	Differences []string `json:"differences,omitempty"`
 	// Data is a piece of the giver's state beyond the sockets ("state",
 	// Count of them after "frozen").
 	Data    []byte   `json:"data,omitempty"`
@@ -147,10 +196,10 @@ type Giver interface {
 // Serve hands over to successors that connect to ln until one has taken
 // over (then it returns, having closed ln) or ctx ends. It refuses peers
 // that are neither root nor this process's user, successors in another
-// network namespace (two namespaces' daemons given one socket path), and
-// successors that speak no version it knows; the exchange of one
-// successor at a time.
-func Serve(ctx context.Context, ln *net.UnixListener, g Giver, log logrus.FieldLogger) <-chan struct{} {
+// network namespace (two namespaces' daemons given one socket path),
+// successors that speak no version it knows, and successors whose profile
+// is not own (this daemon's); the exchange of one successor at a time.
+func Serve(ctx context.Context, ln *net.UnixListener, g Giver, own Profile, log logrus.FieldLogger) <-chan struct{} {
 	done := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	go func() {
@@ -165,7 +214,7 @@ func Serve(ctx context.Context, ln *net.UnixListener, g Giver, log logrus.FieldL
 				}
 				return
 			}
-			if give(ctx, c, g, log) {
+			if give(ctx, c, g, own, log) {
 				return
 			}
 		}
@@ -174,7 +223,7 @@ func Serve(ctx context.Context, ln *net.UnixListener, g Giver, log logrus.FieldL
 }
 
 // give serves one successor on c and reports whether it took over.
-func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger) bool {
+func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus.FieldLogger) bool {
 	defer c.Close()
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
@@ -205,6 +254,14 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger)
 		log.WithError(err).WithFields(logrus.Fields{"theirs": hello.NetNS, "ours": ours}).
 			Warn("Handover refused: the successor runs in another network namespace (give each namespace's daemon its own --handover-socket)")
 		_ = send(c, message{Type: "refuse", Reason: reasonOtherNetNS}, nil)
+		return false
+	}
+	if hello.Profile == nil {
+		log.Info("The successor says nothing of how it serves (an older version): taken as a true successor")
+	} else if diff := own.differences(hello.Profile); len(diff) > 0 {
+		log.WithFields(logrus.Fields{"command": p.command(), "differences": strings.Join(diff, "; ")}).
+			Warn("Handover refused: the successor would serve this node otherwise (a daemon started by hand beside this one?); it does not start, we serve on")
+		_ = send(c, message{Type: "refuse", Reason: reasonMismatch, PID: os.Getpid(), Differences: diff}, nil)
 		return false
 	}
 	start := time.Now()
@@ -320,6 +377,24 @@ var ErrOtherNetNS = errors.New("the daemon on the handover socket serves another
 
 const reasonOtherNetNS = "another network namespace"
 
+// reasonMismatch refuses a successor whose profile differs.
+const reasonMismatch = "serves otherwise"
+
+// MismatchError is Take's error when the running daemon (PID) serves the
+// node otherwise than this one would: it handed nothing over and serves
+// on. Differences name each setting, as Profile's differences do.
+type MismatchError struct {
+	PID         int
+	Differences []string
+}
+
+func (e *MismatchError) Error() string {
+	return fmt.Sprintf("the running daemon (pid %d) serves this node otherwise: %s", e.PID, strings.Join(e.Differences, "; "))
+}
+
+// Unwrap makes a MismatchError an ErrRefused.
+func (e *MismatchError) Unwrap() error { return ErrRefused }
+
 // Predecessor is a running daemon that is handing over to this one.
 type Predecessor struct {
 	c   *net.UnixConn
@@ -328,10 +403,12 @@ type Predecessor struct {
 	Sockets []Socket
 }
 
-// Take asks the daemon on path for its sockets. With none there (no
-// socket, nobody listening) it returns nil, nil: a plain start. Any
-// error means a plain start too; the caller says so.
-func Take(ctx context.Context, path string) (*Predecessor, error) {
+// Take asks the daemon on path for its sockets, telling it how this one
+// would serve (profile). With none there (no socket, nobody listening) it
+// returns nil, nil: a plain start. A *MismatchError means the running
+// daemon serves otherwise and must be left alone; any other error means a
+// plain start; the caller says so.
+func Take(ctx context.Context, path string, profile Profile) (*Predecessor, error) {
 	var d net.Dialer
 	dctx, cancel := context.WithTimeout(ctx, stepTimeout)
 	defer cancel()
@@ -365,7 +442,7 @@ func Take(ctx context.Context, path string) (*Predecessor, error) {
 		return nil, fmt.Errorf("handover: %w", err)
 	}
 	_ = c.SetDeadline(time.Now().Add(stepTimeout))
-	if err := send(c, message{Type: "hello", Versions: []int{Version}, PID: os.Getpid(), NetNS: ns}, nil); err != nil {
+	if err := send(c, message{Type: "hello", Versions: []int{Version}, PID: os.Getpid(), NetNS: ns, Profile: profile}, nil); err != nil {
 		return nil, fmt.Errorf("handover: %w", err)
 	}
 	offer, _, err := receive(c)
@@ -375,6 +452,8 @@ func Take(ctx context.Context, path string) (*Predecessor, error) {
 	case offer.Type == "refuse" && offer.Reason == reasonOtherNetNS,
 		offer.Type == "offer" && offer.NetNS != ns:
 		return nil, fmt.Errorf("%w (socket %s)", ErrOtherNetNS, path)
+	case offer.Type == "refuse" && offer.Reason == reasonMismatch:
+		return nil, &MismatchError{PID: offer.PID, Differences: offer.Differences}
 	case offer.Type == "refuse":
 		return nil, fmt.Errorf("%w: %s", ErrRefused, offer.Reason)
 	case offer.Type != "offer" || offer.Version != Version:

@@ -3,11 +3,12 @@ package handover
 import (
 	"context"
 	"encoding/json"
-	"io"
+	"errors"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -19,12 +20,16 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
+// testProfile is the fake giver's profile, and its true successors'.
+var testProfile = Profile{"node": "node-1", "rules": "managed"}
+
 // fakeGiver lends real listening sockets and records the steps.
 type fakeGiver struct {
 	mu      sync.Mutex
 	lns     []*net.TCPListener
 	steps   []string
 	release chan int
+	log     testutil.Buffer // what Serve logged
 }
 
 func (g *fakeGiver) step(s string) {
@@ -82,8 +87,8 @@ func newGiver(t *testing.T, n int) (*fakeGiver, string, <-chan struct{}) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	log := logrus.New()
-	log.SetOutput(io.Discard)
-	done := Serve(ctx, ln, g, log)
+	log.SetOutput(&g.log)
+	done := Serve(ctx, ln, g, testProfile, log)
 	t.Cleanup(func() { cancel(); <-done })
 	return g, path, done
 }
@@ -94,7 +99,7 @@ func newGiver(t *testing.T, n int) (*fakeGiver, string, <-chan struct{}) {
 func TestExchange(t *testing.T) {
 	g, path, done := newGiver(t, 450)
 	ctx := context.Background()
-	p, err := Take(ctx, path)
+	p, err := Take(ctx, path, testProfile)
 	if err != nil || p == nil {
 		t.Fatalf("Take: %v %v", p, err)
 	}
@@ -150,7 +155,7 @@ func TestExchange(t *testing.T) {
 func TestSuccessorGoneHalfWay(t *testing.T) {
 	g, path, _ := newGiver(t, 3)
 	ctx := context.Background()
-	p, err := Take(ctx, path)
+	p, err := Take(ctx, path, testProfile)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,7 +163,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 		s.File.Close()
 	}
 	p.Close() // gone before freezing
-	p, err = Take(ctx, path)
+	p, err = Take(ctx, path, testProfile)
 	if err != nil {
 		t.Fatalf("the next successor: %v", err)
 	}
@@ -167,7 +172,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 	}
 	p.Close() // gone after freezing, before serving
 	waitSteps(t, g, "lend lend freeze thaw")
-	p, err = Take(ctx, path)
+	p, err = Take(ctx, path, testProfile)
 	if err != nil {
 		t.Fatalf("the third successor: %v", err)
 	}
@@ -185,7 +190,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 // nobody on the path Take says there is no predecessor.
 func TestGiverGone(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "handover.sock")
-	if p, err := Take(context.Background(), path); p != nil || err != nil {
+	if p, err := Take(context.Background(), path, testProfile); p != nil || err != nil {
 		t.Fatalf("no socket: %v %v, want nil nil", p, err)
 	}
 	ln, err := Listen(path)
@@ -201,11 +206,11 @@ func TestGiverGone(t *testing.T) {
 		_ = send(c, message{Type: "offer", Version: Version, Count: 5}, nil)
 		c.Close() // killed before the sockets
 	}()
-	if p, err := Take(context.Background(), path); err == nil || p != nil {
+	if p, err := Take(context.Background(), path, testProfile); err == nil || p != nil {
 		t.Fatalf("a giver gone half-way: %v %v, want an error", p, err)
 	}
 	ln.Close()
-	if p, err := Take(context.Background(), path); p != nil || err != nil {
+	if p, err := Take(context.Background(), path, testProfile); p != nil || err != nil {
 		t.Fatalf("nobody listening: %v %v, want nil nil", p, err)
 	}
 }
@@ -304,7 +309,7 @@ func TestOtherNetworkNamespaceRefused(t *testing.T) {
 		t.Errorf("the giver did %q for a peer of another namespace", got)
 	}
 	// The same peer in our namespace takes over: the refusal was the namespace's.
-	p, err := Take(context.Background(), path)
+	p, err := Take(context.Background(), path, testProfile)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -320,7 +325,7 @@ func TestHelperPeer(t *testing.T) {
 	if path == "" {
 		t.Skip("a helper of TestOtherUserRefused")
 	}
-	p, err := Take(context.Background(), path)
+	p, err := Take(context.Background(), path, testProfile)
 	if p != nil {
 		t.Fatalf("took %d sockets as uid %d", len(p.Sockets), os.Getuid())
 	}
@@ -336,4 +341,38 @@ func waitSteps(t *testing.T, g *fakeGiver, want string) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// Only a true successor takes over: one that would serve the node
+// otherwise is refused before anything is lent, learns the running
+// daemon's pid and every difference, and the running daemon logs who
+// asked. A successor that says nothing of how it serves (an older
+// version) is taken as a true one.
+func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
+	g, path, _ := newGiver(t, 3)
+	other := Profile{"node": "node-1", "rules": "not managed", "source": "manifests"}
+	p, err := Take(context.Background(), path, other)
+	var mismatch *MismatchError
+	if p != nil || !errors.As(err, &mismatch) || !errors.Is(err, ErrRefused) {
+		t.Fatalf("Take with another profile: %v %v, want a *MismatchError", p, err)
+	}
+	want := []string{`rules: the running daemon's "managed", this one's "not managed"`, `source: the running daemon's unsaid, this one's "manifests"`}
+	if mismatch.PID != os.Getpid() || strings.Join(mismatch.Differences, "|") != strings.Join(want, "|") {
+		t.Fatalf("refused by pid %d for %q, want pid %d for %q", mismatch.PID, mismatch.Differences, os.Getpid(), want)
+	}
+	if steps := g.Steps(); steps != "" {
+		t.Fatalf("the running daemon did %q for a successor it refused, want nothing", steps)
+	}
+	testutil.WaitFor(t, "the refusal in the running daemon's log", 5*time.Second, 10*time.Millisecond, func() bool {
+		out := g.log.String()
+		return strings.Contains(out, "Handover refused: the successor would serve this node otherwise") &&
+			strings.Contains(out, "pid "+strconv.Itoa(os.Getpid())) && strings.Contains(out, "rules: the running daemon")
+	})
+
+	// An older successor: no profile, taken as a true one.
+	p, err = Take(context.Background(), path, nil)
+	if err != nil || p == nil || len(p.Sockets) != 3 {
+		t.Fatalf("Take without a profile: %v %v", p, err)
+	}
+	p.Close()
 }

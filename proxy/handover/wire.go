@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -84,6 +85,16 @@ func closeAll(files []*os.File) {
 type cred struct{ uid, pid uint32 }
 
 func (c cred) String() string { return fmt.Sprintf("uid %d pid %d", c.uid, c.pid) }
+
+// command is the peer's command line, for the log of who asked (empty
+// when it is gone or unreadable).
+func (c cred) command() string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", c.pid))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(strings.ReplaceAll(string(b), "\x00", " "))
+}
 
 func peerOf(c *net.UnixConn) (cred, error) {
 	raw, err := c.SyscallConn()

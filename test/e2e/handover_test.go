@@ -820,3 +820,79 @@ func TestHandoverHalfClosed(t *testing.T) {
 		t.Errorf("the successor did not adopt the half-closed connection:\n%s", grepLines(second.Output(), "Adopted"))
 	}
 }
+
+// A daemon started by hand beside the running one for a look, with other
+// settings (no rules, other HTTP ports), is no successor: it exits non-zero
+// with one line naming the running daemon, what differs and how to run
+// beside it, and the running daemon, which logs who asked, serves on
+// untouched. Started as that line says (--handover-socket ''), it runs
+// beside and its stop leaves the node served. A true successor still takes
+// over afterwards.
+func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
+	h := newHandoverLab(t)
+	first := h.daemon()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	held := dialKeepAlive(t, h.Lab, "10.96.0.10:80")
+	byHand := append([]string{"--iptables=false", "--metrics-bind-address", "127.0.0.1:10259", "--healthz-bind-address", "127.0.0.1:10266"}, h.args...)
+
+	look := h.Daemon(append([]string{"--handover-socket", h.socket}, byHand...)...)
+	exited := make(chan error, 1)
+	go func() { exited <- look.Cmd.Wait() }()
+	select {
+	case err := <-exited:
+		if err == nil {
+			t.Fatalf("the daemon started by hand exited 0:\n%s", look.Output())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("the daemon started by hand did not exit:\n%s", tail(look.Output(), 3000))
+	}
+	line := grepLines(look.Output(), "level=error")
+	t.Logf("the daemon started by hand said: %s", line)
+	for _, want := range []string{fmt.Sprintf("pid %d", first.Cmd.Process.Pid), `rules: the running daemon's \"managed\", this one's \"not managed (--iptables=false)\"`,
+		"--handover-socket ''", "serves on, untouched"} {
+		if !strings.Contains(line, want) {
+			t.Errorf("the refused daemon's line lacks %q:\n%s", want, look.Output())
+		}
+	}
+	if strings.Contains(look.Output(), "Taking over") || strings.Count(strings.TrimSpace(line), "\n") > 0 {
+		t.Errorf("the refused daemon took something, or said more than one error line:\n%s", look.Output())
+	}
+	waitLog(t, first, "Handover refused: the successor would serve this node otherwise")
+	if !strings.Contains(grepLines(first.Output(), "Handover refused"), "--iptables=false") {
+		t.Errorf("the running daemon's refusal does not say who asked:\n%s", grepLines(first.Output(), "Handover refused"))
+	}
+	if pod, err := held.get(); err != nil || !strings.HasPrefix(pod, "pod") {
+		t.Fatalf("the held connection after the refusal: %q %v", pod, err)
+	}
+	for i := range 10 {
+		if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod") {
+			t.Fatalf("request %d after the refusal: %q", i, got)
+		}
+	}
+
+	// Beside it, as the line says: it serves its own listeners, and its
+	// stop leaves the node served.
+	beside := h.Daemon(append([]string{"--handover-socket", ""}, byHand...)...)
+	waitLog(t, beside, "msg=Synced")
+	_ = beside.Cmd.Process.Signal(syscall.SIGTERM)
+	if err := beside.Cmd.Wait(); err != nil {
+		t.Errorf("the daemon beside: %v", err)
+	}
+	if strings.Contains(first.Output(), "Serving nothing more") {
+		t.Fatal("the running daemon let go of its sockets")
+	}
+	for i := range 10 {
+		if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod") {
+			t.Fatalf("request %d after the daemon beside stopped: %q", i, got)
+		}
+	}
+
+	// A true successor still takes over.
+	next := h.daemon()
+	waitLog(t, next, "Took over: the predecessor serves nothing more")
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = first.Cmd.Wait()
+	if pod, err := held.get(); err != nil || !strings.HasPrefix(pod, "pod") {
+		t.Fatalf("the held connection after the true successor took over: %q %v", pod, err)
+	}
+}
