@@ -825,7 +825,7 @@ func TestHandoverHalfClosed(t *testing.T) {
 // settings (no rules, other HTTP ports), is no successor: it exits non-zero
 // with one line naming the running daemon, what differs and how to run
 // beside it, and the running daemon, which logs who asked, serves on
-// untouched. Started as that line says (--handover-socket ”), it runs
+// untouched. Started as that line says (an empty --handover-socket), it runs
 // beside and its stop leaves the node served. A true successor still takes
 // over afterwards.
 func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
