@@ -14,7 +14,6 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
-	"golang.org/x/sys/unix"
 )
 
 // portAllocator hands out ports from a PortRange: the key's preferred port
@@ -93,7 +92,7 @@ func UnreservedEphemeral(r config.PortRange) (ephemeral config.PortRange, unrese
 // CanReservePorts reports whether ip_local_reserved_ports may be written
 // here (not in a container with a read-only /proc/sys, say).
 func CanReservePorts() bool {
-	return unix.Access(localReservedPortFile, unix.W_OK) == nil
+	return sock.Writable(localReservedPortFile)
 }
 
 // parseReserved reads ip_local_reserved_ports' list ("a-b,c").

@@ -225,6 +225,10 @@ func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
 		}
 		p.rec.closeAll()
 		p.dp.closeListeners()
+		if p.servingShut { // it served: the rules point at it
+			p.cfg.log().Warn("Stopped serving: the rules stay, so this node refuses every new connection to its Services " +
+				"until a daemon starts again (kube-userspace-proxy --cleanup removes them)")
+		}
 	}
 	p.dp.conns.drain(grace)
 	p.dp.stop()

@@ -31,7 +31,9 @@ func resolveLocal(ctx context.Context, o *options, client kubernetes.Interface, 
 	}
 	l := log.WithFields(logrus.Fields{"mode": o.local.Mode, "local": o.local.Describe()})
 	if len(o.local.Matches(4)) == 0 && len(o.local.Matches(6)) == 0 {
-		l.Warn("Local-traffic detection finds no pod: only the node's own clients reach the external addresses of externalTrafficPolicy: Local Services with every endpoint (set --cluster-cidr, or another --detect-local-mode)")
+		l.Warn("Local-traffic detection finds no pod: backends see this node's address on the connections of its pods " +
+			"(kube-proxy's would see the pod's), and only the node's own clients reach the external addresses of " +
+			"externalTrafficPolicy: Local Services with every endpoint; set --cluster-cidr (kubeadm: podSubnet) or --detect-local-mode NodeCIDR")
 		return nil
 	}
 	l.Info("Local-traffic detection")

@@ -42,10 +42,13 @@ func ourManifests(repo string) ([]byte, error) {
 		all = append(all, data...)
 		all = append(all, []byte("\n---\n")...)
 	}
-	// The local-traffic detection kube-proxy gets here too (--cluster-cidr),
-	// by the Node's pod CIDRs, which this lab's controller manager allocates.
-	const nodeCIDR = "# - --detect-local-mode=NodeCIDR"
-	for old, repl := range map[string]string{"CONTROL_PLANE_ENDPOINT": bridgeAddr, daemonImageTag: ourImage, nodeCIDR: "- --detect-local-mode=NodeCIDR"} {
+	// The local-traffic detection kube-proxy gets here too (--cluster-cidr):
+	// the DaemonSet's own, by the Node's pod CIDRs, which this lab's
+	// controller manager allocates.
+	if !bytes.Contains(all, []byte("\n        - --detect-local-mode=NodeCIDR\n")) {
+		return nil, fmt.Errorf("%s no longer detects local traffic by the Node's pod CIDRs: update test/conformance", ourDeployDir)
+	}
+	for old, repl := range map[string]string{"CONTROL_PLANE_ENDPOINT": bridgeAddr, daemonImageTag: ourImage} {
 		if !bytes.Contains(all, []byte(old)) {
 			return nil, fmt.Errorf("%s no longer names %q: update test/conformance", ourDeployDir, old)
 		}

@@ -413,6 +413,9 @@ func TestRestartWithoutSuccessor(t *testing.T) {
 	if n := countRules(t, h.Lab, `lab/web`); n == 0 {
 		t.Fatal("the rules went with the daemon")
 	}
+	if !strings.Contains(first.Output(), "Stopped serving: the rules stay, so this node refuses every new connection") {
+		t.Errorf("the stopped daemon does not say that the node refuses until the next start:\n%s", tail(first.Output(), 2000))
+	}
 	if _, err := os.Stat(h.socket); err != nil {
 		t.Logf("handover socket after SIGTERM: %v", err)
 	}

@@ -542,3 +542,26 @@ func TestBackendSourceKeepsTheNodesPorts(t *testing.T) {
 		t.Errorf("%d backend connections in TIME_WAIT on the proxy port range, want 1 500 less those reused: %s", inRange, tail(out, 600))
 	}
 }
+
+// Without local-traffic detection the daemon cannot tell this node's pods
+// from other routed clients, whose backends' replies might not come back
+// through this node: their connections show the node's address (where
+// kube-proxy's no-op detector would leave the pod's), and the start line
+// says so and how to change it. The node itself and external clients of
+// an externalTrafficPolicy: Local Service keep theirs.
+func TestBackendSourceWithoutDetection(t *testing.T) {
+	l := NewLab(t)
+	l.Backends()
+	m := filepath.Join(t.TempDir(), "m.yaml")
+	writeManifest(t, m, sourceManifest())
+	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
+	waitFor(t, "web served", func() bool { return l.Curl("client", "http://10.96.0.10/") != "" })
+	if line := grepLines(d.Output(), "Local-traffic detection finds no pod"); !strings.Contains(line, "backends see this node's address on the connections of its pods") ||
+		!strings.Contains(line, "--cluster-cidr") || !strings.Contains(line, "level=warning") {
+		t.Fatalf("the start log does not say what no detection costs:\n%s", tail(d.Output(), 3000))
+	}
+	seesOnly(t, l, "client", "http://10.96.0.10/", "10.251.19.1", 8)
+	seesOnly(t, l, "client", "http://[fd00:96::10]/", "fd00:251::1", 4)
+	seesOnly(t, l, "node", "http://10.96.0.10/", "192.168.50.1", 4)
+	seesOnly(t, l, "ext", "http://203.0.113.10/", "192.168.50.2", 4) // eTP Local
+}

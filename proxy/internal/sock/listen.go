@@ -265,6 +265,13 @@ func (h *Hold) Close() {
 	}
 }
 
+// Writable reports whether this process may write the file at path
+// (access(2), W_OK): a /proc/sys file is not writable in a container
+// whose /proc/sys is read-only, whatever its mode says.
+func Writable(path string) bool {
+	return unix.Access(path, unix.W_OK) == nil
+}
+
 // RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit and returns
 // it: every proxied TCP connection holds two sockets, and the default soft
 // limit of 1024 would cap the proxy at a few hundred connections.
