@@ -1,11 +1,18 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"strconv"
+	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 )
 
 // detectionArgs turn local-traffic detection on as kubeadm's config does
@@ -39,7 +46,11 @@ type heldConn struct {
 // held connection is answered by its pod, which still sees its client.
 func TestHandoverKeepsTransparentConnections(t *testing.T) {
 	h := newHandoverLab(t)
-	writeManifest(t, h.manifest, webManifest()+localService())
+	base, err := os.ReadFile(h.manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeManifest(t, h.manifest, string(base)+localService())
 	h.args = append(append(h.args, detectionArgs...), "--connection-log", "all")
 	cur := h.daemon()
 	waitFor(t, "the ClusterIP", func() bool { return h.Curl("client", "http://10.96.0.10/") != "" })
@@ -66,6 +77,13 @@ func TestHandoverKeepsTransparentConnections(t *testing.T) {
 	hold("node → ClusterIP", "node", "10.96.0.10:80", "192.168.50.1")
 	hold("external → eTP Local", "ext", "203.0.113.13:80", "192.168.50.2")
 	hold("external → eTP Cluster", "ext", "203.0.113.10:80", "10.251.19.1")
+
+	// Mid-stream both ways: a client pushing through the echo Service
+	// (its backend seeing the pod) while it reads the echo back, and UDP
+	// clients on one source port each, IPv4 and IPv6.
+	stream := startEchoStream(t, h.Lab, "10.96.0.20:7")
+	udp4 := startUDPClient(t, h.Lab, 45331, "10.96.0.10:53")
+	udp6 := startUDPClient(t, h.Lab, 45332, "[fd00:96::10]:53")
 
 	ld := startLoad(h.Lab, "10.96.0.10:80")
 	n := 10
@@ -95,9 +113,108 @@ func TestHandoverKeepsTransparentConnections(t *testing.T) {
 		}
 		cur = next
 	}
+	if sent, err := stream.end(); err != nil {
+		t.Errorf("the echo stream across %d handovers: %v", n, err)
+	} else {
+		t.Logf("echo stream: %d MB both ways", sent>>20)
+	}
+	udp4.end(t)
+	udp6.end(t)
 	tries, fails, errs := ld.end()
 	t.Logf("%d handovers, %d held connections kept; load: %d connections, %d failed", n, len(held), tries, fails)
 	if fails > 0 {
 		t.Errorf("%d of %d new connections failed: %v", fails, tries, errs)
 	}
+}
+
+// echoStream pushes bytes through an echo Service from the client pod and
+// reads them back at the same time, until end: a connection in the middle
+// of a transfer in both directions at any moment.
+type echoStream struct {
+	c    net.Conn
+	stop chan struct{}
+	sent atomic.Int64
+	werr chan error
+	rerr chan error
+}
+
+func startEchoStream(t *testing.T, l *Lab, addr string) *echoStream {
+	t.Helper()
+	var c net.Conn
+	waitFor(t, "the echo Service", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		var err error
+		c, err = cluster.DialContextIn(l.NS("client"))(ctx, "tcp", addr)
+		if err == nil && echo(c, "first") == nil {
+			return true
+		}
+		if c != nil {
+			c.Close()
+		}
+		return false
+	})
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Time{})
+	e := &echoStream{c: c, stop: make(chan struct{}), werr: make(chan error, 1), rerr: make(chan error, 1)}
+	chunk := make([]byte, 32<<10)
+	for i := range chunk {
+		chunk[i] = byte(i * 13)
+	}
+	go func() {
+		for {
+			select {
+			case <-e.stop:
+				e.werr <- c.(*net.TCPConn).CloseWrite()
+				return
+			default:
+			}
+			_ = c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+			if _, err := c.Write(chunk); err != nil {
+				e.werr <- err
+				return
+			}
+			e.sent.Add(int64(len(chunk)))
+			time.Sleep(time.Millisecond) // ~30 MB/s at most: the stream spans every handover
+		}
+	}()
+	go func() {
+		buf := make([]byte, 64<<10)
+		var got int64
+		for {
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			n, err := c.Read(buf)
+			for i := range n {
+				if buf[i] != chunk[(got+int64(i))%int64(len(chunk))] {
+					e.rerr <- fmt.Errorf("byte %d differs", got+int64(i))
+					return
+				}
+			}
+			got += int64(n)
+			if err == io.EOF {
+				if got != e.sent.Load() {
+					err = fmt.Errorf("echoed %d bytes of %d", got, e.sent.Load())
+				} else {
+					err = nil
+				}
+				e.rerr <- err
+				return
+			}
+			if err != nil {
+				e.rerr <- fmt.Errorf("after %d bytes: %w", got, err)
+				return
+			}
+		}
+	}()
+	return e
+}
+
+// end stops the writer, sends the FIN and waits for every byte to come
+// back, then the echo's FIN.
+func (e *echoStream) end() (int64, error) {
+	close(e.stop)
+	if err := <-e.werr; err != nil {
+		return e.sent.Load(), fmt.Errorf("writing: %w", err)
+	}
+	return e.sent.Load(), <-e.rerr
 }
