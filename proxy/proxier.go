@@ -37,6 +37,7 @@ type Proxier struct {
 	rec      *reconciler
 	writer   *ruleWriter
 	activity activity
+	keeping  *keeping      // nil without a keeper (keeper.go)
 	kick     chan struct{} // capacity 1: merges bursts of Updates
 	calls    chan func()   // run on the sync goroutine: a handover's steps (handover.go)
 	serving  chan struct{} // closed after the first rule write
@@ -62,6 +63,9 @@ func New(cfg Config) *Proxier {
 	p.dp = newDataplane(&p.cfg)
 	p.rec = newReconciler(&p.cfg, p.dp)
 	p.writer = newRuleWriter(cfg.Rules, p.cfg.log(), &p.activity, familyNames(cfg.Families))
+	if cfg.Keeper != nil {
+		p.keeping = newKeeping()
+	}
 	return p
 }
 
@@ -110,6 +114,11 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 	defer stopWriter()
 	p.stopWriter = stopWriter
 	p.writer.start(writerCtx)
+	if p.keeping != nil {
+		var sender sync.WaitGroup
+		defer sender.Wait()
+		sender.Go(func() { p.sendKept(writerCtx) })
+	}
 	t := newSyncTimers(&p.cfg)
 	defer t.stop()
 	for {
@@ -202,6 +211,7 @@ func (p *Proxier) syncPending(verify bool) bool {
 	p.activity.enter()
 	w := p.rec.apply(*d, verify)
 	p.rec.inheritedPicks = nil // what no frontend took: Services gone meanwhile
+	p.keepSockets()            // before the rules point at what it opened
 	p.activity.leave()
 	w.queuedAt = queuedAt
 	p.writer.submit(w)

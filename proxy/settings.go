@@ -63,6 +63,10 @@ type Config struct {
 
 	// Rules programs the kernel redirects; nil means none (listeners only).
 	Rules Rules
+	// Keeper keeps a duplicate of every frontend's listening socket in a
+	// supervising process (handover.KeeperLink), so that the sockets
+	// outlive this one's crash; nil keeps none (keeper.go).
+	Keeper SocketKeeper
 	// ServiceHealth serves the Services' health check node ports
 	// (healthcheck.Server); nil serves none.
 	ServiceHealth interface{ Sync([]healthcheck.Service) }

@@ -44,11 +44,17 @@ type predecessor struct {
 // to replace). A running daemon that serves the node otherwise than
 // profile says this one would is an error: this one must not start.
 func takeOver(ctx context.Context, path string, profile handover.Profile, log logrus.FieldLogger) (*predecessor, string, error) {
-	if path == "" {
+	from := path
+	if kept := os.Getenv(handover.EnvKeeperHandover); kept != "" {
+		// Restarted by our keeper after a crash: it holds our sockets.
+		from = kept
+		log.WithField("socket", kept).Info("Restarted by the keeper: taking back the sockets it kept")
+	}
+	if from == "" {
 		return nil, "", nil
 	}
 	start := time.Now()
-	p, err := handover.Take(ctx, path, profile)
+	p, err := handover.Take(ctx, from, profile)
 	var mismatch *handover.MismatchError
 	switch {
 	case errors.As(err, &mismatch):
@@ -165,6 +171,28 @@ func adoptConns(ctx context.Context, pred *predecessor, p *proxy.Proxier, log lo
 	l.Info("Adopted the predecessor's connections")
 }
 
+// keeperLink is the link to the keeper that runs this daemon (kube-userspace-proxy
+// keep), or nil.
+func keeperLink(log logrus.FieldLogger) *handover.KeeperLink {
+	k, err := handover.KeeperFromEnv()
+	if err != nil {
+		log.WithError(err).Warn("Not kept: a crash refuses connections until the next start")
+		return nil
+	}
+	if k != nil {
+		log.Info("Kept: a keeper holds this daemon's listening sockets, and starts another on them if it crashes")
+	}
+	return k
+}
+
+// socketKeeper is k for the Proxier (nil when there is none).
+func socketKeeper(k *handover.KeeperLink) proxy.SocketKeeper {
+	if k == nil {
+		return nil
+	}
+	return k
+}
+
 // giver is this daemon's side when a successor takes over.
 type giver struct {
 	p        *proxy.Proxier
@@ -172,6 +200,7 @@ type giver struct {
 	addrs    map[string]string
 	stopHTTP func()
 	ready    readyFile
+	keeper   *handover.KeeperLink // nil: none
 	log      logrus.FieldLogger
 }
 
@@ -199,6 +228,13 @@ func (g *giver) Release(successor int) {
 	g.ready.set(false)
 	_ = g.p.Release(context.Background())
 	g.stopHTTP() // our copies: the successor serves on its own
+	if g.keeper != nil {
+		// Our end is no crash now: the keeper lets the sockets go and
+		// ends with us.
+		if err := g.keeper.HandedOver(); err != nil {
+			g.log.WithError(err).Warn("Cannot tell the keeper that a successor took over")
+		}
+	}
 	g.log.WithField("successor", successor).Info("Serving nothing more: open connections go on until they end; stop with SIGTERM")
 }
 
@@ -213,6 +249,11 @@ func serveHandovers(ctx context.Context, path string, profile handover.Profile, 
 		case <-ctx.Done():
 			pred.close()
 			return
+		}
+		if g.keeper != nil {
+			if err := g.keeper.Serving(); err != nil {
+				log.WithError(err).Warn("Cannot tell the keeper that this daemon serves")
+			}
 		}
 		var adopting sync.WaitGroup
 		defer adopting.Wait()

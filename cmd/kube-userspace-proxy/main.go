@@ -31,6 +31,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "explain" {
 		return runExplain(args[1:], stdout, stderr)
 	}
+	if len(args) > 0 && args[0] == "keep" {
+		return runKeeper(args[1:], stdout, stderr)
+	}
 	opts, err := parseFlags(args, stderr)
 	if errors.Is(err, errHelp) {
 		return 0

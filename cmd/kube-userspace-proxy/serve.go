@@ -23,6 +23,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
@@ -60,6 +61,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		return err
 	}
 	setUpProcess(o, log)
+	if crashHooks != nil {
+		crashHooks(log)
+	}
 	rules, ipt, err := newRules(o, log)
 	if err != nil {
 		return err
@@ -68,6 +72,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	// it serves the node as this one would; else leave it alone, and the
 	// node untouched.
 	profile := o.handoverProfile(node, ipt)
+	keeper := keeperLink(log)
 	pred, handoverSocket, err := takeOver(ctx, o.handoverSocket, profile, log.WithField("component", "handover"))
 	if err != nil {
 		return err
@@ -82,7 +87,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if len(o.nodePortCIDRs) > 0 {
 		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
 	}
-	p := newProxier(o, rules, hc, events, log)
+	p := newProxier(o, rules, hc, events, keeper, log)
 	pred.adopt(ctx, p)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
@@ -123,7 +128,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}).Info("Started")
 	g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
 		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
-		ready: readyFile{path: o.readyFile, log: log}, log: log.WithField("component", "handover")}
+		ready: readyFile{path: o.readyFile, log: log}, keeper: keeper, log: log.WithField("component", "handover")}
 	defer g.ready.set(false)
 	handoversDone := serveHandovers(srcCtx, handoverSocket, profile, pred, p, g, log.WithField("component", "handover"))
 	defer func() { stopSource(); <-handoversDone }()
@@ -342,7 +347,7 @@ func eventRecorder(ctx context.Context, client kubernetes.Interface, node string
 }
 
 // newProxier makes the proxier of the flags.
-func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), log *logrus.Logger) *proxy.Proxier {
+func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, log *logrus.Logger) *proxy.Proxier {
 	var portEvents func(sp *config.ServicePort, reason, message string)
 	if events != nil {
 		portEvents = func(sp *config.ServicePort, reason, message string) { events(sp.Name.Service(), reason, message) }
@@ -351,6 +356,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		Events:              portEvents,
 		ServiceHealth:       hc,
 		Rules:               rules,
+		Keeper:              socketKeeper(keeper),
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
 		BindAddress:         o.bindAddress,
 		Families:            o.families,

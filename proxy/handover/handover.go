@@ -129,6 +129,8 @@ type message struct {
 	// daemon's reasons to refuse it.
 	Profile     Profile  `json:"profile,omitempty"`
 	Differences []string `json:"differences,omitempty"`
+	// Names are the sockets a worker dropped (keeper.go).
+	Names []string `json:"names,omitempty"`
 	// Data is a piece of the giver's state beyond the sockets ("state",
 	// Count of them after "frozen").
 	Data    []byte   `json:"data,omitempty"`
@@ -198,7 +200,8 @@ type Giver interface {
 // that are neither root nor this process's user, successors in another
 // network namespace (two namespaces' daemons given one socket path),
 // successors that speak no version it knows, and successors whose profile
-// is not own (this daemon's); the exchange of one successor at a time.
+// is not own (this daemon's; nil: any, for a keeper); the exchange of one
+// successor at a time.
 func Serve(ctx context.Context, ln *net.UnixListener, g Giver, own Profile, log logrus.FieldLogger) <-chan struct{} {
 	done := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
@@ -256,7 +259,10 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 		_ = send(c, message{Type: "refuse", Reason: reasonOtherNetNS}, nil)
 		return false
 	}
-	if hello.Profile == nil {
+	if own == nil {
+		// A keeper (keeper.go): it serves nothing itself; its worker
+		// takes back what it kept.
+	} else if hello.Profile == nil {
 		log.Info("The successor says nothing of how it serves (an older version): taken as a true successor")
 	} else if diff := own.differences(hello.Profile); len(diff) > 0 {
 		log.WithFields(logrus.Fields{"command": p.command(), "differences": strings.Join(diff, "; ")}).
@@ -330,9 +336,8 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 	return true
 }
 
-// sendSockets sends the offer, socks in messages of perMessage (each
-// socket opened just before and its duplicate closed after: one that cannot
-// be opened, closed meanwhile, is left out), and the end.
+// sendSockets sends the offer, socks in "sockets" messages (openSend),
+// and the end.
 func sendSockets(c *net.UnixConn, socks []Socket) error {
 	ns, err := netNS()
 	if err != nil {
@@ -341,6 +346,16 @@ func sendSockets(c *net.UnixConn, socks []Socket) error {
 	if err := send(c, message{Type: "offer", Version: Version, PID: os.Getpid(), Count: len(socks), NetNS: ns}, nil); err != nil {
 		return err
 	}
+	if err := openSend(c, "sockets", socks); err != nil {
+		return err
+	}
+	return send(c, message{Type: "end"}, nil)
+}
+
+// openSend sends socks in messages of type typ, perMessage sockets each,
+// each socket opened just before and its duplicate closed after: one that
+// cannot be opened, closed meanwhile, is left out.
+func openSend(c *net.UnixConn, typ string, socks []Socket) error {
 	for chunk := range slices.Chunk(socks, perMessage) {
 		var fds []int
 		var files []*os.File
@@ -357,14 +372,14 @@ func sendSockets(c *net.UnixConn, socks []Socket) error {
 		}
 		var err error
 		if len(sending) > 0 {
-			err = send(c, message{Type: "sockets", Sockets: sending}, fds)
+			err = send(c, message{Type: typ, Sockets: sending}, fds)
 		}
 		closeAll(files)
 		if err != nil {
 			return err
 		}
 	}
-	return send(c, message{Type: "end"}, nil)
+	return nil
 }
 
 // ErrRefused is Take's error when the running daemon would not hand over.

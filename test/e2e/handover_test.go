@@ -87,6 +87,7 @@ type load struct {
 	mu           sync.Mutex
 	errs         []string
 	errAt        []time.Time // when each of errs happened
+	errStart     []time.Time // when each of errs' connections was begun
 	stop         chan struct{}
 	done         chan struct{}
 }
@@ -110,12 +111,14 @@ func startLoad(l *Lab, addr string) *load {
 			go func() {
 				defer wg.Done()
 				ld.tries.Add(1)
+				begun := time.Now()
 				if err := request(dial, addr); err != nil {
 					ld.fails.Add(1)
 					now := time.Now()
 					ld.mu.Lock()
 					ld.errs = append(ld.errs, now.Format("15:04:05.000")+" "+err.Error())
 					ld.errAt = append(ld.errAt, now)
+					ld.errStart = append(ld.errStart, begun)
 					ld.mu.Unlock()
 				}
 			}()

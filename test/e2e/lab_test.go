@@ -44,8 +44,14 @@ func run(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	binDir = dir
-	for _, pkg := range []string{"./cmd/kube-userspace-proxy", "./test/backend"} {
-		cmd := exec.Command("go", "build", "-o", dir, pkg)
+	for _, b := range []struct{ out, tags, pkg string }{
+		{"kube-userspace-proxy", "", "./cmd/kube-userspace-proxy"},
+		{"backend", "", "./test/backend"},
+		// Crashes on demand, for the keeper's tests (cmd/…/crashtest.go).
+		{"kube-userspace-proxy-crashtest", "crashtest", "./cmd/kube-userspace-proxy"},
+	} {
+		pkg := b.pkg
+		cmd := exec.Command("go", "build", "-tags", b.tags, "-o", filepath.Join(dir, b.out), b.pkg)
 		cmd.Dir = repoRoot
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {

@@ -1,0 +1,226 @@
+package main
+
+// `kube-userspace-proxy keep [flags]`: the keeper, a supervising process
+// that runs the daemon (its worker: this binary with the same flags) and
+// holds a duplicate of every listening socket the worker opens
+// (handover.Keeper), so that a crash of the worker — kill -9, the OOM
+// killer, a panic, a fatal runtime error — refuses nothing: the sockets
+// stay open in the keeper, connections wait in their backlogs, and the
+// next worker, started at once, takes the sockets back through the
+// handover exchange and accepts them. The keeper never parses a
+// Kubernetes object, never serves a byte and shares no lock with the
+// worker; it reads the worker's stderr (passed on line by line) only to
+// name a panic.
+//
+// Who owns what: runKeeper's goroutine owns the worker and its socket, one
+// worker at a time; a worker's Receive goroutine and stderr copier end
+// with it, and the handover exchange offered to it ends with it too.
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+)
+
+// crashHooks starts the crashes on demand of a -tags crashtest build
+// (crashtest.go); nil in every other build.
+var crashHooks func(log logrus.FieldLogger)
+
+// Restart backoff: a worker that served for restartQuiet is started again
+// at once; one that died sooner (or before it served) waits, twice as long
+// each time, up to restartMax.
+const (
+	restartQuiet = time.Second
+	restartFirst = 100 * time.Millisecond
+	restartMax   = 30 * time.Second
+)
+
+// workerEnd is how a worker ended.
+type workerEnd struct {
+	state  *os.ProcessState
+	panic  string // the first line of a Go panic or fatal error on its stderr
+	said   handover.WorkerSaid
+	lived  time.Duration
+}
+
+// crashed says whether the end is a crash, to be restarted: killed by a
+// signal the keeper did not send, a panic or fatal error, or a failure
+// after it had served. A failure before it served (bad flags, a refused
+// takeover) is the worker's verdict on its start: the keeper ends with it.
+func (e workerEnd) crashed() bool {
+	if e.said.HandedOver {
+		return false
+	}
+	if e.panic != "" {
+		return true
+	}
+	if ws, ok := e.state.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return true
+	}
+	return e.state.ExitCode() != 0 && e.said.Serving
+}
+
+// cause names the end for the log.
+func (e workerEnd) cause() string {
+	c := e.state.String() // "exit status 2", "signal: killed"
+	if e.panic != "" {
+		c += ": " + e.panic
+	}
+	return c
+}
+
+func runKeeper(args []string, stdout, stderr io.Writer) int {
+	log := logrus.New()
+	log.SetOutput(stderr)
+	log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true})
+	l := log.WithField("component", "keeper")
+	exe, err := os.Executable()
+	if err != nil {
+		l.WithError(err).Error("Cannot find this binary to run the worker")
+		return exitFailure
+	}
+	dir, err := os.MkdirTemp("", "kube-userspace-proxy-keeper")
+	if err != nil {
+		l.WithError(err).Error("Cannot make the keeper's folder")
+		return exitFailure
+	}
+	defer os.RemoveAll(dir)
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
+	defer signal.Stop(signals)
+
+	k := handover.NewKeeper()
+	defer k.Close()
+	delay := time.Duration(0)
+	for restarts := 0; ; restarts++ {
+		end, stopping, err := runWorker(exe, args, filepath.Join(dir, "handover.sock"), k, signals, stdout, stderr, l)
+		if err != nil {
+			l.WithError(err).Error("Cannot start the worker")
+			return exitFailure
+		}
+		if stopping || !end.crashed() {
+			l.WithFields(logrus.Fields{"worker": end.state.Pid(), "end": end.cause()}).Info("The worker ended; so does the keeper")
+			if code := end.state.ExitCode(); code >= 0 {
+				return code
+			}
+			return exitFailure
+		}
+		if end.said.Serving && end.lived >= restartQuiet {
+			delay = 0
+		} else {
+			delay = min(max(2*delay, restartFirst), restartMax)
+		}
+		fds, _ := os.ReadDir("/proc/self/fd")
+		l.WithFields(logrus.Fields{"worker": end.state.Pid(), "cause": end.cause(), "lived": end.lived.Round(time.Millisecond).String(),
+			"sockets": k.Held(), "restarts": restarts + 1, "in": delay.String(), "keeperFDs": len(fds), "keeperGoroutines": runtime.NumGoroutine()}).
+			Error("The worker died; starting another on the sockets kept")
+		select {
+		case <-time.After(delay):
+		case sig := <-signals:
+			l.WithField("signal", sig.String()).Info("Stopped before the next worker started")
+			return 0
+		}
+	}
+}
+
+// runWorker runs one worker until it ends, offering it the sockets k
+// holds (through the handover exchange on path) and passing signals on;
+// stopping says a signal was passed on.
+func runWorker(exe string, args []string, path string, k *handover.Keeper, signals <-chan os.Signal, stdout, stderr io.Writer, l logrus.FieldLogger) (workerEnd, bool, error) {
+	c, wf, err := handover.WorkerSocket()
+	if err != nil {
+		return workerEnd{}, false, err
+	}
+	defer c.Close()
+	cmd := exec.Command(exe, args...)
+	cmd.ExtraFiles = []*os.File{wf} // descriptor 3
+	cmd.Env = append(os.Environ(), handover.EnvKeeperFD+"=3")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var offered <-chan struct{}
+	if k.Held() > 0 {
+		ln, err := handover.Listen(path)
+		if err != nil {
+			wf.Close()
+			return workerEnd{}, false, err
+		}
+		cmd.Env = append(cmd.Env, handover.EnvKeeperHandover+"="+path)
+		offered = handover.Serve(ctx, ln, k, nil, l)
+	}
+	cmd.Stdout = stdout
+	errPipe, err := cmd.StderrPipe()
+	if err != nil {
+		wf.Close()
+		return workerEnd{}, false, err
+	}
+	start := time.Now()
+	err = cmd.Start()
+	wf.Close()
+	if err != nil {
+		return workerEnd{}, false, err
+	}
+	var copying sync.WaitGroup
+	var panicLine string
+	copying.Go(func() { panicLine = passOn(errPipe, stderr) })
+	saidc := make(chan handover.WorkerSaid, 1)
+	copying.Go(func() { saidc <- k.Receive(c) })
+	waited := make(chan error, 1)
+	go func() {
+		copying.Wait() // stderr read to its end before Wait closes the pipe
+		waited <- cmd.Wait()
+	}()
+	stopping := false
+	var werr error
+	for done := false; !done; {
+		select {
+		case sig := <-signals:
+			stopping = true
+			_ = cmd.Process.Signal(sig)
+		case werr = <-waited:
+			done = true
+		}
+	}
+	cancel()
+	if offered != nil {
+		<-offered
+	}
+	var exitErr *exec.ExitError
+	if werr != nil && !errors.As(werr, &exitErr) {
+		return workerEnd{}, stopping, fmt.Errorf("waiting for the worker: %w", werr)
+	}
+	return workerEnd{state: cmd.ProcessState, panic: panicLine, said: <-saidc, lived: time.Since(start)}, stopping, nil
+}
+
+// passOn copies the worker's stderr to the keeper's, line by line, and
+// returns the first line of a Go panic or fatal runtime error in it.
+func passOn(r io.Reader, w io.Writer) string {
+	var first string
+	br := bufio.NewReaderSize(r, 64<<10)
+	for {
+		line, err := br.ReadString('\n')
+		if len(line) > 0 {
+			_, _ = io.WriteString(w, line)
+			if first == "" && (strings.HasPrefix(line, "panic: ") || strings.HasPrefix(line, "fatal error: ")) {
+				first = strings.TrimSpace(line)
+			}
+		}
+		if err != nil {
+			return first
+		}
+	}
+}

@@ -1,0 +1,245 @@
+package handover
+
+// A keeper (kube-userspace-proxy keep) is a supervising process that holds
+// a duplicate of every listening socket of the daemon it runs, its worker,
+// so that the sockets outlive the worker's crash: connections wait in
+// their backlogs, and the keeper hands the sockets to the next worker
+// through the exchange of handover.go, as a predecessor that serves
+// nothing would (Keeper is a Giver).
+//
+// The worker tells its keeper over an inherited unix socket
+// (SOCK_SEQPACKET, its descriptor number in $KUP_KEEPER_FD), one JSON
+// message per record, never answered:
+//
+//	keep {sockets} + descriptors    sockets it opened (a name kept again replaces)
+//	drop {names}                    sockets it closed
+//	serving                         its first sync is done
+//	handed-over                     a successor took over: do not restart it
+//
+// Who owns what: the keeper's Receive goroutine changes what it holds, the
+// exchange's goroutine lends duplicates of it; one lock, never held across
+// a system call on the worker's socket. A KeeperLink belongs to the
+// worker's caller, one message at a time.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Environment of a worker run by a keeper.
+const (
+	// EnvKeeperFD is the descriptor number of the worker's end of the
+	// keeper's socket.
+	EnvKeeperFD = "KUP_KEEPER_FD"
+	// EnvKeeperHandover is the path of the keeper's handover socket,
+	// set when the keeper holds sockets for the worker to take.
+	EnvKeeperHandover = "KUP_KEEPER_HANDOVER"
+)
+
+// keeperWriteTimeout bounds one message to the keeper: a keeper that does
+// not read is given up on (the worker serves on, unkept).
+const keeperWriteTimeout = 5 * time.Second
+
+// KeeperLink is a worker's side of its keeper's socket.
+type KeeperLink struct {
+	c *net.UnixConn
+}
+
+// KeeperFromEnv is the link to the keeper that runs this process, or nil
+// when none does.
+func KeeperFromEnv() (*KeeperLink, error) {
+	v := os.Getenv(EnvKeeperFD)
+	if v == "" {
+		return nil, nil
+	}
+	fd, err := strconv.Atoi(v)
+	if err != nil || fd < 3 {
+		return nil, fmt.Errorf("$%s=%q: not a descriptor number", EnvKeeperFD, v)
+	}
+	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_SEQPACKET {
+		return nil, fmt.Errorf("$%s=%d: not the keeper's socket (type %d, %v)", EnvKeeperFD, fd, t, err)
+	}
+	unix.CloseOnExec(fd)
+	f := os.NewFile(uintptr(fd), "keeper")
+	defer f.Close()
+	c, err := net.FileConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("keeper socket: %w", err)
+	}
+	return &KeeperLink{c: c.(*net.UnixConn)}, nil
+}
+
+// Keep gives the keeper a duplicate of each of socks (opened as sent).
+func (k *KeeperLink) Keep(socks []Socket) error {
+	_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
+	return openSend(k.c, "keep", socks)
+}
+
+// Drop tells the keeper that the sockets named are closed.
+func (k *KeeperLink) Drop(names []string) error {
+	for len(names) > 0 {
+		n := min(len(names), 1000)
+		_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
+		if err := send(k.c, message{Type: "drop", Names: names[:n]}, nil); err != nil {
+			return err
+		}
+		names = names[n:]
+	}
+	return nil
+}
+
+// Serving tells the keeper that the worker serves (its first sync done).
+func (k *KeeperLink) Serving() error { return k.say("serving") }
+
+// HandedOver tells the keeper that a successor took over: the worker's
+// end is no crash.
+func (k *KeeperLink) HandedOver() error { return k.say("handed-over") }
+
+func (k *KeeperLink) say(what string) error {
+	_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
+	return send(k.c, message{Type: what}, nil)
+}
+
+// Close closes the worker's end.
+func (k *KeeperLink) Close() error { return k.c.Close() }
+
+// Keeper holds the sockets its workers keep, and lends them to the next
+// worker (a Giver whose Release keeps them: the next worker keeps them
+// again, and what it does not is dropped).
+type Keeper struct {
+	mu    sync.Mutex
+	socks map[string]Socket // File set: the keeper's own duplicate
+}
+
+// NewKeeper holds nothing yet.
+func NewKeeper() *Keeper { return &Keeper{socks: map[string]Socket{}} }
+
+// WorkerSaid is what a worker said on its socket before it ended.
+type WorkerSaid struct {
+	Serving, HandedOver bool
+}
+
+// Receive applies what the worker says on c until c ends (the worker
+// exited or closed it).
+func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
+	var said WorkerSaid
+	for {
+		m, files, err := receive(c)
+		if err != nil {
+			return said
+		}
+		switch m.Type {
+		case "keep":
+			if len(files) != len(m.Sockets) {
+				closeAll(files)
+				continue
+			}
+			k.mu.Lock()
+			for i, s := range m.Sockets {
+				if old, ok := k.socks[s.Name]; ok {
+					old.File.Close()
+				}
+				s.File = files[i]
+				k.socks[s.Name] = s
+			}
+			k.mu.Unlock()
+		case "drop":
+			closeAll(files)
+			k.mu.Lock()
+			for _, name := range m.Names {
+				if old, ok := k.socks[name]; ok {
+					old.File.Close()
+					delete(k.socks, name)
+				}
+			}
+			k.mu.Unlock()
+		case "serving":
+			said.Serving = true
+		case "handed-over":
+			said.HandedOver = true
+			k.closeAll()
+		default:
+			closeAll(files)
+		}
+	}
+}
+
+// Held is how many sockets the keeper holds.
+func (k *Keeper) Held() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.socks)
+}
+
+func (k *Keeper) closeAll() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for name, s := range k.socks {
+		s.File.Close()
+		delete(k.socks, name)
+	}
+}
+
+// Close closes every socket held.
+func (k *Keeper) Close() { k.closeAll() }
+
+// Lend lends a duplicate of every socket held.
+func (k *Keeper) Lend(context.Context) ([]Socket, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	socks := make([]Socket, 0, len(k.socks))
+	for _, s := range k.socks {
+		f := s.File
+		s.File, s.Open = nil, func() (*os.File, error) { return dupFile(f) }
+		socks = append(socks, s)
+	}
+	return socks, nil
+}
+
+// Freeze: a keeper changes nothing and holds no pick state.
+func (k *Keeper) Freeze(context.Context) (json.RawMessage, error) { return nil, nil }
+
+// Thaw: nothing to do.
+func (k *Keeper) Thaw() {}
+
+// Release keeps every socket: the worker that took them keeps them again.
+func (k *Keeper) Release(int) {}
+
+// HandOff: a keeper carries no connection.
+func (k *Keeper) HandOff(context.Context, func([]Socket) error) error { return nil }
+
+// dupFile duplicates f's descriptor (close-on-exec).
+func dupFile(f *os.File) (*os.File, error) {
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, os.NewSyscallError("fcntl", err)
+	}
+	return os.NewFile(uintptr(fd), f.Name()), nil
+}
+
+// WorkerSocket makes the socket pair between a keeper and a worker: the
+// keeper's end, and the worker's as a file to pass to it (close it in the
+// keeper once the worker started).
+func WorkerSocket() (*net.UnixConn, *os.File, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, os.NewSyscallError("socketpair", err)
+	}
+	kf := os.NewFile(uintptr(fds[0]), "keeper")
+	defer kf.Close()
+	c, err := net.FileConn(kf)
+	if err != nil {
+		unix.Close(fds[1])
+		return nil, nil, err
+	}
+	return c.(*net.UnixConn), os.NewFile(uintptr(fds[1]), "worker"), nil
+}
+

@@ -1,0 +1,152 @@
+package proxy
+
+// Keeping the frontends' sockets in a supervising process (package
+// handover's keeper), so that they outlive a crash of this one: after each
+// sync's apply, before its rules are written, the sockets opened since go
+// to the keeper and the names of those closed since follow, in order, from
+// a goroutine of their own (a keeper that is slow never holds a sync up).
+//
+// Who owns what: the sync goroutine owns kept (what the keeper was told);
+// the sender goroutine owns the link once started, until Run ends.
+
+import (
+	"context"
+	"os"
+	"strings"
+	"sync/atomic"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+)
+
+// SocketKeeper is a supervising process's side for the frontends'
+// sockets (handover.KeeperLink).
+type SocketKeeper interface {
+	Keep(socks []handover.Socket) error
+	Drop(names []string) error
+}
+
+// keptKey names a frontend's socket without building its name string.
+type keptKey struct {
+	key  frontendKey
+	role string
+}
+
+// keeping is the sync goroutine's record of what the keeper was told, and
+// the queue to the sender.
+type keeping struct {
+	kept   map[keptKey]keptSocket
+	gen    uint64 // the keepDiff that saw a kept socket last
+	queue  chan keepChange
+	failed atomic.Bool // the keeper stopped reading: keeping ends
+}
+
+// keptSocket is the socket object kept for a name (*sock.Listener or a UDP
+// conn) and the keepDiff that last saw its frontend.
+type keptSocket struct {
+	obj any
+	gen uint64
+}
+
+// keepChange is one sync's news for the keeper.
+type keepChange struct {
+	opened []handover.Socket
+	closed []string
+}
+
+func newKeeping() *keeping {
+	return &keeping{kept: map[keptKey]keptSocket{}, queue: make(chan keepChange, 64)}
+}
+
+// keepSockets tells the keeper what this sync opened and closed. On the
+// sync goroutine.
+func (p *Proxier) keepSockets() {
+	k := p.keeping
+	if k == nil || k.failed.Load() {
+		return
+	}
+	k.gen++
+	ch := p.rec.keepDiff(k.kept, k.gen)
+	if len(ch.opened) == 0 && len(ch.closed) == 0 {
+		return
+	}
+	select {
+	case k.queue <- ch:
+	default:
+		// The sender is that far behind: the keeper does not read.
+		k.fail(p, "its queue is full")
+	}
+}
+
+func (k *keeping) fail(p *Proxier, why string) {
+	if !k.failed.Swap(true) {
+		p.cfg.log().WithField("reason", why).Warn("The keeper no longer takes this daemon's sockets: a crash from now on refuses connections until the next start")
+	}
+}
+
+// sendKept is the sender goroutine: it passes the queue's changes to the
+// keeper until ctx ends.
+func (p *Proxier) sendKept(ctx context.Context) {
+	k := p.keeping
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ch := <-k.queue:
+			if k.failed.Load() {
+				continue
+			}
+			err := p.cfg.Keeper.Keep(ch.opened)
+			if err == nil && len(ch.closed) > 0 {
+				err = p.cfg.Keeper.Drop(ch.closed)
+			}
+			if err != nil {
+				k.fail(p, err.Error())
+			}
+		}
+	}
+}
+
+// keepDiff compares the frontends' sockets with kept, which it brings up
+// to date (gen marks what this call saw): the sockets opened since (to be
+// duplicated as sent) and the names of those closed since. A frontend
+// whose port refuses holds no socket the keeper could serve on.
+func (r *reconciler) keepDiff(kept map[keptKey]keptSocket, gen uint64) keepChange {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var ch keepChange
+	for key, fe := range r.frontends {
+		role := roleRange
+		if fe.onNodePort {
+			role = roleNodePort
+		}
+		kk := keptKey{key, role}
+		var obj any
+		s := handover.Socket{Proto: strings.ToLower(string(fe.protocol)), Addr: fe.listen.String()}
+		switch {
+		case fe.refusing != nil:
+			continue
+		case fe.tcp != nil:
+			obj, s.Open = fe.tcp.ln, fe.tcp.ln.File
+		case fe.udp != nil:
+			conn := fe.udp.sk.conn
+			obj, s.Open = conn, func() (*os.File, error) { return sock.UDPFile(conn) }
+		default:
+			continue
+		}
+		was, ok := kept[kk]
+		kept[kk] = keptSocket{obj, gen}
+		if ok && was.obj == obj {
+			continue
+		}
+		s.Name = socketName(key, role)
+		ch.opened = append(ch.opened, s)
+	}
+	for kk, ks := range kept {
+		if ks.gen != gen {
+			delete(kept, kk)
+			ch.closed = append(ch.closed, socketName(kk.key, kk.role))
+		}
+	}
+	return ch
+}
