@@ -52,10 +52,10 @@ const (
 
 // workerEnd is how a worker ended.
 type workerEnd struct {
-	state  *os.ProcessState
-	panic  string // the first line of a Go panic or fatal error on its stderr
-	said   handover.WorkerSaid
-	lived  time.Duration
+	state *os.ProcessState
+	panic string // the first line of a Go panic or fatal error on its stderr
+	said  handover.WorkerSaid
+	lived time.Duration
 }
 
 // crashed says whether the end is a crash, to be restarted: killed by a

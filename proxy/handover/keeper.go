@@ -242,4 +242,3 @@ func WorkerSocket() (*net.UnixConn, *os.File, error) {
 	}
 	return c.(*net.UnixConn), os.NewFile(uintptr(fds[1]), "worker"), nil
 }
-
