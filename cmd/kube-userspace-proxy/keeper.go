@@ -41,11 +41,11 @@ import (
 // (crashtest.go); nil in every other build.
 var crashHooks func(log logrus.FieldLogger)
 
-// Restart backoff: a worker that served for restartQuiet is started again
-// at once; one that died sooner (or before it served) waits, twice as long
-// each time, up to restartMax.
+// Restart backoff: a worker that served is started again at once (every
+// moment without one is a moment of connections waiting in the backlogs);
+// one that died before it served (a crash at start would come again)
+// waits, twice as long each time, up to restartMax.
 const (
-	restartQuiet = time.Second
 	restartFirst = 100 * time.Millisecond
 	restartMax   = 30 * time.Second
 )
@@ -120,7 +120,7 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 			}
 			return exitFailure
 		}
-		if end.said.Serving && end.lived >= restartQuiet {
+		if end.said.Serving {
 			delay = 0
 		} else {
 			delay = min(max(2*delay, restartFirst), restartMax)

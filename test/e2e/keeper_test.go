@@ -154,3 +154,136 @@ func oomKill(t *testing.T, pid int) {
 		return err == nil && strings.Contains(string(b), "oom_kill 1")
 	})
 }
+
+// crashes is how many TestKeeperManyCrashes makes (KUP_CRASHES overrides).
+func crashes() int {
+	if n, err := strconv.Atoi(os.Getenv("KUP_CRASHES")); err == nil && n > 0 {
+		return n
+	}
+	return 100
+}
+
+// procUsage is a process's descriptors and resident memory.
+func procUsage(t *testing.T, pid int) (fds, rssKiB int) {
+	t.Helper()
+	entries, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			fmt.Sscanf(strings.TrimSpace(v), "%d", &rssKiB)
+		}
+	}
+	return len(entries), rssKiB
+}
+
+// keeperGoroutines is the goroutine count of the keeper's last restart line.
+func keeperGoroutines(k *Proc) int {
+	lines := strings.Split(grepLines(k.Output(), "keeperGoroutines="), "\n")
+	_, v, _ := strings.Cut(lines[len(lines)-1], "keeperGoroutines=")
+	n, _ := strconv.Atoi(strings.Fields(v + " ")[0])
+	return n
+}
+
+// 100 crashes in a row (kill -9 of each worker once it serves) under 40 new
+// connections a second: nothing refused or cut but what a dead worker had
+// begun; the keeper is the same process throughout, and its descriptors,
+// goroutines and memory are the same after the last crash as after the
+// first.
+func TestKeeperManyCrashes(t *testing.T) {
+	h := newHandoverLab(t)
+	k := h.keeper()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	ld := startLoad(h.Lab, "10.96.0.10:80")
+	var crashedAt []time.Time
+	var firstFDs, firstRSS, firstGoroutines int
+	worker := workerOf(t, k, 0)
+	n := crashes()
+	for i := 1; i <= n; i++ {
+		waitFor(t, "the worker serving", func() bool { return countIn(k, "Took over: the predecessor serves nothing more") == i-1 })
+		crashedAt = append(crashedAt, time.Now())
+		_ = syscall.Kill(worker, syscall.SIGKILL)
+		worker = workerOf(t, k, worker)
+		if i == 1 {
+			waitFor(t, "the first restart", func() bool { return countIn(k, "The worker died") == 1 })
+			firstFDs, firstRSS = procUsage(t, k.Cmd.Process.Pid)
+			firstGoroutines = keeperGoroutines(k)
+		}
+	}
+	waitFor(t, "the last worker serving", func() bool { return countIn(k, "Took over: the predecessor serves nothing more") == n })
+	ld.end()
+	crashFails(t, ld, crashedAt)
+	fds, rss := procUsage(t, k.Cmd.Process.Pid)
+	goroutines := keeperGoroutines(k)
+	t.Logf("%d crashes; the keeper after the first: %d descriptors, %d goroutines, %d KiB; after the last: %d, %d, %d KiB",
+		n, firstFDs, firstGoroutines, firstRSS, fds, goroutines, rss)
+	if fds > firstFDs+2 || goroutines > firstGoroutines+2 {
+		t.Errorf("the keeper grew: descriptors %d → %d, goroutines %d → %d", firstFDs, fds, firstGoroutines, goroutines)
+	}
+	if rss > firstRSS*3/2+4<<10 {
+		t.Errorf("the keeper's memory grew from %d KiB to %d KiB", firstRSS, rss)
+	}
+	if k.Cmd.ProcessState != nil {
+		t.Error("the keeper ended")
+	}
+}
+
+// The keeper killed with -9 (in the DaemonSet that ends the container):
+// the worker serves on until it is stopped; stopped, the rules stay and
+// the next start serves, as a restart without a keeper does.
+func TestKeeperKilled(t *testing.T) {
+	h := newHandoverLab(t)
+	k := h.keeper()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	worker := workerOf(t, k, 0)
+	_ = k.Cmd.Process.Kill()
+	_ = k.Cmd.Wait()
+	for i := range 10 {
+		if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod") {
+			t.Fatalf("request %d with the keeper gone: %q", i, got)
+		}
+	}
+	_ = syscall.Kill(worker, syscall.SIGTERM)
+	waitFor(t, "the worker's end", func() bool { return syscall.Kill(worker, 0) != nil })
+	next := h.daemon()
+	testutil.WaitFor(t, "serving after the next start", 3*time.Second, 20*time.Millisecond, func() bool {
+		return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod")
+	})
+	_ = next
+}
+
+// A handover between two keepers' workers (a DaemonSet's rollout: the new
+// pod beside the old): the new worker takes over from the old one, the
+// old keeper lets its sockets go and, stopped, ends with its worker
+// without starting another; a crash of the new worker is then its own
+// keeper's to mend. A held connection survives both.
+func TestKeeperHandover(t *testing.T) {
+	h := newHandoverLab(t)
+	oldK := h.keeper()
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	held := dialKeepAlive(t, h.Lab, "10.96.0.10:80")
+	ld := startLoad(h.Lab, "10.96.0.10:80")
+	newK := h.keeper()
+	waitFor(t, "the new worker serving", func() bool { return countIn(newK, "Took over: the predecessor serves nothing more") == 1 })
+	_ = oldK.Cmd.Process.Signal(syscall.SIGTERM)
+	if err := oldK.Cmd.Wait(); err != nil {
+		t.Errorf("the old keeper on SIGTERM: %v", err)
+	}
+	if strings.Contains(oldK.Output(), "The worker died") {
+		t.Errorf("the old keeper took its worker's end for a crash:\n%s", grepLines(oldK.Output(), "worker"))
+	}
+	if pod, err := held.get(); err != nil || !strings.HasPrefix(pod, "pod") {
+		t.Fatalf("the held connection after the handover: %q %v", pod, err)
+	}
+	crashedAt := time.Now()
+	_ = syscall.Kill(workerOf(t, newK, 0), syscall.SIGKILL)
+	waitFor(t, "the new keeper's restart", func() bool { return countIn(newK, "Took over: the predecessor serves nothing more") == 2 })
+	time.Sleep(300 * time.Millisecond)
+	ld.end()
+	crashFails(t, ld, []time.Time{crashedAt})
+}
