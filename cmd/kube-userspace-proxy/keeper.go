@@ -34,6 +34,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 )
 
@@ -49,6 +50,60 @@ const (
 	restartFirst = 100 * time.Millisecond
 	restartMax   = 30 * time.Second
 )
+
+// hangTimeout is how long a worker's sync goroutine may not answer before
+// the keeper kills it (keep --hang-timeout; its heartbeat comes every
+// heartbeatEvery): well before docs/deploy's liveness probe (60 s) would
+// restart the container.
+const (
+	defaultHangTimeout = 30 * time.Second
+	heartbeatEvery     = 2 * time.Second
+)
+
+// keeperArgs splits keep's own flags (--hang-timeout D, then an optional
+// --) from the daemon's.
+func keeperArgs(args []string) (hang time.Duration, daemon []string, err error) {
+	hang = defaultHangTimeout
+	for len(args) > 0 {
+		a := args[0]
+		switch {
+		case a == "--":
+			return hang, args[1:], nil
+		case a == "--hang-timeout" && len(args) > 1:
+			a, args = "--hang-timeout="+args[1], args[1:]
+			fallthrough
+		case strings.HasPrefix(a, "--hang-timeout="):
+			hang, err = time.ParseDuration(strings.TrimPrefix(a, "--hang-timeout="))
+			if err != nil || hang < 3*heartbeatEvery {
+				return 0, nil, fmt.Errorf("keep --hang-timeout %q: a duration of at least %v", strings.TrimPrefix(a, "--hang-timeout="), 3*heartbeatEvery)
+			}
+			args = args[1:]
+		default:
+			return hang, args, nil
+		}
+	}
+	return hang, args, nil
+}
+
+// heartbeat tells the keeper every heartbeatEvery that the Proxier's sync
+// goroutine answers, until ctx ends.
+func heartbeat(ctx context.Context, p *proxy.Proxier, k *handover.KeeperLink) {
+	t := time.NewTicker(heartbeatEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		cctx, cancel := context.WithTimeout(ctx, 10*heartbeatEvery)
+		err := p.Answers(cctx)
+		cancel()
+		if err == nil {
+			_ = k.Alive()
+		}
+	}
+}
 
 // workerEnd is how a worker ended.
 type workerEnd struct {
@@ -89,6 +144,11 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 	log.SetOutput(stderr)
 	log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true})
 	l := log.WithField("component", "keeper")
+	hang, args, err := keeperArgs(args)
+	if err != nil {
+		fmt.Fprintf(stderr, "kube-userspace-proxy: %v\n", err)
+		return exitUsage
+	}
 	exe, err := os.Executable()
 	if err != nil {
 		l.WithError(err).Error("Cannot find this binary to run the worker")
@@ -108,7 +168,7 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 	defer k.Close()
 	delay := time.Duration(0)
 	for restarts := 0; ; restarts++ {
-		end, stopping, err := runWorker(exe, args, filepath.Join(dir, "handover.sock"), k, signals, stdout, stderr, l)
+		end, stopping, err := runWorker(exe, args, filepath.Join(dir, "handover.sock"), k, hang, signals, stdout, stderr, l)
 		if err != nil {
 			l.WithError(err).Error("Cannot start the worker")
 			return exitFailure
@@ -141,7 +201,7 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 // runWorker runs one worker until it ends, offering it the sockets k
 // holds (through the handover exchange on path) and passing signals on;
 // stopping says a signal was passed on.
-func runWorker(exe string, args []string, path string, k *handover.Keeper, signals <-chan os.Signal, stdout, stderr io.Writer, l logrus.FieldLogger) (workerEnd, bool, error) {
+func runWorker(exe string, args []string, path string, k *handover.Keeper, hang time.Duration, signals <-chan os.Signal, stdout, stderr io.Writer, l logrus.FieldLogger) (workerEnd, bool, error) {
 	c, wf, err := handover.WorkerSocket()
 	if err != nil {
 		return workerEnd{}, false, err
@@ -184,13 +244,22 @@ func runWorker(exe string, args []string, path string, k *handover.Keeper, signa
 		copying.Wait() // stderr read to its end before Wait closes the pipe
 		waited <- cmd.Wait()
 	}()
-	stopping := false
+	stopping, hung := false, false
+	watch := time.NewTicker(time.Second)
+	defer watch.Stop()
 	var werr error
 	for done := false; !done; {
 		select {
 		case sig := <-signals:
 			stopping = true
 			_ = cmd.Process.Signal(sig)
+		case now := <-watch.C:
+			if silent := k.Silent(now); !stopping && !hung && silent > hang {
+				hung = true
+				l.WithFields(logrus.Fields{"worker": cmd.Process.Pid, "silent": silent.Round(time.Second).String()}).
+					Error("The worker hangs: its sync goroutine stopped answering; killing it")
+				_ = cmd.Process.Kill()
+			}
 		case werr = <-waited:
 			done = true
 		}
@@ -202,6 +271,9 @@ func runWorker(exe string, args []string, path string, k *handover.Keeper, signa
 	var exitErr *exec.ExitError
 	if werr != nil && !errors.As(werr, &exitErr) {
 		return workerEnd{}, stopping, fmt.Errorf("waiting for the worker: %w", werr)
+	}
+	if hung {
+		panicLine = fmt.Sprintf("hung (no sign of life for %v)", hang)
 	}
 	return workerEnd{state: cmd.ProcessState, panic: panicLine, said: <-saidc, lived: time.Since(start)}, stopping, nil
 }

@@ -14,6 +14,7 @@ package handover
 //	keep {sockets} + descriptors    sockets it opened (a name kept again replaces)
 //	drop {names}                    sockets it closed
 //	serving                         its first sync is done
+//	alive                           its sync goroutine answers (every few seconds)
 //	handed-over                     a successor took over: do not restart it
 //
 // Who owns what: the keeper's Receive goroutine changes what it holds, the
@@ -29,6 +30,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -99,6 +101,9 @@ func (k *KeeperLink) Drop(names []string) error {
 // Serving tells the keeper that the worker serves (its first sync done).
 func (k *KeeperLink) Serving() error { return k.say("serving") }
 
+// Alive tells the keeper that the worker's sync goroutine answers.
+func (k *KeeperLink) Alive() error { return k.say("alive") }
+
 // HandedOver tells the keeper that a successor took over: the worker's
 // end is no crash.
 func (k *KeeperLink) HandedOver() error { return k.say("handed-over") }
@@ -117,6 +122,10 @@ func (k *KeeperLink) Close() error { return k.c.Close() }
 type Keeper struct {
 	mu    sync.Mutex
 	socks map[string]Socket // File set: the keeper's own duplicate
+	// The current worker's last "alive" (unix ns; 0: none yet) and
+	// whether it was handed over, for the keeper's watch of a hung worker.
+	alive      atomic.Int64
+	handedOver atomic.Bool
 }
 
 // NewKeeper holds nothing yet.
@@ -131,6 +140,8 @@ type WorkerSaid struct {
 // exited or closed it).
 func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 	var said WorkerSaid
+	k.alive.Store(0)
+	k.handedOver.Store(false)
 	for {
 		m, files, err := receive(c)
 		if err != nil {
@@ -163,13 +174,26 @@ func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 			k.mu.Unlock()
 		case "serving":
 			said.Serving = true
+		case "alive":
+			k.alive.Store(time.Now().UnixNano())
 		case "handed-over":
 			said.HandedOver = true
+			k.handedOver.Store(true)
 			k.closeAll()
 		default:
 			closeAll(files)
 		}
 	}
+}
+
+// Silent is how long the current worker has not said it is alive: 0
+// before it first did, and once it was handed over (its end is no crash).
+func (k *Keeper) Silent(now time.Time) time.Duration {
+	at := k.alive.Load()
+	if at == 0 || k.handedOver.Load() {
+		return 0
+	}
+	return now.Sub(time.Unix(0, at))
 }
 
 // Held is how many sockets the keeper holds.

@@ -15,11 +15,12 @@ import (
 
 // keeper runs the daemon of h under its keeper (kube-userspace-proxy
 // keep), from the build that crashes on demand.
-func (h *handoverLab) keeper() *Proc {
+func (h *handoverLab) keeper(keepFlags ...string) *Proc {
 	h.t.Helper()
 	h.AdminSocket = filepath.Join(h.t.TempDir(), "admin.sock")
-	p := h.Start("node", append([]string{filepath.Join(binDir, "kube-userspace-proxy-crashtest"), "keep", "--log-level", "debug",
-		"--admin-socket", h.AdminSocket, "--handover-socket", h.socket}, h.args...)...)
+	args := append(append([]string{filepath.Join(binDir, "kube-userspace-proxy-crashtest"), "keep"}, keepFlags...),
+		"--log-level", "debug", "--admin-socket", h.AdminSocket, "--handover-socket", h.socket)
+	p := h.Start("node", append(args, h.args...)...)
 	h.t.Cleanup(func() {
 		if h.t.Failed() {
 			h.t.Logf("the keeper's log:\n%s", tail(p.Output(), 6000))
@@ -286,4 +287,29 @@ func TestKeeperHandover(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	ld.end()
 	crashFails(t, ld, []time.Time{crashedAt})
+}
+
+// A worker that hangs (stopped: its sync goroutine answers nothing) is
+// killed by its keeper once it has been silent for --hang-timeout, well
+// before a liveness probe would restart the container, and replaced on
+// the sockets kept.
+func TestKeeperKillsAHungWorker(t *testing.T) {
+	h := newHandoverLab(t)
+	k := h.keeper("--hang-timeout", "6s", "--")
+	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	worker := workerOf(t, k, 0)
+	time.Sleep(3 * time.Second) // its first heartbeats: the watch is armed
+	stoppedAt := time.Now()
+	_ = syscall.Kill(worker, syscall.SIGSTOP)
+	testutil.WaitFor(t, "the keeper's verdict", 20*time.Second, 50*time.Millisecond, func() bool {
+		return strings.Contains(k.Output(), "The worker hangs")
+	})
+	waitFor(t, "the next worker serving", func() bool { return countIn(k, "Took over: the predecessor serves nothing more") == 1 })
+	if line := grepLines(k.Output(), "The worker died"); !strings.Contains(line, "hung (no sign of life for 6s)") {
+		t.Errorf("the restart does not name the hang: %s", line)
+	}
+	t.Logf("stopped worker replaced %v after it stopped", time.Since(stoppedAt).Round(time.Millisecond))
+	if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod") {
+		t.Fatalf("after the hung worker was replaced: %q", got)
+	}
 }
