@@ -44,17 +44,16 @@ type predecessor struct {
 // to replace). A running daemon that serves the node otherwise than
 // profile says this one would is an error: this one must not start.
 func takeOver(ctx context.Context, path string, profile handover.Profile, log logrus.FieldLogger) (*predecessor, string, error) {
-	from := path
-	if kept := os.Getenv(handover.EnvKeeperHandover); kept != "" {
-		// Restarted by our keeper after a crash: it holds our sockets.
-		from = kept
-		log.WithField("socket", kept).Info("Restarted by the keeper: taking back the sockets it kept")
-	}
-	if from == "" {
-		return nil, "", nil
-	}
 	start := time.Now()
-	p, err := handover.Take(ctx, from, profile)
+	// Restarted by our keeper after a crash: it holds our sockets.
+	p, err := handover.KeptFromEnv(ctx, profile)
+	if p != nil || err != nil {
+		log.Info("Restarted by the keeper: taking back the sockets it kept")
+	} else if path == "" {
+		return nil, "", nil
+	} else {
+		p, err = handover.Take(ctx, path, profile)
+	}
 	var mismatch *handover.MismatchError
 	switch {
 	case errors.As(err, &mismatch):

@@ -22,11 +22,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
-	"path/filepath"
 	"runtime"
+	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -154,12 +156,11 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 		l.WithError(err).Error("Cannot find this binary to run the worker")
 		return exitFailure
 	}
-	dir, err := os.MkdirTemp("", "kube-userspace-proxy-keeper")
-	if err != nil {
-		l.WithError(err).Error("Cannot make the keeper's folder")
-		return exitFailure
+	// The OOM killer is to pick the worker: the keeper below it where it
+	// may lower its score, else equal, and the worker the larger process.
+	if err := os.WriteFile("/proc/self/oom_score_adj", []byte("-1000"), 0o644); err != nil {
+		l.WithError(err).Debug("The keeper's oom_score_adj stays (lowering it needs CAP_SYS_RESOURCE): the OOM killer picks the larger process, the worker")
 	}
-	defer os.RemoveAll(dir)
 	signals := make(chan os.Signal, 2)
 	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
 	defer signal.Stop(signals)
@@ -168,7 +169,7 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 	defer k.Close()
 	delay := time.Duration(0)
 	for restarts := 0; ; restarts++ {
-		end, stopping, err := runWorker(exe, args, filepath.Join(dir, "handover.sock"), k, hang, signals, stdout, stderr, l)
+		end, stopping, err := runWorker(exe, args, k, hang, signals, stdout, stderr, l)
 		if err != nil {
 			l.WithError(err).Error("Cannot start the worker")
 			return exitFailure
@@ -189,6 +190,7 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 		l.WithFields(logrus.Fields{"worker": end.state.Pid(), "cause": end.cause(), "lived": end.lived.Round(time.Millisecond).String(),
 			"sockets": k.Held(), "restarts": restarts + 1, "in": delay.String(), "keeperFDs": len(fds), "keeperGoroutines": runtime.NumGoroutine()}).
 			Error("The worker died; starting another on the sockets kept")
+		reapOrphans()
 		select {
 		case <-time.After(delay):
 		case sig := <-signals:
@@ -199,9 +201,10 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 }
 
 // runWorker runs one worker until it ends, offering it the sockets k
-// holds (through the handover exchange on path) and passing signals on;
+// holds (through the handover exchange on a socket pair of its own) and
+// passing signals on;
 // stopping says a signal was passed on.
-func runWorker(exe string, args []string, path string, k *handover.Keeper, hang time.Duration, signals <-chan os.Signal, stdout, stderr io.Writer, l logrus.FieldLogger) (workerEnd, bool, error) {
+func runWorker(exe string, args []string, k *handover.Keeper, hang time.Duration, signals <-chan os.Signal, stdout, stderr io.Writer, l logrus.FieldLogger) (workerEnd, bool, error) {
 	c, wf, err := handover.WorkerSocket()
 	if err != nil {
 		return workerEnd{}, false, err
@@ -212,36 +215,56 @@ func runWorker(exe string, args []string, path string, k *handover.Keeper, hang 
 	cmd.Env = append(os.Environ(), handover.EnvKeeperFD+"=3")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var offered <-chan struct{}
+	closeWorkerEnds := func() {
+		for _, f := range cmd.ExtraFiles {
+			f.Close()
+		}
+	}
+	// The worker's crash output (a panic, a fatal error) comes here too
+	// (debug.SetCrashOutput), for the log of its cause; its stderr is
+	// ours, shared, not a pipe through us, so that it can write on when
+	// the keeper is gone.
+	crash, cw, err := os.Pipe()
+	if err != nil {
+		closeWorkerEnds()
+		return workerEnd{}, false, err
+	}
+	cmd.ExtraFiles = append(cmd.ExtraFiles, cw) // descriptor 4
+	cmd.Env = append(cmd.Env, envKeeperCrashFD+"=4")
+	var offer *net.UnixConn
 	if k.Held() > 0 {
-		ln, err := handover.Listen(path)
-		if err != nil {
-			wf.Close()
+		var of *os.File
+		if offer, of, err = handover.WorkerSocket(); err != nil {
+			closeWorkerEnds()
+			crash.Close()
 			return workerEnd{}, false, err
 		}
-		cmd.Env = append(cmd.Env, handover.EnvKeeperHandover+"="+path)
-		offered = handover.Serve(ctx, ln, k, nil, l)
+		cmd.ExtraFiles = append(cmd.ExtraFiles, of) // descriptor 5
+		cmd.Env = append(cmd.Env, handover.EnvKeeperHandover+"=5")
 	}
-	cmd.Stdout = stdout
-	errPipe, err := cmd.StderrPipe()
-	if err != nil {
-		wf.Close()
-		return workerEnd{}, false, err
-	}
+	cmd.Stdout, cmd.Stderr = stdout, stderr
 	start := time.Now()
 	err = cmd.Start()
-	wf.Close()
+	closeWorkerEnds() // the worker's now: its end closes with it
 	if err != nil {
+		if offer != nil {
+			offer.Close()
+		}
+		crash.Close()
 		return workerEnd{}, false, err
+	}
+	var offered sync.WaitGroup
+	if offer != nil {
+		offered.Go(func() { handover.GiveTo(ctx, offer, k, l) })
 	}
 	var copying sync.WaitGroup
 	var panicLine string
-	copying.Go(func() { panicLine = passOn(errPipe, stderr) })
+	copying.Go(func() { panicLine = crashLine(crash); crash.Close() })
 	saidc := make(chan handover.WorkerSaid, 1)
 	copying.Go(func() { saidc <- k.Receive(c) })
 	waited := make(chan error, 1)
 	go func() {
-		copying.Wait() // stderr read to its end before Wait closes the pipe
+		copying.Wait() // the crash output and the link read to their end
 		waited <- cmd.Wait()
 	}()
 	stopping, hung := false, false
@@ -265,9 +288,7 @@ func runWorker(exe string, args []string, path string, k *handover.Keeper, hang 
 		}
 	}
 	cancel()
-	if offered != nil {
-		<-offered
-	}
+	offered.Wait()
 	var exitErr *exec.ExitError
 	if werr != nil && !errors.As(werr, &exitErr) {
 		return workerEnd{}, stopping, fmt.Errorf("waiting for the worker: %w", werr)
@@ -278,21 +299,54 @@ func runWorker(exe string, args []string, path string, k *handover.Keeper, hang 
 	return workerEnd{state: cmd.ProcessState, panic: panicLine, said: <-saidc, lived: time.Since(start)}, stopping, nil
 }
 
-// passOn copies the worker's stderr to the keeper's, line by line, and
-// returns the first line of a Go panic or fatal runtime error in it.
-func passOn(r io.Reader, w io.Writer) string {
-	var first string
-	br := bufio.NewReaderSize(r, 64<<10)
+// reapOrphans waits for the exited processes that were the dead worker's
+// children (iptables-restore, say) and came to the keeper, the container's
+// first process: between workers, so that no worker's own end is taken.
+func reapOrphans() {
 	for {
-		line, err := br.ReadString('\n')
-		if len(line) > 0 {
-			_, _ = io.WriteString(w, line)
-			if first == "" && (strings.HasPrefix(line, "panic: ") || strings.HasPrefix(line, "fatal error: ")) {
-				first = strings.TrimSpace(line)
-			}
-		}
-		if err != nil {
-			return first
+		var ws syscall.WaitStatus
+		if pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+			return
 		}
 	}
+}
+
+// crashLine reads the worker's crash output to its end and returns the
+// first line of a Go panic or fatal runtime error in it.
+func crashLine(r io.Reader) string {
+	var first string
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if first == "" && (strings.HasPrefix(line, "panic: ") || strings.HasPrefix(line, "fatal error: ")) {
+			first = strings.TrimSpace(line)
+		}
+	}
+	_, _ = io.Copy(io.Discard, r) // past a line too long for the scanner
+	return first
+}
+
+// envKeeperCrashFD is the descriptor number of the pipe a kept worker
+// writes its crash output to, besides its stderr.
+const envKeeperCrashFD = "KUP_KEEPER_CRASH_FD"
+
+// keepCrashOutput sends this process's crash output to its keeper too,
+// when one runs it.
+func keepCrashOutput(log logrus.FieldLogger) {
+	v := os.Getenv(envKeeperCrashFD)
+	if v == "" {
+		return
+	}
+	os.Unsetenv(envKeeperCrashFD)
+	fd, err := strconv.Atoi(v)
+	if err != nil || fd < 3 {
+		log.WithField("value", v).Warn("$" + envKeeperCrashFD + " is not a descriptor number: the keeper will not see a panic's line")
+		return
+	}
+	f := os.NewFile(uintptr(fd), "keeper crash output")
+	if err := debug.SetCrashOutput(f, debug.CrashOptions{}); err != nil {
+		log.WithError(err).Warn("The keeper will not see a panic's line")
+	}
+	f.Close() // SetCrashOutput keeps a duplicate
 }

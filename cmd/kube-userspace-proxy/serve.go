@@ -44,6 +44,7 @@ const guardTimeout = 60 * time.Second
 const httpBindRetry = 5 * time.Second
 
 func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer) error {
+	keepCrashOutput(log) // a panic from here on is named in the keeper's log
 	node := o.nodeName()
 	switch {
 	case o.cleanup:

@@ -225,6 +225,13 @@ func Serve(ctx context.Context, ln *net.UnixListener, g Giver, own Profile, log 
 	return done
 }
 
+// GiveTo serves the exchange to one worker of a keeper on c, a connection
+// made otherwise (keeper.go), and reports whether it took the sockets;
+// c is closed.
+func GiveTo(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogger) bool {
+	return give(ctx, c, g, nil, log)
+}
+
 // give serves one successor on c and reports whether it took over.
 func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus.FieldLogger) bool {
 	defer c.Close()
@@ -434,7 +441,16 @@ func Take(ctx context.Context, path string, profile Profile) (*Predecessor, erro
 	if err != nil {
 		return nil, fmt.Errorf("handover socket %s: %w", path, err)
 	}
-	c := nc.(*net.UnixConn)
+	return TakeFrom(ctx, nc.(*net.UnixConn), profile)
+}
+
+// TakeFrom is Take on c, a connection to the giver made otherwise (a
+// keeper's socket pair, keeper.go); c is the Predecessor's, or closed.
+func TakeFrom(ctx context.Context, c *net.UnixConn, profile Profile) (*Predecessor, error) {
+	path := "of the keeper"
+	if a := c.RemoteAddr(); a != nil && a.String() != "" {
+		path = a.String()
+	}
 	p := &Predecessor{c: c}
 	ok := false
 	defer func() {

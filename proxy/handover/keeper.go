@@ -9,7 +9,8 @@ package handover
 //
 // The worker tells its keeper over an inherited unix socket
 // (SOCK_SEQPACKET, its descriptor number in $KUP_KEEPER_FD), one JSON
-// message per record, never answered:
+// message per record, never answered (the keeper gives sockets back on
+// another, $KUP_KEEPER_HANDOVER_FD, with the exchange of handover.go):
 //
 //	keep {sockets} + descriptors    sockets it opened (a name kept again replaces)
 //	drop {names}                    sockets it closed
@@ -41,9 +42,10 @@ const (
 	// EnvKeeperFD is the descriptor number of the worker's end of the
 	// keeper's socket.
 	EnvKeeperFD = "KUP_KEEPER_FD"
-	// EnvKeeperHandover is the path of the keeper's handover socket,
-	// set when the keeper holds sockets for the worker to take.
-	EnvKeeperHandover = "KUP_KEEPER_HANDOVER"
+	// EnvKeeperHandover is the descriptor number of the worker's end of
+	// a socket on which the keeper gives it the sockets it holds (the
+	// exchange of handover.go), set when it holds any.
+	EnvKeeperHandover = "KUP_KEEPER_HANDOVER_FD"
 )
 
 // keeperWriteTimeout bounds one message to the keeper: a keeper that does
@@ -58,16 +60,38 @@ type KeeperLink struct {
 // KeeperFromEnv is the link to the keeper that runs this process, or nil
 // when none does.
 func KeeperFromEnv() (*KeeperLink, error) {
-	v := os.Getenv(EnvKeeperFD)
+	c, err := inheritedConn(EnvKeeperFD)
+	if c == nil || err != nil {
+		return nil, err
+	}
+	return &KeeperLink{c: c}, nil
+}
+
+// KeptFromEnv takes back the sockets the keeper that runs this process
+// holds for it (a restart after a crash), or returns nil, nil when it
+// holds none.
+func KeptFromEnv(ctx context.Context, profile Profile) (*Predecessor, error) {
+	c, err := inheritedConn(EnvKeeperHandover)
+	if c == nil || err != nil {
+		return nil, err
+	}
+	return TakeFrom(ctx, c, profile)
+}
+
+// inheritedConn is the unix socket whose descriptor number $env names
+// (nil when unset), made close-on-exec.
+func inheritedConn(env string) (*net.UnixConn, error) {
+	v := os.Getenv(env)
 	if v == "" {
 		return nil, nil
 	}
+	os.Unsetenv(env) // once: not for this process's own children
 	fd, err := strconv.Atoi(v)
 	if err != nil || fd < 3 {
-		return nil, fmt.Errorf("$%s=%q: not a descriptor number", EnvKeeperFD, v)
+		return nil, fmt.Errorf("$%s=%q: not a descriptor number", env, v)
 	}
 	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_SEQPACKET {
-		return nil, fmt.Errorf("$%s=%d: not the keeper's socket (type %d, %v)", EnvKeeperFD, fd, t, err)
+		return nil, fmt.Errorf("$%s=%d: not the keeper's socket (type %d, %v)", env, fd, t, err)
 	}
 	unix.CloseOnExec(fd)
 	f := os.NewFile(uintptr(fd), "keeper")
@@ -76,7 +100,7 @@ func KeeperFromEnv() (*KeeperLink, error) {
 	if err != nil {
 		return nil, fmt.Errorf("keeper socket: %w", err)
 	}
-	return &KeeperLink{c: c.(*net.UnixConn)}, nil
+	return c.(*net.UnixConn), nil
 }
 
 // Keep gives the keeper a duplicate of each of socks (opened as sent).

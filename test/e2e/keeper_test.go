@@ -239,7 +239,19 @@ func TestKeeperManyCrashes(t *testing.T) {
 // the next start serves, as a restart without a keeper does.
 func TestKeeperKilled(t *testing.T) {
 	h := newHandoverLab(t)
-	k := h.keeper()
+	// Its output to a file, as a container's goes to the runtime's log
+	// (a pipe through the test would close with the keeper, and the
+	// worker, which writes to it too, would die of SIGPIPE).
+	logFile := filepath.Join(t.TempDir(), "keeper.log")
+	h.AdminSocket = filepath.Join(t.TempDir(), "admin.sock")
+	k := h.Start("node", append([]string{"sh", "-c", `exec "$0" "$@" >>` + logFile + ` 2>&1`, filepath.Join(binDir, "kube-userspace-proxy-crashtest"), "keep",
+		"--admin-socket", h.AdminSocket, "--handover-socket", h.socket}, h.args...)...)
+	t.Cleanup(func() {
+		if t.Failed() {
+			b, _ := os.ReadFile(logFile)
+			t.Logf("the keeper's and its worker's log:\n%s", tail(string(b), 6000))
+		}
+	})
 	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
 	worker := workerOf(t, k, 0)
 	_ = k.Cmd.Process.Kill()
@@ -248,6 +260,17 @@ func TestKeeperKilled(t *testing.T) {
 		if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod") {
 			t.Fatalf("request %d with the keeper gone: %q", i, got)
 		}
+	}
+	// It logs on (its stderr is not a pipe through the keeper) and syncs:
+	// a Service added is served.
+	base, err := os.ReadFile(h.manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeManifest(t, h.manifest, string(base)+localService())
+	waitFor(t, "the Service added with the keeper gone", func() bool { return strings.HasPrefix(h.Curl("ext", "http://203.0.113.13/"), "pod") })
+	if err := syscall.Kill(worker, 0); err != nil {
+		t.Fatalf("the worker is gone: %v", err)
 	}
 	_ = syscall.Kill(worker, syscall.SIGTERM)
 	waitFor(t, "the worker's end", func() bool { return syscall.Kill(worker, 0) != nil })
