@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test vet fmt-check clean conformance conformance-short bench-programming bench-handover cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -56,6 +56,12 @@ bench-programming: build
 bench-handover: build
 	$(GO) build -o $(BIN)/handoverbench ./test/bench/handoverbench
 	$(BIN)/handoverbench -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -c 5000,4000 -runs 3
+
+# kill -9 of the serving process of a daemon run under its keeper, at 1 000
+# and 10 000 service ports under a prober's new connection every millisecond.
+bench-crash: build
+	$(GO) build -o $(BIN)/handoverbench ./test/bench/handoverbench
+	$(BIN)/handoverbench -crash -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -c 1000,1000 -runs 3
 
 # A real control plane on loopback to try the daemon against (first run builds it, ~10 minutes).
 cluster: build

@@ -45,6 +45,7 @@ func main() {
 	conns := flag.String("c", "5000", "live connections per size (comma-separated, one per size or one for all)")
 	daemon := flag.String("daemon", "bin/kube-userspace-proxy", "the daemon binary")
 	runs := flag.Int("runs", 3, "runs per size; the median is reported, with the range")
+	crash := flag.Bool("crash", false, "instead of a handover, kill -9 the serving process of a daemon run under its keeper (kube-userspace-proxy keep) and measure its restart")
 	inner := flag.Bool("inner", false, "internal: already inside the namespace")
 	flag.StringVar(&pods, "pods", "", "internal: the pods' namespaces' prefix")
 	flag.Parse()
@@ -59,8 +60,13 @@ func main() {
 	}
 	ns := strings.Split(*sizes, ",")
 	cs := strings.Split(*conns, ",")
-	fmt.Println("| service ports | live connections (backend sees the client / the node) | successor start → serving | connections moved in | accept pause (slowest connect during − median before) | connections failed |")
-	fmt.Println("|---:|---:|---:|---:|---:|---:|")
+	if *crash {
+		fmt.Println("| service ports | live connections (cut by the crash) | kill -9 → serving | a fresh start → serving | longest wait of a new connection (− median before) | new connections refused | cut |")
+		fmt.Println("|---:|---:|---:|---:|---:|---:|---:|")
+	} else {
+		fmt.Println("| service ports | live connections (backend sees the client / the node) | successor start → serving | connections moved in | accept pause (slowest connect during − median before) | connections failed |")
+		fmt.Println("|---:|---:|---:|---:|---:|---:|")
+	}
 	for i, f := range ns {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil {
@@ -72,19 +78,39 @@ func main() {
 		}
 		var all []result
 		for r := 0; r < *runs; r++ {
-			res, err := measure(*daemon, n, c)
+			measureRun := measure
+			if *crash {
+				measureRun = measureCrash
+			}
+			res, err := measureRun(*daemon, n, c)
 			if err != nil {
 				fatal(err)
 			}
-			fmt.Fprintf(os.Stderr, "n=%d c=%d (%d seeing the client, %d the node) run %d: serving after %v, connections moved in %v, pause %v (median connect %v), %d failed\n",
-				n, c, res.seesClient, res.seesNode, r+1, res.serving, res.moved, res.pause, res.median, res.failed)
+			if *crash {
+				fmt.Fprintf(os.Stderr, "n=%d c=%d run %d: serving %v after kill -9 (a fresh start %v), longest wait %v (median connect %v), %d refused, %d failed, %d live cut\n",
+					n, c, r+1, res.serving, res.fresh, res.pause, res.median, res.refused, res.failed, res.cutLive)
+			} else {
+				fmt.Fprintf(os.Stderr, "n=%d c=%d (%d seeing the client, %d the node) run %d: serving after %v, connections moved in %v, pause %v (median connect %v), %d failed\n",
+					n, c, res.seesClient, res.seesNode, r+1, res.serving, res.moved, res.pause, res.median, res.failed)
+			}
 			all = append(all, res)
+		}
+		worst := func(f func(r result) int) int {
+			return f(slices.MaxFunc(all, func(a, b result) int { return f(a) - f(b) }))
+		}
+		if *crash {
+			fmt.Printf("| %d | %d (%d) | %s | %s | %s | %d | %d |\n", n, c, worst(func(r result) int { return r.cutLive }),
+				spread(all, func(r result) time.Duration { return r.serving }),
+				spread(all, func(r result) time.Duration { return r.fresh }),
+				spread(all, func(r result) time.Duration { return r.pause }),
+				worst(func(r result) int { return r.refused }), worst(func(r result) int { return r.failed - r.refused }))
+			continue
 		}
 		fmt.Printf("| %d | %d (%d / %d) | %s | %s | %s | %d |\n", n, c, all[0].seesClient, all[0].seesNode,
 			spread(all, func(r result) time.Duration { return r.serving }),
 			spread(all, func(r result) time.Duration { return r.moved }),
 			spread(all, func(r result) time.Duration { return r.pause }),
-			slices.MaxFunc(all, func(a, b result) int { return a.failed - b.failed }).failed)
+			worst(func(r result) int { return r.failed }))
 	}
 }
 
@@ -94,6 +120,10 @@ type result struct {
 	// The live connections whose backend saw the client pod, and the
 	// node.
 	seesClient, seesNode int
+	// -crash: a fresh start's time to serve, the probes refused (of
+	// failed), the live connections cut.
+	fresh            time.Duration
+	refused, cutLive int
 }
 
 func spread(rs []result, f func(result) time.Duration) string {
@@ -299,11 +329,15 @@ func (p *proc) has(s string) bool {
 	return strings.Contains(p.log.String(), s)
 }
 
-func start(daemon, dir string, port int) (*proc, error) {
+func start(daemon, dir string, port int, keep bool) (*proc, error) {
 	p := &proc{}
-	p.cmd = exec.Command(daemon, "--manifests", filepath.Join(dir, "m.yaml"), "--min-sync-period", "0",
+	var args []string
+	if keep {
+		args = []string{"keep"}
+	}
+	p.cmd = exec.Command(daemon, append(args, "--manifests", filepath.Join(dir, "m.yaml"), "--min-sync-period", "0",
 		"--handover-socket", filepath.Join(dir, "run", "handover.sock"), "--admin-socket", filepath.Join(dir, fmt.Sprintf("admin-%d.sock", port)),
-		"--shutdown-grace", "1s", "--tcp-idle-timeout", "0", "--cluster-cidr", clusterCIDR, "--proxy-port-range", proxyPortRange)
+		"--shutdown-grace", "1s", "--tcp-idle-timeout", "0", "--cluster-cidr", clusterCIDR, "--proxy-port-range", proxyPortRange)...)
 	p.cmd.Stdout, p.cmd.Stderr = p, p
 	return p, p.cmd.Start()
 }
@@ -355,7 +389,7 @@ func measure(daemon string, n, c int) (result, error) {
 		return res, err
 	}
 	defer echo.ln.Close()
-	old, err := start(daemon, dir, 1)
+	old, err := start(daemon, dir, 1, false)
 	if err != nil {
 		return res, err
 	}
@@ -388,7 +422,7 @@ func measure(daemon string, n, c int) (result, error) {
 	pr := startProber(clusterIP(n/2+1) + ":80") // a Service whose backend sees the client
 	time.Sleep(time.Second)                     // the prober's baseline
 	t0 := time.Now()
-	next, err := start(daemon, dir, 2)
+	next, err := start(daemon, dir, 2, false)
 	if err != nil {
 		pr.stop()
 		return res, err
@@ -412,6 +446,98 @@ func measure(daemon string, n, c int) (result, error) {
 		}
 	}
 	return res, nil
+}
+
+// measureCrash is measure's -crash: a daemon serving n service ports under
+// its keeper, c live connections, and its serving process killed with -9
+// while the prober opens a connection every millisecond.
+func measureCrash(daemon string, n, c int) (result, error) {
+	var res result
+	dir, err := os.MkdirTemp("", "handoverbench")
+	if err != nil {
+		return res, err
+	}
+	defer os.RemoveAll(dir)
+	if err := os.WriteFile(filepath.Join(dir, "m.yaml"), []byte(manifests(n)), 0o644); err != nil {
+		return res, err
+	}
+	echo, err := startEcho()
+	if err != nil {
+		return res, err
+	}
+	defer echo.ln.Close()
+	started := time.Now()
+	k, err := start(daemon, dir, 1, true)
+	if err != nil {
+		return res, err
+	}
+	defer k.stop()
+	defer exec.Command(daemon, "--cleanup").Run()
+	reachable := func(i int) bool {
+		conn, err := dialClient(clusterIP(i)+":80", time.Second)
+		if err != nil {
+			return false
+		}
+		defer conn.Close()
+		return exchange(conn) == nil
+	}
+	if err := waitUntil(2*time.Minute, "serving", func() bool { return reachable(n-1) && reachable(0) }); err != nil {
+		return res, err
+	}
+	res.fresh = time.Since(started)
+	live, err := dialLive(n, c)
+	defer func() {
+		for _, l := range live {
+			l.Close()
+		}
+	}()
+	if err != nil {
+		return res, err
+	}
+	worker, err := childOf(k.cmd.Process.Pid)
+	if err != nil {
+		return res, err
+	}
+	pr := startProber(clusterIP(n/2+1) + ":80")
+	time.Sleep(time.Second) // the prober's baseline
+	t0 := time.Now()
+	if err := syscall.Kill(worker, syscall.SIGKILL); err != nil {
+		pr.stop()
+		return res, err
+	}
+	err = waitUntil(2*time.Minute, "the next worker serving", func() bool { return k.has("Took over: the predecessor serves nothing more") })
+	res.serving = time.Since(t0)
+	time.Sleep(time.Second)
+	probes := pr.stop()
+	if err != nil {
+		return res, fmt.Errorf("%w\n%s", err, k.log.String())
+	}
+	tally(&res, probes, t0)
+	for _, p := range probes {
+		if errors.Is(p.err, syscall.ECONNREFUSED) {
+			res.refused++
+		}
+	}
+	for _, l := range live {
+		if exchange(l) != nil {
+			res.cutLive++
+		}
+	}
+	return res, nil
+}
+
+// childOf is the one child of the process pid (a keeper's worker).
+func childOf(pid int) (int, error) {
+	files, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", pid))
+	var kids []string
+	for _, f := range files {
+		b, _ := os.ReadFile(f)
+		kids = append(kids, strings.Fields(string(b))...)
+	}
+	if len(kids) != 1 {
+		return 0, fmt.Errorf("the keeper %d has children %v, want its one worker", pid, kids)
+	}
+	return strconv.Atoi(kids[0])
 }
 
 // dialClient connects from the client pod.
@@ -495,7 +621,7 @@ func tally(res *result, probes []probe, t0 time.Time) {
 		switch {
 		case p.err != nil:
 			if res.failed < 3 {
-				fmt.Fprintf(os.Stderr, "probe at %v (handover at 0): %v\n", p.at.Sub(t0).Round(time.Millisecond), p.err)
+				fmt.Fprintf(os.Stderr, "probe at %v (the handover or kill at 0): %v\n", p.at.Sub(t0).Round(time.Millisecond), p.err)
 			}
 			res.failed++
 		case p.at.Before(t0):
