@@ -120,12 +120,6 @@ func (p *Proxier) Serving() <-chan struct{} { return p.serving }
 // ErrHandedOver is the error of calls after a Release.
 var ErrHandedOver = errors.New("handed over to a successor")
 
-// Answers returns once the sync goroutine has run a call, or ctx's error:
-// a sign of life for a keeper's watch of a hung process.
-func (p *Proxier) Answers(ctx context.Context) error {
-	return p.call(ctx, func() error { return nil })
-}
-
 // call runs fn on the sync goroutine and waits for it.
 func (p *Proxier) call(ctx context.Context, fn func() error) error {
 	done := make(chan error, 1)

@@ -11,6 +11,7 @@ package proxy
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -36,6 +37,7 @@ type keptKey struct {
 // the queue to the sender.
 type keeping struct {
 	kept   map[keptKey]keptSocket
+	picks  map[string]string // each frontend's pick state as last given (KeptPicks)
 	gen    uint64 // the keepDiff that saw a kept socket last
 	queue  chan keepChange
 	failed atomic.Bool // the keeper stopped reading: keeping ends
@@ -55,7 +57,7 @@ type keepChange struct {
 }
 
 func newKeeping() *keeping {
-	return &keeping{kept: map[keptKey]keptSocket{}, queue: make(chan keepChange, 64)}
+	return &keeping{kept: map[keptKey]keptSocket{}, picks: map[string]string{}, queue: make(chan keepChange, 64)}
 }
 
 // keepSockets tells the keeper what this sync opened and closed. On the
@@ -149,4 +151,40 @@ func (r *reconciler) keepDiff(kept map[keptKey]keptSocket, gen uint64) keepChang
 		}
 	}
 	return ch
+}
+
+// KeptPicks returns the frontends' pick states (balancer.go) that changed
+// since its last call, by frontend, a frontend gone as JSON null: what a
+// keeper holds for the next worker after a crash. It runs on the sync
+// goroutine, so it is also the sign of life a keeper watches for.
+func (p *Proxier) KeptPicks(ctx context.Context) (map[string]json.RawMessage, error) {
+	var out map[string]json.RawMessage
+	err := p.call(ctx, func() error {
+		if p.handedOver {
+			return ErrHandedOver
+		}
+		if p.keeping == nil {
+			return nil
+		}
+		out = map[string]json.RawMessage{}
+		now := p.rec.pickStates()
+		for key, st := range now {
+			b, err := json.Marshal(st)
+			if err != nil {
+				return err
+			}
+			if p.keeping.picks[key] != string(b) {
+				p.keeping.picks[key] = string(b)
+				out[key] = b
+			}
+		}
+		for key := range p.keeping.picks {
+			if _, ok := now[key]; !ok {
+				delete(p.keeping.picks, key)
+				out[key] = json.RawMessage("null")
+			}
+		}
+		return nil
+	})
+	return out, err
 }

@@ -88,8 +88,8 @@ func keeperArgs(args []string) (hang time.Duration, daemon []string, err error) 
 }
 
 // heartbeat tells the keeper every heartbeatEvery that the Proxier's sync
-// goroutine answers, until ctx ends.
-func heartbeat(ctx context.Context, p *proxy.Proxier, k *handover.KeeperLink) {
+// goroutine answers, with the pick states changed since, until ctx ends.
+func heartbeat(ctx context.Context, p *proxy.Proxier, k *handover.KeeperLink, log logrus.FieldLogger) {
 	t := time.NewTicker(heartbeatEvery)
 	defer t.Stop()
 	for {
@@ -99,10 +99,16 @@ func heartbeat(ctx context.Context, p *proxy.Proxier, k *handover.KeeperLink) {
 		case <-t.C:
 		}
 		cctx, cancel := context.WithTimeout(ctx, 10*heartbeatEvery)
-		err := p.Answers(cctx)
+		picks, err := p.KeptPicks(cctx)
 		cancel()
-		if err == nil {
-			_ = k.Alive()
+		if err != nil {
+			continue
+		}
+		_ = k.Alive()
+		if len(picks) > 0 {
+			if err := k.Picks(picks); err == nil {
+				log.WithField("frontends", len(picks)).Debug("Gave the keeper the pick states changed")
+			}
 		}
 	}
 }

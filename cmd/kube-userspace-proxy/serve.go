@@ -121,7 +121,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
 	if keeper != nil {
 		beating := make(chan struct{})
-		go func() { defer close(beating); heartbeat(proxierCtx, p, keeper) }()
+		go func() { defer close(beating); heartbeat(proxierCtx, p, keeper, log.WithField("component", "keeper")) }()
 		defer func() { stopProxier(); <-beating }()
 	}
 	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, o.configSync, events, log)

@@ -16,6 +16,7 @@ package handover
 //	drop {names}                    sockets it closed
 //	serving                         its first sync is done
 //	alive                           its sync goroutine answers (every few seconds)
+//	picks {data}                    pick states changed since (JSON: frontend → state, null: gone)
 //	handed-over                     a successor took over: do not restart it
 //
 // Who owns what: the keeper's Receive goroutine changes what it holds, the
@@ -128,6 +129,36 @@ func (k *KeeperLink) Serving() error { return k.say("serving") }
 // Alive tells the keeper that the worker's sync goroutine answers.
 func (k *KeeperLink) Alive() error { return k.say("alive") }
 
+// Picks gives the keeper the pick states that changed (frontend → state,
+// JSON null for a frontend gone), in pieces that fit a message.
+func (k *KeeperLink) Picks(changed map[string]json.RawMessage) error {
+	piece := map[string]json.RawMessage{}
+	size := 0
+	flush := func() error {
+		if len(piece) == 0 {
+			return nil
+		}
+		b, err := json.Marshal(piece)
+		if err != nil {
+			return err
+		}
+		_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
+		clear(piece)
+		size = 0
+		return send(k.c, message{Type: "picks", Data: b}, nil)
+	}
+	for name, st := range changed {
+		if size+len(name)+len(st) > statePiece {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		piece[name] = st
+		size += len(name) + len(st) + 8
+	}
+	return flush()
+}
+
 // HandedOver tells the keeper that a successor took over: the worker's
 // end is no crash.
 func (k *KeeperLink) HandedOver() error { return k.say("handed-over") }
@@ -145,7 +176,8 @@ func (k *KeeperLink) Close() error { return k.c.Close() }
 // again, and what it does not is dropped).
 type Keeper struct {
 	mu    sync.Mutex
-	socks map[string]Socket // File set: the keeper's own duplicate
+	socks map[string]Socket          // File set: the keeper's own duplicate
+	picks map[string]json.RawMessage // each frontend's pick state, as last given
 	// The current worker's last "alive" (unix ns; 0: none yet) and
 	// whether it was handed over, for the keeper's watch of a hung worker.
 	alive      atomic.Int64
@@ -153,7 +185,9 @@ type Keeper struct {
 }
 
 // NewKeeper holds nothing yet.
-func NewKeeper() *Keeper { return &Keeper{socks: map[string]Socket{}} }
+func NewKeeper() *Keeper {
+	return &Keeper{socks: map[string]Socket{}, picks: map[string]json.RawMessage{}}
+}
 
 // WorkerSaid is what a worker said on its socket before it ended.
 type WorkerSaid struct {
@@ -200,6 +234,20 @@ func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 			said.Serving = true
 		case "alive":
 			k.alive.Store(time.Now().UnixNano())
+		case "picks":
+			var changed map[string]json.RawMessage
+			if json.Unmarshal(m.Data, &changed) != nil {
+				continue
+			}
+			k.mu.Lock()
+			for name, st := range changed {
+				if string(st) == "null" {
+					delete(k.picks, name)
+				} else {
+					k.picks[name] = st
+				}
+			}
+			k.mu.Unlock()
 		case "handed-over":
 			said.HandedOver = true
 			k.handedOver.Store(true)
@@ -234,6 +282,7 @@ func (k *Keeper) closeAll() {
 		s.File.Close()
 		delete(k.socks, name)
 	}
+	clear(k.picks)
 }
 
 // Close closes every socket held.
@@ -252,8 +301,16 @@ func (k *Keeper) Lend(context.Context) ([]Socket, error) {
 	return socks, nil
 }
 
-// Freeze: a keeper changes nothing and holds no pick state.
-func (k *Keeper) Freeze(context.Context) (json.RawMessage, error) { return nil, nil }
+// Freeze: a keeper changes nothing; it returns the pick states it holds,
+// as the worker gave them last (a few seconds old at most).
+func (k *Keeper) Freeze(context.Context) (json.RawMessage, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.picks) == 0 {
+		return nil, nil
+	}
+	return json.Marshal(k.picks)
+}
 
 // Thaw: nothing to do.
 func (k *Keeper) Thaw() {}

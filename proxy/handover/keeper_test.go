@@ -2,6 +2,7 @@ package handover
 
 import (
 	"context"
+	"encoding/json"
 	"net"
 	"os"
 	"path/filepath"
@@ -54,6 +55,13 @@ func TestKeeperKeepsAndLends(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := link.Serving(); err != nil {
+		t.Fatal(err)
+	}
+	// Pick states: given, changed, one gone (null).
+	if err := link.Picks(map[string]json.RawMessage{"a": json.RawMessage(`{"n":1}`), "b": json.RawMessage(`{"n":2}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := link.Picks(map[string]json.RawMessage{"a": json.RawMessage(`{"n":3}`), "b": json.RawMessage("null")}); err != nil {
 		t.Fatal(err)
 	}
 	testutil.WaitFor(t, "two sockets held", 5*time.Second, 5*time.Millisecond, func() bool { return k.Held() == 2 })
@@ -109,8 +117,8 @@ func TestKeeperKeepsAndLends(t *testing.T) {
 	} else {
 		c.Close()
 	}
-	if _, err := p.Freeze(ctx); err != nil {
-		t.Fatal(err)
+	if state, err := p.Freeze(ctx); err != nil || string(state) != `{"a":{"n":3}}` {
+		t.Fatalf("the keeper's pick state: %s %v, want the last given", state, err)
 	}
 	if err := p.Serving(ctx); err != nil {
 		t.Fatal(err)
