@@ -38,7 +38,7 @@ type keptKey struct {
 type keeping struct {
 	kept   map[keptKey]keptSocket
 	picks  map[string]string // each frontend's pick state as last given (KeptPicks)
-	gen    uint64 // the keepDiff that saw a kept socket last
+	gen    uint64            // the keepDiff that saw a kept socket last
 	queue  chan keepChange
 	failed atomic.Bool // the keeper stopped reading: keeping ends
 }
