@@ -747,11 +747,28 @@ func TestHandoverKilledMidway(t *testing.T) {
 // back in rotation, the pins made again wherever round-robin stands.
 func TestHandoverKeepsPickState(t *testing.T) {
 	h := newHandoverLab(t)
-	writeManifest(t, h.manifest, webManifest()+stickyManifest+slices("sticky", `{name: http, port: 8080, protocol: TCP}`, false))
+	writeManifest(t, h.manifest, pickStateManifest())
 	first := h.daemon()
+	pinned := setPickState(t, h)
+	second := h.daemon()
+	waitLog(t, second, "Took over: the predecessor serves nothing more")
+	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = first.Cmd.Wait()
+	checkPickState(t, h, pinned, "the handover")
+}
+
+// pickStateManifest is lab/web and lab/sticky (ClientIP affinity).
+func pickStateManifest() string {
+	return webManifest() + stickyManifest + slices("sticky", `{name: http, port: 8080, protocol: TCP}`, false)
+}
+
+// setPickState pins the client's and the node's connections to lab/sticky
+// and drains pod1 of lab/web by hand; it returns the pins.
+func setPickState(t *testing.T, h *handoverLab) (pinned map[string]string) {
+	t.Helper()
 	reachesBoth(t, h.Lab, "client", "http://10.96.0.10:80/")
 	waitFor(t, "the sticky Service", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.20/"), "pod") })
-	pinned := map[string]string{}
+	pinned = map[string]string{}
 	for _, ns := range []string{"client", "node"} {
 		pinned[ns] = strings.Fields(h.Curl(ns, "http://10.96.0.20/"))[0]
 	}
@@ -760,17 +777,20 @@ func TestHandoverKeepsPickState(t *testing.T) {
 	if !strings.Contains(out, `"drained": true`) {
 		t.Fatalf("drain: %s", out)
 	}
-	second := h.daemon()
-	waitLog(t, second, "Took over: the predecessor serves nothing more")
-	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
-	_ = first.Cmd.Wait()
+	return pinned
+}
+
+// checkPickState checks, after what, that setPickState's drain and pins
+// hold.
+func checkPickState(t *testing.T, h *handoverLab, pinned map[string]string, after string) {
+	t.Helper()
 	for i := 0; i < 10; i++ {
 		if got := h.Curl("client", "http://10.96.0.10/"); !strings.HasPrefix(got, "pod2") {
-			t.Fatalf("request %d after the handover reached %q: the drain of pod1 was lost", i, got)
+			t.Fatalf("request %d after %s reached %q: the drain of pod1 was lost", i, after, got)
 		}
 		for ns, pod := range pinned {
 			if got := h.Curl(ns, "http://10.96.0.20/"); !strings.HasPrefix(got, pod) {
-				t.Fatalf("%s, pinned to %s, reached %q after the handover", ns, pod, got)
+				t.Fatalf("%s, pinned to %s, reached %q after %s", ns, pod, got, after)
 			}
 		}
 	}

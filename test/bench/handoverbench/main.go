@@ -376,48 +376,14 @@ func exchange(c net.Conn) error {
 
 func measure(daemon string, n, c int) (result, error) {
 	var res result
-	dir, err := os.MkdirTemp("", "handoverbench")
+	lab, err := serving(daemon, n, c, false)
+	defer lab.close()
 	if err != nil {
 		return res, err
 	}
-	defer os.RemoveAll(dir)
-	if err := os.WriteFile(filepath.Join(dir, "m.yaml"), []byte(manifests(n)), 0o644); err != nil {
-		return res, err
-	}
-	echo, err := startEcho()
-	if err != nil {
-		return res, err
-	}
-	defer echo.ln.Close()
-	old, err := start(daemon, dir, 1, false)
-	if err != nil {
-		return res, err
-	}
-	defer old.stop()
-	defer exec.Command(daemon, "--cleanup").Run()
-	reachable := func(i int) bool {
-		conn, err := dialClient(clusterIP(i)+":80", time.Second)
-		if err != nil {
-			return false
-		}
-		defer conn.Close()
-		return exchange(conn) == nil
-	}
-	if err := waitUntil(2*time.Minute, "serving", func() bool { return reachable(n-1) && reachable(0) }); err != nil {
-		return res, err
-	}
-	echo.client.Store(0)
-	echo.others.Store(0)
-	live, err := dialLive(n, c)
-	res.seesClient, res.seesNode = int(echo.client.Load()), int(echo.others.Load())
-	defer func() {
-		for _, l := range live {
-			l.Close()
-		}
-	}()
-	if err != nil {
-		return res, err
-	}
+	old, live := lab.daemon, lab.live
+	res.seesClient, res.seesNode = lab.seesClient, lab.seesNode
+	dir := lab.dir
 
 	pr := startProber(clusterIP(n/2+1) + ":80") // a Service whose backend sees the client
 	time.Sleep(time.Second)                     // the prober's baseline
@@ -448,31 +414,34 @@ func measure(daemon string, n, c int) (result, error) {
 	return res, nil
 }
 
-// measureCrash is measure's -crash: a daemon serving n service ports under
-// its keeper, c live connections, and its serving process killed with -9
-// while the prober opens a connection every millisecond.
-func measureCrash(daemon string, n, c int) (result, error) {
-	var res result
-	dir, err := os.MkdirTemp("", "handoverbench")
-	if err != nil {
-		return res, err
+// benchLab is a daemon serving n service ports, under its keeper or not,
+// and c live connections through it.
+type benchLab struct {
+	dir                  string
+	echo                 *echoServer
+	daemon               *proc
+	fresh                time.Duration // its start → serving
+	live                 []net.Conn
+	seesClient, seesNode int // the live connections' backends saw the client pod, or the node
+}
+
+// serving starts a benchLab; close it whatever the error.
+func serving(daemon string, n, c int, keep bool) (*benchLab, error) {
+	l := &benchLab{}
+	var err error
+	if l.dir, err = os.MkdirTemp("", "handoverbench"); err != nil {
+		return l, err
 	}
-	defer os.RemoveAll(dir)
-	if err := os.WriteFile(filepath.Join(dir, "m.yaml"), []byte(manifests(n)), 0o644); err != nil {
-		return res, err
+	if err := os.WriteFile(filepath.Join(l.dir, "m.yaml"), []byte(manifests(n)), 0o644); err != nil {
+		return l, err
 	}
-	echo, err := startEcho()
-	if err != nil {
-		return res, err
+	if l.echo, err = startEcho(); err != nil {
+		return l, err
 	}
-	defer echo.ln.Close()
 	started := time.Now()
-	k, err := start(daemon, dir, 1, true)
-	if err != nil {
-		return res, err
+	if l.daemon, err = start(daemon, l.dir, 1, keep); err != nil {
+		return l, err
 	}
-	defer k.stop()
-	defer exec.Command(daemon, "--cleanup").Run()
 	reachable := func(i int) bool {
 		conn, err := dialClient(clusterIP(i)+":80", time.Second)
 		if err != nil {
@@ -482,18 +451,46 @@ func measureCrash(daemon string, n, c int) (result, error) {
 		return exchange(conn) == nil
 	}
 	if err := waitUntil(2*time.Minute, "serving", func() bool { return reachable(n-1) && reachable(0) }); err != nil {
-		return res, err
+		return l, err
 	}
-	res.fresh = time.Since(started)
-	live, err := dialLive(n, c)
-	defer func() {
-		for _, l := range live {
-			l.Close()
-		}
-	}()
+	l.fresh = time.Since(started)
+	l.echo.client.Store(0)
+	l.echo.others.Store(0)
+	l.live, err = dialLive(n, c)
+	l.seesClient, l.seesNode = int(l.echo.client.Load()), int(l.echo.others.Load())
+	return l, err
+}
+
+// close stops everything the lab started and removes what the daemon
+// put on the node.
+func (l *benchLab) close() {
+	for _, c := range l.live {
+		c.Close()
+	}
+	if l.daemon != nil {
+		l.daemon.stop()
+		_ = exec.Command(l.daemon.cmd.Path, "--cleanup").Run()
+	}
+	if l.echo != nil {
+		l.echo.ln.Close()
+	}
+	if l.dir != "" {
+		os.RemoveAll(l.dir)
+	}
+}
+
+// measureCrash is measure's -crash: a daemon serving n service ports under
+// its keeper, c live connections, and its serving process killed with -9
+// while the prober opens a connection every millisecond.
+func measureCrash(daemon string, n, c int) (result, error) {
+	var res result
+	lab, err := serving(daemon, n, c, true)
+	defer lab.close()
 	if err != nil {
 		return res, err
 	}
+	k, live := lab.daemon, lab.live
+	res.fresh = lab.fresh
 	worker, err := childOf(k.cmd.Process.Pid)
 	if err != nil {
 		return res, err
@@ -624,7 +621,7 @@ func tally(res *result, probes []probe, t0 time.Time) {
 				fmt.Fprintf(os.Stderr, "probe at %v (the handover or kill at 0): %v\n", p.at.Sub(t0).Round(time.Millisecond), p.err)
 			}
 			res.failed++
-		case p.at.Before(t0):
+		case p.at.Add(p.d).Before(t0): // over before the event; one that spans it waited through it
 			before = append(before, p.d)
 		default:
 			during = append(during, p.d)
