@@ -9,12 +9,12 @@ package main
 // next worker, started at once, takes the sockets back through the
 // handover exchange and accepts them. The keeper never parses a
 // Kubernetes object, never serves a byte and shares no lock with the
-// worker; it reads the worker's stderr (passed on line by line) only to
-// name a panic.
+// worker; it reads the worker's crash output (a pipe besides its stderr)
+// only to name a panic, and kills a worker whose heartbeat stops.
 //
-// Who owns what: runKeeper's goroutine owns the worker and its socket, one
-// worker at a time; a worker's Receive goroutine and stderr copier end
-// with it, and the handover exchange offered to it ends with it too.
+// Who owns what: runKeeper's goroutine owns the worker and its sockets, one
+// worker at a time; a worker's Receive goroutine, crash output reader and
+// the handover exchange offered to it end with it.
 
 import (
 	"bufio"
@@ -116,7 +116,7 @@ func heartbeat(ctx context.Context, p *proxy.Proxier, k *handover.KeeperLink, lo
 // workerEnd is how a worker ended.
 type workerEnd struct {
 	state *os.ProcessState
-	panic string // the first line of a Go panic or fatal error on its stderr
+	panic string // the first line of a Go panic or fatal error in its crash output, or its hang
 	said  handover.WorkerSaid
 	lived time.Duration
 }
