@@ -229,10 +229,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		hold:        hold,
 		release:     release,
 	}
-	if err := d.serve(fe, ln); err != nil {
-		fe.discard()
-		return nil, err
-	}
+	fe.opened = ln // served by its first serveAs
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	return fe, nil
 }

@@ -62,9 +62,14 @@ type frontend struct {
 	// replaced by the sync goroutine, read by connection goroutines.
 	sourcePolicy atomic.Pointer[sourcePolicy]
 
-	m   *feMetrics
-	tcp *tcpServer // one of tcp and udp is set
-	udp *udpServer
+	m *feMetrics
+	// opened is the listener dataplane.open made, until the first serveAs
+	// has the balancer hold the endpoints and serves on it: an inherited
+	// socket already has connections waiting (a handover's, a crash's),
+	// which must not meet a balancer without endpoints.
+	opened listener
+	tcp    *tcpServer // one of tcp and udp is set once serving
+	udp    *udpServer
 	// refusing holds the port while no endpoint can serve: the listener
 	// is closed and a socket that refuses sits on its port (refuse), so a
 	// client is refused at connect as kube-proxy's REJECT does. The sync
@@ -232,9 +237,10 @@ func (r *reconciler) open(key frontendKey, sp *config.ServicePort, node string) 
 
 // serveAs has fe serve sp as the plan decided (ks): its settings, its
 // balancer's endpoints (and a predecessor's picks, once they are set), its
-// UDP flows off endpoints that left, and its port refusing while no
-// endpoint can serve (listen.go), in that order: the balancer holds the new
-// endpoints before a listener that refused accepts again.
+// UDP flows off endpoints that left, the listener it was opened with
+// served, and its port refusing while no endpoint can serve (listen.go),
+// in that order: the balancer holds the endpoints before a listener that
+// was opened, or refused, accepts.
 func (fe *frontend) serveAs(sp *config.ServicePort, ks keyServe) error {
 	fe.proxyProto.Store(sp.ProxyProtocol)
 	fe.sourcePolicy.Store(ks.source)
@@ -245,6 +251,12 @@ func (fe *frontend) serveAs(sp *config.ServicePort, ks keyServe) error {
 	}
 	if fe.udp != nil && ks.serving != nil {
 		fe.udp.endFlowsOff(ks.serving)
+	}
+	if ln := fe.opened; ln.port != 0 && len(ks.eps) > 0 { // without endpoints refuseIf closes it
+		fe.opened = listener{}
+		if err := fe.dp.serve(fe, ln); err != nil {
+			return err
+		}
 	}
 	return fe.refuseIf(len(ks.eps) == 0)
 }

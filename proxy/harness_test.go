@@ -42,8 +42,9 @@ type harness struct {
 	stop func() // ends Run and waits for it (also done when the test ends)
 }
 
-// startProxier runs a Proxier on loopback until the test ends.
-func startProxier(t *testing.T, cfg Config) *harness {
+// startProxier runs a Proxier on loopback until the test ends; before
+// are called with it before it runs (an Adopt, say).
+func startProxier(t *testing.T, cfg Config, before ...func(*Proxier)) *harness {
 	t.Helper()
 	log := logrus.New()
 	log.SetOutput(io.Discard)
@@ -61,6 +62,9 @@ func startProxier(t *testing.T, cfg Config) *harness {
 	}
 	cfg.Log = log
 	h.p = New(cfg)
+	for _, f := range before {
+		f(h.p)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { h.p.Run(ctx, 0); close(done) }()

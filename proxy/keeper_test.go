@@ -1,14 +1,22 @@
 package proxy
 
 import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
 	"net"
+	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // fakeKeeper records what it is told, the descriptors it is lent opened
@@ -94,4 +102,62 @@ func TestKeeperToldOfOpenedAndClosedSockets(t *testing.T) {
 	if len(events) != 2 {
 		t.Errorf("events after the first sync: %v, want the two drops", events)
 	}
+}
+
+// A listener handed over with connections already waiting in its backlog
+// (a keeper's after a crash, where clients went on connecting while no
+// process served) is not served before its frontend's balancer holds the
+// endpoints: a connection accepted earlier would be reset as having none.
+// Opened, the frontend leaves them waiting; once it serves the Service,
+// each is answered.
+func TestAdoptedListenerServesWhatWaited(t *testing.T) {
+	a := tcpBackend(t, "a")
+	ln, err := sock.ListenTCP(netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var waiting []net.Conn
+	for range 5 {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		waiting = append(waiting, c)
+	}
+	f, err := ln.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.Close() // the socket lives on in f alone, as in a keeper
+	sp := svc("web", config.TCP, a)
+	key := frontendKey{sp.Name, config.KindAll, 4}
+	h := startProxier(t, Config{}, func(p *Proxier) {
+		p.Adopt([]handover.Socket{{Name: socketName(key, roleRange), Proto: "tcp", Addr: ln.Addr().String(), File: f}},
+			func() (json.RawMessage, error) { return nil, nil })
+	})
+	var fe *frontend
+	if err := h.p.call(context.Background(), func() (err error) { fe, err = h.p.dp.open(key, sp); return err }); err != nil {
+		t.Fatal(err)
+	}
+	if fe.listen != ln.Addr() {
+		t.Fatalf("opened on %s, want the adopted %s", fe.listen, ln.Addr())
+	}
+	// Opened, not serving: a connection that waited is neither answered
+	// nor reset.
+	_ = waiting[0].SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if n, err := waiting[0].Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a connection that waited, before its frontend served: %d bytes, %v; want it still waiting", n, err)
+	}
+	if err := h.p.call(context.Background(), func() error { return fe.serveAs(sp, keyServe{key: key, update: true, eps: []netip.AddrPort{a}}) }); err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range waiting {
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		line, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil || strings.TrimSpace(line) != "a" {
+			t.Fatalf("connection %d that waited: %q %v", i, line, err)
+		}
+	}
+	_ = h.p.call(context.Background(), func() error { fe.stop(); return nil })
 }

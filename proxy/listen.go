@@ -329,10 +329,13 @@ func (fe *frontend) refuseIf(refuse bool) error {
 	return nil
 }
 
-// clearPort closes what is on fe's port: the socket that refuses for it, or
-// its listener.
+// clearPort closes what is on fe's port: the listener it was opened with
+// and does not serve yet, the socket that refuses for it, or its listener.
 func (fe *frontend) clearPort() {
 	switch {
+	case fe.opened.port != 0:
+		fe.opened.close()
+		fe.opened = listener{}
 	case fe.refusing != nil:
 		fe.refusing.Close()
 		fe.refusing = nil
