@@ -321,7 +321,9 @@ func TestKeeperKillsAHungWorker(t *testing.T) {
 	k := h.keeper("--hang-timeout", "6s", "--")
 	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
 	worker := workerOf(t, k, 0)
-	time.Sleep(3 * time.Second) // its first heartbeats: the watch is armed
+	// Its first heartbeat (which gives the keeper every pick state) arms
+	// the watch.
+	waitFor(t, "the worker's first heartbeat", func() bool { return countIn(k, "Gave the keeper the pick states changed") > 0 })
 	stoppedAt := time.Now()
 	_ = syscall.Kill(worker, syscall.SIGSTOP)
 	testutil.WaitFor(t, "the keeper's verdict", 20*time.Second, 50*time.Millisecond, func() bool {
