@@ -2,12 +2,15 @@ package proxy
 
 // Keeping the frontends' sockets in a supervising process (package
 // handover's keeper), so that they outlive a crash of this one: after each
-// sync's apply, before its rules are written, the sockets opened since go
-// to the keeper and the names of those closed since follow, in order, from
-// a goroutine of their own (a keeper that is slow never holds a sync up).
+// sync's apply, as its rules go to the rule writer, the sockets opened
+// since and the names of those closed since are queued for the keeper and
+// sent, in order, by a goroutine of their own (a keeper that is slow never
+// holds a sync up). The pick states go with the worker's heartbeat
+// (KeptPicks).
 //
-// Who owns what: the sync goroutine owns kept (what the keeper was told);
-// the sender goroutine owns the link once started, until Run ends.
+// Who owns what: the sync goroutine owns kept and picks (what the keeper
+// was told); the sender goroutine owns the link's sends of sockets until
+// Run ends.
 
 import (
 	"context"
