@@ -17,6 +17,19 @@ func (r *Rules) Families() []int {
 	return out
 }
 
+// KernelGuard reports whether family fam's guard of the proxy port range
+// is the filter table's (the conntrack match is there, and a range is
+// set); where it is not, the daemon guards at accept (proxy's
+// Config.GuardAtAccept).
+func (r *Rules) KernelGuard(fam int) bool {
+	for _, f := range r.families {
+		if f.fam == fam {
+			return f.features.Conntrack && r.cfg.ProxyPorts.Size > 0
+		}
+	}
+	return false
+}
+
 // InstallGuards puts the guard of the proxy port range in place in every
 // family — its chain and its jump from filter INPUT — touching no other
 // chain, so that it is there before the first listener opens: without it,

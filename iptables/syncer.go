@@ -75,7 +75,7 @@ func New(cfg Config) (*Rules, error) {
 	r.families = append(r.families, v4)
 	log.WithFields(logrus.Fields{"family": 4, "comment": v4.features.Comment, "addrtype": v4.features.Addrtype, "conntrack": v4.features.Conntrack}).Info("iptables probed")
 	if !v4.features.Conntrack {
-		log.Warn("WARNING: the conntrack match is missing: proxy listener ports of ClusterIP-only services can be reached from other hosts by connecting to this node's address and the listener port directly. Firewall the node or load xt_conntrack/nf_conntrack.")
+		log.Warn("WARNING: the conntrack match is missing: the proxy ports' guard moves from the filter table to the daemon, which resets at accept a TCP connection from another host that reached a proxy port without a rule; UDP proxy ports of ClusterIP-only services stay reachable from other hosts at the node's address. Firewall the node or load xt_conntrack.")
 	} else if cfg.ProxyPorts.Size == 0 {
 		return nil, errors.New("iptables: a proxy port range is required for the guard of proxy ports")
 	}

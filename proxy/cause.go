@@ -20,6 +20,7 @@ const (
 	CauseEndpointError              // UDP: the endpoint's socket failed (an ICMP error, say)
 	CauseEndpointGone               // UDP: the endpoint left the Service or stopped serving
 	CauseHandedOver                 // TCP: it goes on in the successor daemon (a handover)
+	CauseNotRedirected              // TCP: another host reached a proxy port directly (Config.GuardAtAccept)
 )
 
 var causeNames = [...]string{
@@ -36,6 +37,7 @@ var causeNames = [...]string{
 	CauseEndpointError: "endpoint error",
 	CauseEndpointGone:  "endpoint gone",
 	CauseHandedOver:    "handed over",
+	CauseNotRedirected: "not redirected",
 }
 
 func (c Cause) String() string {

@@ -33,12 +33,13 @@ import (
 )
 
 type dataplane struct {
-	cfg     *Config
-	alloc   portAllocator
-	conns   connTable
-	budget  *descriptorBudget
-	workers workers
-	copiers workers
+	cfg          *Config
+	unredirected unredirectedLog // GuardAtAccept's resets, said at most every few seconds
+	alloc        portAllocator
+	conns        connTable
+	budget       *descriptorBudget
+	workers      workers
+	copiers      workers
 	// parker holds the sockets of idle connections without a goroutine
 	// (tcp.go); set by start, nil without it (copies then wait on their
 	// sockets).

@@ -103,6 +103,10 @@ var (
 		running.each(func(p *Proxier) { n += p.dp.parker.Load().Parked() })
 		return float64(n)
 	})
+	unredirectedResets = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_unredirected_connections_reset_total",
+		Help: "TCP connections from other hosts that reached a proxy port directly, not through a rule, reset at accept (the guard without the conntrack match).",
+	})
 	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_descriptor_budget_refusals_total",
 		Help: "TCP connections reset at accept because they would have eaten into the descriptor reserve.",
@@ -159,7 +163,7 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration,
 		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
-		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals, clientAddressAvailable, backendSources)
+		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals, unredirectedResets, clientAddressAvailable, backendSources)
 	for _, fam := range familyNames(nil) {
 		clientAddressAvailable.WithLabelValues(fam)
 	}

@@ -63,6 +63,11 @@ type Config struct {
 
 	// Rules programs the kernel redirects; nil means none (listeners only).
 	Rules Rules
+	// GuardAtAccept resets a TCP connection that reached a listener of
+	// the proxy port range directly from another host (not redirected by
+	// a rule), before any byte or dial: the guard where the kernel has no
+	// conntrack match for the filter table's (tcp.go).
+	GuardAtAccept bool
 	// Keeper keeps a duplicate of every frontend's listening socket in a
 	// supervising process (handover.KeeperLink), so that the sockets
 	// outlive this one's crash; nil keeps none (keeper.go).

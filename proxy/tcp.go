@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -69,7 +70,19 @@ func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 // pair then belongs to them (splice). It runs the upstream copy itself, the
 // downstream one runs on a copier.
 func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
-	c.setOrigDst(client.OriginalDst(f.listen))
+	dst := client.OriginalDst(f.listen)
+	c.setOrigDst(dst)
+	// A listener on a NodePort is meant to be reached directly; one of the
+	// range only through a rule.
+	if f.dp.cfg.GuardAtAccept && !f.onNodePort && client.ReachedDirectly(dst, c.Client.Addr()) {
+		unredirectedResets.Inc()
+		f.dp.unredirected.log(f, c.Client)
+		_ = client.SetResetOnClose()
+		client.Close()
+		c.finish(f, 0, 0, CauseNotRedirected)
+		f.dp.conns.remove(c)
+		return
+	}
 
 	backend, failed := f.dialBackend(c)
 	if backend == nil {
@@ -82,6 +95,31 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 		return
 	}
 	f.splice(c, c.setPair(client, backend))
+}
+
+// unredirectedLog says GuardAtAccept's resets, with the peer, at most once
+// per unredirectedLogEvery, counting the ones it did not say.
+type unredirectedLog struct {
+	mu      sync.Mutex
+	last    time.Time
+	skipped int
+}
+
+const unredirectedLogEvery = 10 * time.Second
+
+func (l *unredirectedLog) log(f *frontend, peer netip.AddrPort) {
+	l.mu.Lock()
+	now := time.Now()
+	if now.Sub(l.last) < unredirectedLogEvery {
+		l.skipped++
+		l.mu.Unlock()
+		return
+	}
+	skipped := l.skipped
+	l.last, l.skipped = now, 0
+	l.mu.Unlock()
+	f.log().WithFields(logrus.Fields{"peer": peer, "listener": f.listen, "notSaidBefore": skipped}).
+		Warn("Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)")
 }
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own

@@ -88,7 +88,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if len(o.nodePortCIDRs) > 0 {
 		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
 	}
-	p := newProxier(o, rules, hc, events, keeper, log)
+	p := newProxier(o, rules, hc, events, keeper, guardAtAccept(ipt, o.families), log)
 	pred.adopt(ctx, p)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
@@ -352,8 +352,22 @@ func eventRecorder(ctx context.Context, client kubernetes.Interface, node string
 	}, broadcaster.Shutdown
 }
 
+// guardAtAccept says whether the daemon guards the proxy ports itself: a
+// family served without the filter table's guard (no conntrack match).
+func guardAtAccept(ipt *iptables.Rules, families []int) bool {
+	if ipt == nil {
+		return false // no rules: the listeners are meant to be reached directly
+	}
+	for _, fam := range families {
+		if !ipt.KernelGuard(fam) {
+			return true
+		}
+	}
+	return false
+}
+
 // newProxier makes the proxier of the flags.
-func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, log *logrus.Logger) *proxy.Proxier {
+func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, guard bool, log *logrus.Logger) *proxy.Proxier {
 	var portEvents func(sp *config.ServicePort, reason, message string)
 	if events != nil {
 		portEvents = func(sp *config.ServicePort, reason, message string) { events(sp.Name.Service(), reason, message) }
@@ -363,6 +377,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		ServiceHealth:       hc,
 		Rules:               rules,
 		Keeper:              socketKeeper(keeper),
+		GuardAtAccept:       guard,
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
 		BindAddress:         o.bindAddress,
 		Families:            o.families,

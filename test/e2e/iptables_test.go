@@ -421,8 +421,43 @@ func TestNodePortConflictIsReported(t *testing.T) {
 	}
 }
 
+// On basic netfilter (no comment, addrtype or conntrack match) every
+// address of a Service is served, and the proxy ports are guarded at
+// accept instead of in the filter table: another host that connects to a
+// ClusterIP-only Service's listener port at the node's address is reset
+// before any byte reaches a backend (counted, logged with its address),
+// while the node itself reaches it, and a NodePort's listener, which sits
+// on the NodePort, serves other hosts as it should.
 func TestBasicNetfilterOnly(t *testing.T) {
-	l, d, _ := startWeb(t, webManifest(), "--iptables-basic-only")
+	plain := "---\n" + service("plain", "ClusterIP", "10.96.0.30", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`) +
+		slices("plain", `{name: http, port: 8080, protocol: TCP}`, false)
+	l, d, _ := startWeb(t, webManifest()+plain, "--iptables-basic-only")
+	reachesBoth(t, l, "client", "http://10.96.0.30:80/")
+	var port string
+	for _, line := range strings.Split(grepLines(d.Output(), `service="lab/plain:http"`), "\n") {
+		if _, v, ok := strings.Cut(line, " listen="); ok && strings.Contains(line, "msg=Listening") {
+			port = strings.Fields(v)[0]
+		}
+	}
+	if port == "" {
+		t.Fatalf("no listener port for lab/plain in the log:\n%s", tail(d.Output(), 3000))
+	}
+	direct := "http://192.168.50.1:" + port + "/"
+	// Reset at once after the handshake: curl reports it as a failed
+	// connect (7) or a reset (56); either way nothing is served.
+	if out, err := l.Exec("ext", "curl", "-s", "-S", "--max-time", "3", direct); err == nil || strings.Contains(out, "pod") ||
+		!strings.Contains(out, "Couldn't connect") && !strings.Contains(out, "reset") {
+		t.Errorf("another host at the node's address and the listener port %s: %q %v, want a reset", port, out, err)
+	}
+	if got := l.Curl("node", direct); !strings.HasPrefix(got, "pod") {
+		t.Errorf("the node itself at its address and the listener port: %q", got)
+	}
+	waitFor(t, "the reset logged with the peer", func() bool {
+		return strings.Contains(grepLines(d.Output(), "that no rule redirected"), "peer=\"192.168.50.2:")
+	})
+	if m := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/metrics"); !strings.Contains(m, "kube_userspace_proxy_unredirected_connections_reset_total 1") {
+		t.Errorf("/metrics does not count the reset:\n%s", grepLines(m, "unredirected"))
+	}
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
 	udpReaches(t, l, "client", "10.96.0.10", "53")

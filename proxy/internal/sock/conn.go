@@ -222,6 +222,35 @@ func (c *Conn) OriginalDst(listen netip.AddrPort) netip.AddrPort {
 	return dst
 }
 
+// ReachedDirectly reports whether c, accepted on a listener, came to it
+// without a NAT rule redirecting it (its original destination, dst from
+// OriginalDst, is the address it arrived at) from an address that is not
+// this node's: another host that connected to the listener's port itself.
+func (c *Conn) ReachedDirectly(dst netip.AddrPort, peer netip.Addr) bool {
+	var local netip.AddrPort
+	_ = c.control(func(fd int) { local, _ = localAddr(fd) })
+	if !local.IsValid() || dst != local {
+		return false
+	}
+	return !isLocalAddr(peer)
+}
+
+// isLocalAddr reports whether addr is one of this node's addresses (a
+// socket may bind it).
+func isLocalAddr(addr netip.Addr) bool {
+	addr = addr.Unmap()
+	if addr.IsLoopback() {
+		return true
+	}
+	ap := netip.AddrPortFrom(addr, 0)
+	fd, _, errno := unix.RawSyscall(unix.SYS_SOCKET, uintptr(domain(familyOf(ap))), unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if errno != 0 {
+		return false
+	}
+	defer unix.Close(int(fd))
+	return bindTo(int(fd), ap) == nil
+}
+
 // IsFileLimit reports whether err says the process or the system ran out
 // of descriptors (EMFILE, ENFILE).
 func IsFileLimit(err error) bool {
