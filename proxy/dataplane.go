@@ -33,13 +33,12 @@ import (
 )
 
 type dataplane struct {
-	cfg          *Config
-	unredirected unredirectedLog // GuardAtAccept's resets, said at most every few seconds
-	alloc        portAllocator
-	conns        connTable
-	budget       *descriptorBudget
-	workers      workers
-	copiers      workers
+	cfg     *Config
+	alloc   portAllocator
+	conns   connTable
+	budget  *descriptorBudget
+	workers workers
+	copiers workers
 	// parker holds the sockets of idle connections without a goroutine
 	// (tcp.go); set by start, nil without it (copies then wait on their
 	// sockets).
@@ -61,8 +60,10 @@ type dataplane struct {
 	// a predecessor. Set before start, closed once by openUDPGate.
 	udpGate chan struct{}
 	openUDP sync.Once
-	// connLogLimit bounds the connection log (connlog.go).
-	connLogLimit *connLogLimit
+	// connLogLimit bounds the connection log (connlog.go);
+	// unredirectedLimit the lines of GuardAtAccept's resets (tcp.go), one
+	// every 10 s.
+	connLogLimit, unredirectedLimit *connLogLimit
 	// noLocalPortWarned is when the last "no local port" warning was
 	// logged (Unix ns): one a minute says it without flooding the log.
 	noLocalPortWarned atomic.Int64
@@ -87,7 +88,8 @@ func newDataplane(cfg *Config) *dataplane {
 		copiers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
 		ctx:     context.Background(),
 
-		connLogLimit: newConnLogLimit(cfg.ConnLogRate),
+		connLogLimit:      newConnLogLimit(cfg.ConnLogRate),
+		unredirectedLimit: newConnLogLimit(0.1),
 	}
 }
 

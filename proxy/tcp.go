@@ -21,7 +21,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -76,7 +75,7 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 	// range only through a rule.
 	if f.dp.cfg.GuardAtAccept && !f.onNodePort && client.ReachedDirectly(dst, c.Client.Addr()) {
 		unredirectedResets.Inc()
-		f.dp.unredirected.log(f, c.Client)
+		f.logUnredirected(c.Client)
 		_ = client.SetResetOnClose()
 		client.Close()
 		c.finish(f, 0, 0, CauseNotRedirected)
@@ -97,28 +96,15 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 	f.splice(c, c.setPair(client, backend))
 }
 
-// unredirectedLog says GuardAtAccept's resets, with the peer, at most once
-// per unredirectedLogEvery, counting the ones it did not say.
-type unredirectedLog struct {
-	mu      sync.Mutex
-	last    time.Time
-	skipped int
-}
-
-const unredirectedLogEvery = 10 * time.Second
-
-func (l *unredirectedLog) log(f *frontend, peer netip.AddrPort) {
-	l.mu.Lock()
-	now := time.Now()
-	if now.Sub(l.last) < unredirectedLogEvery {
-		l.skipped++
-		l.mu.Unlock()
+// logUnredirected says a GuardAtAccept reset, with the peer, within its
+// rate limit (the dataplane's unredirectedLimit), and how many went unsaid
+// before it.
+func (f *frontend) logUnredirected(peer netip.AddrPort) {
+	ok, unsaid := f.dp.unredirectedLimit.pass()
+	if !ok {
 		return
 	}
-	skipped := l.skipped
-	l.last, l.skipped = now, 0
-	l.mu.Unlock()
-	f.log().WithFields(logrus.Fields{"peer": peer, "listener": f.listen, "notSaidBefore": skipped}).
+	f.log().WithFields(logrus.Fields{"peer": peer, "listener": f.listen, "notSaidBefore": unsaid}).
 		Warn("Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)")
 }
 
