@@ -39,7 +39,10 @@ type Config struct {
 	// BasicOnly ignores the optional matches even where the kernel has them,
 	// to run (and test) the rules a kernel without netfilter extras gets.
 	BasicOnly bool
-	Log       logrus.FieldLogger
+	// Kernel gathers the optional pieces found and missing (the matches,
+	// ip6tables), for the start line; nil: not gathered.
+	Kernel *config.KernelReport
+	Log    logrus.FieldLogger
 }
 
 // Rules implements proxy.Rules with one table writer per IP family.
@@ -74,19 +77,19 @@ func New(cfg Config) (*Rules, error) {
 	}
 	r.families = append(r.families, v4)
 	log.WithFields(logrus.Fields{"family": 4, "comment": v4.features.Comment, "addrtype": v4.features.Addrtype, "conntrack": v4.features.Conntrack}).Info("iptables probed")
-	if !v4.features.Conntrack {
-		log.Warn("WARNING: the conntrack match is missing: the proxy ports' guard moves from the filter table to the daemon, which resets at accept a TCP connection from another host that reached a proxy port without a rule; UDP proxy ports of ClusterIP-only services stay reachable from other hosts at the node's address. Firewall the node or load xt_conntrack.")
-	} else if cfg.ProxyPorts.Size == 0 {
+	if v4.features.Conntrack && cfg.ProxyPorts.Size == 0 {
 		return nil, errors.New("iptables: a proxy port range is required for the guard of proxy ports")
 	}
 	if !cfg.DisableIPv6 {
 		v6, err := newFamily(6, "", "", cfg.BasicOnly)
 		if err != nil {
-			log.WithError(err).Warn("IPv6 disabled: IPv6 service addresses will not be redirected")
+			cfg.Kernel.Lacks(config.PieceIPv6Rules, "IPv6 service addresses are not redirected, and no IPv6 listener opens", err)
 		} else {
 			r.families = append(r.families, v6)
+			cfg.Kernel.Present(config.PieceIPv6Rules)
 		}
 	}
+	r.reportFeatures(cfg.Kernel)
 	// The failure counters exist from the start, at zero, as kube-proxy's.
 	for _, f := range r.families {
 		for _, c := range []*prometheus.CounterVec{restoreFailures, partialRestoreFailures, conntrackReconcilerDeleted} {
@@ -94,6 +97,40 @@ func New(cfg Config) (*Rules, error) {
 		}
 	}
 	return r, nil
+}
+
+// reportFeatures tells report which optional matches the families have,
+// and what each missing one costs.
+func (r *Rules) reportFeatures(report *config.KernelReport) {
+	var off error
+	if r.cfg.BasicOnly {
+		off = errors.New("off by --iptables-basic-only")
+	}
+	for _, m := range []struct {
+		piece config.KernelPiece
+		has   func(Features) bool
+		costs string
+	}{
+		{config.PieceCommentMatch, func(f Features) bool { return f.Comment }, "rules carry no namespace/name:port comments (iptables-save shows them bare)"},
+		{config.PieceAddrtypeMatch, func(f Features) bool { return f.Addrtype },
+			"every new connection through the node enters the NodePort chains, and the NodePort rules of externalTrafficPolicy: Local Services list the node's addresses one by one"},
+		{config.PieceConntrackMatch, func(f Features) bool { return f.Conntrack },
+			"the proxy ports are guarded by the daemon instead of the filter table: a TCP connection from another host that no rule redirected is reset at accept, "+
+				"a UDP flow's datagrams are dropped after one conntrack netlink request per new flow"},
+	} {
+		for _, f := range r.families {
+			if !m.has(f.features) {
+				costs := m.costs
+				if f.fam == 6 && m.has(r.families[0].features) {
+					costs = "IPv6: " + costs
+				}
+				report.Lacks(m.piece, costs, off)
+			}
+		}
+		if _, missing := report.Missing(m.piece); !missing {
+			report.Present(m.piece)
+		}
+	}
 }
 
 // Sync implements proxy.Rules.

@@ -61,9 +61,12 @@ type dataplane struct {
 	udpGate chan struct{}
 	openUDP sync.Once
 	// connLogLimit bounds the connection log (connlog.go);
-	// unredirectedLimit the lines of GuardAtAccept's resets (tcp.go), one
-	// every 10 s.
-	connLogLimit, unredirectedLimit *connLogLimit
+	// unredirectedTCP and unredirectedUDP the lines of GuardAtAccept's
+	// resets and drops (tcp.go, udp.go), one of each every 10 s.
+	connLogLimit, unredirectedTCP, unredirectedUDP *connLogLimit
+	// conntrack answers the UDP guard (udp.go, Config.GuardAtAccept): nil
+	// without the guard or without conntrack netlink.
+	conntrack *sock.Conntrack
 	// noLocalPortWarned is when the last "no local port" warning was
 	// logged (Unix ns): one a minute says it without flooding the log.
 	noLocalPortWarned atomic.Int64
@@ -77,8 +80,11 @@ type dataplane struct {
 	tasks []*task // stopped by stop, last started first
 }
 
+// newDataplane makes the dataplane of cfg and opens its kernel interfaces
+// (the source NAT, the UDP guard's conntrack netlink), said to cfg.Kernel;
+// start takes them over and closes them at stop.
 func newDataplane(cfg *Config) *dataplane {
-	return &dataplane{
+	d := &dataplane{
 		cfg: cfg,
 		alloc: portAllocator{r: cfg.PortRange, warn: func(err error) {
 			cfg.log().WithError(err).Warn("Cannot read the kernel's local port range; listeners take a port from bind(0), slow beyond ~7000 listeners")
@@ -88,9 +94,27 @@ func newDataplane(cfg *Config) *dataplane {
 		copiers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
 		ctx:     context.Background(),
 
-		connLogLimit:      newConnLogLimit(cfg.ConnLogRate),
-		unredirectedLimit: newConnLogLimit(0.1),
+		connLogLimit:    newConnLogLimit(cfg.ConnLogRate),
+		unredirectedTCP: newConnLogLimit(0.1),
+		unredirectedUDP: newConnLogLimit(0.1),
 	}
+	d.clientNAT.Store(openClientNAT(cfg, runtime.GOMAXPROCS(0)))
+	if cfg.GuardAtAccept {
+		ct, err := sock.OpenConntrack(runtime.GOMAXPROCS(0))
+		if err == nil {
+			err = ct.Probe()
+			if err != nil {
+				ct.Close()
+			}
+		}
+		if err != nil {
+			// The start line says it (conntrack-netlink, ProbeConntrackNetlink).
+			cfg.log().WithError(err).Debug("UDP proxy ports unguarded: no conntrack netlink to ask where a new flow was sent")
+		} else {
+			d.conntrack = ct
+		}
+	}
+	return d
 }
 
 const (
@@ -131,12 +155,17 @@ func (d *dataplane) start(ctx context.Context) {
 			}))
 		}
 	}
-	if nat := openClientNAT(d.cfg, runtime.GOMAXPROCS(0)); nat != nil {
-		d.clientNAT.Store(nat)
+	if nat := d.clientNAT.Load(); nat != nil {
 		d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
 			<-ctx.Done() // after the connections drained: no dial uses it
 			d.clientNAT.Store(nil)
 			nat.nat.Close()
+		}))
+	}
+	if ct := d.conntrack; ct != nil {
+		d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
+			<-ctx.Done() // after the read loops stopped
+			ct.Close()
 		}))
 	}
 	if idle := d.cfg.TCPIdleTimeout; idle > 0 {

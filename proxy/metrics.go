@@ -107,6 +107,10 @@ var (
 		Name: "kube_userspace_proxy_unredirected_connections_reset_total",
 		Help: "TCP connections from other hosts that reached a proxy port directly, not through a rule, reset at accept (the guard without the conntrack match).",
 	})
+	unredirectedDatagrams = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kube_userspace_proxy_unredirected_datagrams_dropped_total",
+		Help: "UDP datagrams from other hosts dropped because they reached a proxy port directly, not through a rule (the guard where the kernel has no conntrack match; its flows are asked of conntrack netlink).",
+	})
 	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kube_userspace_proxy_descriptor_budget_refusals_total",
 		Help: "TCP connections reset at accept because they would have eaten into the descriptor reserve.",
@@ -163,7 +167,7 @@ func RegisterMetrics(reg prometheus.Registerer) {
 		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
 		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration,
 		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
-		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals, unredirectedResets, clientAddressAvailable, backendSources)
+		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals, unredirectedResets, unredirectedDatagrams, clientAddressAvailable, backendSources)
 	for _, fam := range familyNames(nil) {
 		clientAddressAvailable.WithLabelValues(fam)
 	}

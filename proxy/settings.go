@@ -65,9 +65,14 @@ type Config struct {
 	Rules Rules
 	// GuardAtAccept resets a TCP connection that reached a listener of
 	// the proxy port range directly from another host (not redirected by
-	// a rule), before any byte or dial: the guard where the kernel has no
-	// conntrack match for the filter table's (tcp.go).
+	// a rule), before any byte or dial, and drops the datagrams of a UDP
+	// flow that did so (asked of conntrack netlink once per new flow,
+	// where the kernel has it): the guard where the kernel has no
+	// conntrack match for the filter table's (tcp.go, udp.go).
 	GuardAtAccept bool
+	// Kernel gathers the optional kernel pieces the dataplane found at New
+	// (the source NAT per family, br_netfilter); nil: not gathered.
+	Kernel *config.KernelReport
 	// Keeper keeps a duplicate of every frontend's listening socket in a
 	// supervising process (handover.KeeperLink), so that the sockets
 	// outlive this one's crash; nil keeps none (keeper.go).

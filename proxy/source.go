@@ -239,15 +239,17 @@ func (c *clientNAT) forFamily(addr netip.Addr) *sock.ClientNAT {
 func familyIndex(family int) int { return family / 6 } // 4 → 0, 6 → 1
 
 // openClientNAT opens the dataplane's source NAT and probes it per family;
-// a family the kernel cannot NAT this way is said once, with its reason,
-// and keeps the node's address (clientAddressAvailable tells the metrics).
+// a family the kernel cannot NAT this way keeps the node's address, told
+// to the kernel report (the start line; clientAddressAvailable tells the
+// metrics).
 func openClientNAT(cfg *Config, sockets int) *clientNAT {
 	if cfg.BackendSource == BackendSourceNode {
 		return nil
 	}
 	nat, err := sock.NewClientNAT(sockets, cfg.PortRange.Base, cfg.PortRange.Size)
 	if err != nil {
-		cfg.log().WithError(err).Warn("Backends see the node's address, not their clients': no conntrack netlink socket (is nf_conntrack_netlink loaded?)")
+		// The start line says it: no conntrack netlink (ProbeConntrackNetlink).
+		cfg.log().WithError(err).Debug("No source NAT: backends see the node's address")
 		return nil
 	}
 	c := &clientNAT{nat: nat}
@@ -255,25 +257,42 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		if !cfg.serves(fam) {
 			continue
 		}
+		piece := map[int]config.KernelPiece{4: config.PieceSourceNAT4, 6: config.PieceSourceNAT6}[fam]
 		if err := nat.Probe(fam); err != nil {
-			cfg.log().WithError(err).WithField("family", fam).Warn("Backends see the node's address, not their clients': " +
-				"the kernel cannot create conntrack entries with a source NAT for this family (nf_conntrack_netlink, nf_nat)")
+			cfg.Kernel.Lacks(piece, fmt.Sprintf("backends of IPv%d Services see the node's address, not their clients' (nf_nat for this family)", fam), err)
 			continue
 		}
+		cfg.Kernel.Present(piece)
 		c.families[familyIndex(fam)] = true
 		clientAddressAvailable.WithLabelValues(familyNames([]int{fam})...).Set(1)
 		sysctl := "bridge-nf-call-iptables"
 		if fam == 6 {
 			sysctl = "bridge-nf-call-ip6tables"
 		}
-		if v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl); err == nil && strings.TrimSpace(string(v)) == "1" {
+		v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl)
+		if err == nil && strings.TrimSpace(string(v)) == "1" {
 			c.bridged[familyIndex(fam)] = true
-		} else {
-			cfg.log().WithField("family", fam).Warn("Pods calling a pod on this node's bridge show it the node's address: " +
-				"net.bridge." + sysctl + " is not 1 (br_netfilter), so the reply would bypass conntrack; other clients keep theirs")
+			cfg.Kernel.Present(config.PieceBridgeNetfilter)
+			continue
 		}
+		if err == nil {
+			err = fmt.Errorf("net.bridge.%s is %s", sysctl, strings.TrimSpace(string(v)))
+		}
+		cfg.Kernel.Lacks(config.PieceBridgeNetfilter, fmt.Sprintf("IPv%d pods calling a pod on this node's bridge show it the node's address "+
+			"(its reply would bypass conntrack); other clients keep theirs", fam), err)
 	}
 	return c
+}
+
+// ProbeConntrackNetlink asks conntrack netlink for an entry that does not
+// exist: nil where the kernel answers (nf_conntrack_netlink), else why not.
+func ProbeConntrackNetlink() error {
+	ct, err := sock.OpenConntrack(1)
+	if err != nil {
+		return err
+	}
+	defer ct.Close()
+	return ct.Probe()
 }
 
 // countSource counts whose address the backend of client's connection saw, and says at debug

@@ -26,6 +26,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -96,16 +97,20 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 	f.splice(c, c.setPair(client, backend))
 }
 
-// logUnredirected says a GuardAtAccept reset, with the peer, within its
-// rate limit (the dataplane's unredirectedLimit), and how many went unsaid
+// logUnredirected says what GuardAtAccept did to a peer (a TCP reset, a
+// UDP flow dropped), within the rate limit of its protocol (the
+// dataplane's unredirectedTCP, unredirectedUDP), and how many went unsaid
 // before it.
 func (f *frontend) logUnredirected(peer netip.AddrPort) {
-	ok, unsaid := f.dp.unredirectedLimit.pass()
+	limit, what := f.dp.unredirectedTCP, "Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
+	if f.protocol == config.UDP {
+		limit, what = f.dp.unredirectedUDP, "Dropped a UDP flow from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
+	}
+	ok, unsaid := limit.pass()
 	if !ok {
 		return
 	}
-	f.log().WithFields(logrus.Fields{"peer": peer, "listener": f.listen, "notSaidBefore": unsaid}).
-		Warn("Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)")
+	f.log().WithFields(logrus.Fields{"peer": peer, "listener": f.listen, "notSaidBefore": unsaid}).Warn(what)
 }
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own

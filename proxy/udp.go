@@ -203,7 +203,55 @@ func (u *udpServer) flowFor(client netip.AddrPort, local netip.Addr) *udpFlow {
 		return fl
 	}
 	t.mu.Unlock()
+	if u.unredirected(client, local) {
+		return nil
+	}
 	return u.newFlow(&udpFlow{client: client, local: local}, netip.AddrPort{}, nil)
+}
+
+// maxDirectClients bounds the clients an unredirected UDP flow is
+// remembered for; beyond it they are forgotten together, and each one's
+// next datagram asks conntrack again.
+const maxDirectClients = 4096
+
+// unredirected is the UDP half of Config.GuardAtAccept: whether the
+// datagram from client, the first of a new flow, came to the listener at
+// local from another host without a rule redirecting it (its conntrack
+// entry's original destination is the listener itself, or it has none),
+// to be dropped. One netlink request per new flow, none per datagram of a
+// flow; a client found so is remembered for the UDP timeout. Where
+// conntrack cannot answer, the datagram passes: the guard never refuses a
+// flow it cannot judge.
+func (u *udpServer) unredirected(client netip.AddrPort, local netip.Addr) bool {
+	ct := u.dp.conntrack
+	if ct == nil || u.onNodePort {
+		return false // no guard, or a NodePort: meant to be reached directly
+	}
+	t := &u.flows
+	now := time.Now().UnixNano()
+	t.mu.Lock()
+	until, known := t.direct[client]
+	t.mu.Unlock()
+	if !known || now > until {
+		listener := netip.AddrPortFrom(local, u.listen.Port())
+		dst, found, err := ct.UDPOriginalDst(listener, client)
+		if err != nil {
+			u.debug(logrus.Fields{"client": client}, err, "UDP guard: conntrack did not answer; the flow passes")
+			return false
+		}
+		if found && dst != listener || sock.IsLocalAddr(client.Addr()) {
+			return false // redirected, or the node itself
+		}
+		t.mu.Lock()
+		if t.direct == nil || len(t.direct) >= maxDirectClients {
+			t.direct = map[netip.AddrPort]int64{}
+		}
+		t.direct[client] = now + int64(u.dp.cfg.udpTimeout())
+		t.mu.Unlock()
+		u.logUnredirected(client)
+	}
+	unredirectedDatagrams.Inc()
+	return true
 }
 
 // newFlow opens the flow fl (client and local set) to an endpoint the

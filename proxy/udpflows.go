@@ -13,9 +13,14 @@ import (
 
 // udpFlows is a UDP server's flow table.
 type udpFlows struct {
-	mu      sync.Mutex // guards flows, lru and closed
-	closed  bool       // closeFlows ran: no new flow (a failover may still try)
-	flows   map[netip.AddrPort]*udpFlow
+	mu     sync.Mutex // guards flows, lru, closed and direct
+	closed bool       // closeFlows ran: no new flow (a failover may still try)
+	flows  map[netip.AddrPort]*udpFlow
+	// direct are the clients from other hosts whose datagrams came to the
+	// listener without a rule (udp.go, unredirected), each until a UNIX
+	// nanosecond time: their next datagrams are dropped without asking
+	// conntrack again.
+	direct  map[netip.AddrPort]int64
 	lru     list.List // front: most recently used
 	evicted atomic.Uint64
 	wg      sync.WaitGroup // one per flow reply goroutine

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // conntrackSettings are kube-proxy's conntrack sysctls (its --conntrack-*
@@ -46,10 +48,19 @@ func (c conntrackSettings) conntrackMax(cpus int) int {
 // and says what it could not: a setting the kernel refuses is a warning
 // naming the sysctl, never a reason not to serve. The table size is
 // host-wide, so it is raised only where the kernel lets this namespace
-// write it (the host's own network namespace).
-func (c conntrackSettings) apply(log logrus.FieldLogger) {
+// write it (the host's own network namespace). A refusal goes to report,
+// said in the start line, or without one (--sysctls-only) to the log.
+func (c conntrackSettings) apply(log logrus.FieldLogger, report *config.KernelReport) {
+	refused := func(entry *logrus.Entry, err error, what string) {
+		if report == nil {
+			entry.WithError(err).Warn(what)
+			return
+		}
+		entry.WithError(err).Debug(what)
+		report.Lacks(config.PieceConntrackSysctl, "kube-proxy's conntrack settings are not all applied (the kernel's values stay; debug log)", err)
+	}
 	if want := c.conntrackMax(runtime.NumCPU()); want > 0 {
-		c.raiseMax(want, log)
+		c.raiseMax(want, log, refused)
 	}
 	secs := func(d time.Duration) int { return int(d / time.Second) }
 	for _, s := range []struct {
@@ -70,19 +81,19 @@ func (c conntrackSettings) apply(log logrus.FieldLogger) {
 		entry := log.WithFields(logrus.Fields{"sysctl": "net.netfilter." + s.name, "value": s.value})
 		switch {
 		case err != nil:
-			entry.WithError(err).Warn("Cannot set the conntrack sysctl; the kernel's value stays")
+			refused(entry, err, "Cannot set the conntrack sysctl; the kernel's value stays")
 		case changed:
 			entry.Info("Set conntrack sysctl")
 		}
 	}
 }
 
-func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger) {
+func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger, refused func(*logrus.Entry, error, string)) {
 	entry := log.WithFields(logrus.Fields{"sysctl": "net.netfilter.nf_conntrack_max", "value": want})
 	p := filepath.Join(conntrackSysctlDir, "nf_conntrack_max")
 	fi, err := os.Stat(p)
 	if err != nil {
-		entry.WithError(err).Warn("Cannot read the conntrack table size (is nf_conntrack loaded?)")
+		refused(entry, err, "Cannot read the conntrack table size (is nf_conntrack loaded?)")
 		return
 	}
 	if fi.Mode().Perm()&0o200 == 0 {
@@ -94,13 +105,13 @@ func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger) {
 		return // kube-proxy only raises it
 	}
 	if _, err := setSysctl("nf_conntrack_max", want); err != nil {
-		entry.WithError(err).Warn("Cannot raise the conntrack table size")
+		refused(entry, err, "Cannot raise the conntrack table size")
 		return
 	}
 	entry.Info("Raised the conntrack table size")
 	if hs, err := readSysctl(conntrackHashsizePath); err == nil && hs < want/4 {
 		if err := os.WriteFile(conntrackHashsizePath, []byte(strconv.Itoa(want/4)), 0o640); err != nil {
-			entry.WithError(err).Warn("Cannot raise the conntrack hash table (nf_conntrack hashsize)")
+			refused(entry, err, "Cannot raise the conntrack hash table (nf_conntrack hashsize)")
 		}
 	}
 }

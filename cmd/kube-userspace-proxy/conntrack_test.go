@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // A copy of the sysctls with the kernel's defaults; ro names files the
@@ -66,7 +68,7 @@ func TestConntrackDefaultsAsKubeProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 	log, _ := testLogger()
-	o.conntrack.apply(log)
+	o.conntrack.apply(log, nil)
 	want := map[string]string{
 		"nf_conntrack_tcp_timeout_established": "86400", "nf_conntrack_tcp_timeout_close_wait": "3600",
 		"nf_conntrack_tcp_be_liberal": "0", "nf_conntrack_udp_timeout": "30", "nf_conntrack_udp_timeout_stream": "120",
@@ -105,7 +107,7 @@ conntrack:
 		t.Fatal(err)
 	}
 	log, _ := testLogger()
-	o.conntrack.apply(log)
+	o.conntrack.apply(log, nil)
 	want := map[string]string{
 		"nf_conntrack_tcp_timeout_established": "7200", "nf_conntrack_tcp_timeout_close_wait": "7200",
 		"nf_conntrack_tcp_be_liberal": "1", "nf_conntrack_udp_timeout": "45", "nf_conntrack_udp_timeout_stream": "180",
@@ -127,7 +129,7 @@ func TestConntrackReadOnlyKernel(t *testing.T) {
 		t.Fatal(err)
 	}
 	log, buf := testLogger()
-	conntrackSettings{maxPerCore: 32768, min: 131072, tcpEstablished: 24 * time.Hour, tcpCloseWait: time.Hour}.apply(log)
+	conntrackSettings{maxPerCore: 32768, min: 131072, tcpEstablished: 24 * time.Hour, tcpCloseWait: time.Hour}.apply(log, nil)
 	if got := sysctlValue(t, filepath.Join(dir, "nf_conntrack_max")); got != "65536" {
 		t.Errorf("nf_conntrack_max = %s, want it left at 65536", got)
 	}
@@ -142,5 +144,17 @@ func TestConntrackReadOnlyKernel(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("log lacks %q:\n%s", want, out)
 		}
+	}
+
+	// A daemon's start says it once, in the kernel report, not as a
+	// warning of its own.
+	log, buf = testLogger()
+	report := &config.KernelReport{}
+	conntrackSettings{tcpEstablished: 24 * time.Hour}.apply(log, report)
+	if m, ok := report.Missing(config.PieceConntrackSysctl); !ok || !strings.Contains(m.Err.Error(), "nf_conntrack_tcp_timeout_established") {
+		t.Errorf("the report lacks the refused sysctl: %+v %v", m, ok)
+	}
+	if strings.Contains(buf.String(), "level=warning") {
+		t.Errorf("a refused sysctl warned beside the report:\n%s", buf.String())
 	}
 }

@@ -323,7 +323,7 @@ func startHTTP(ctx context.Context, addr string, inherited net.Listener, h http.
 func newRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		healthzTotal, livezTotal, buildInfo())
+		healthzTotal, livezTotal, kernelPieceAvailable, buildInfo())
 	proxy.RegisterMetrics(reg)
 	iptables.RegisterMetrics(reg)
 	return reg

@@ -65,7 +65,8 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if crashHooks != nil {
 		crashHooks(log)
 	}
-	rules, ipt, err := newRules(o, log)
+	report := &config.KernelReport{}
+	rules, ipt, err := newRules(o, report, log)
 	if err != nil {
 		return err
 	}
@@ -79,7 +80,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		return err
 	}
 	defer pred.close()
-	if err := prepareNode(o, ipt, log); err != nil {
+	if err := prepareNode(o, ipt, report, log); err != nil {
 		return err
 	}
 	events, stopEvents := eventRecorder(ctx, client, node)
@@ -88,7 +89,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	if len(o.nodePortCIDRs) > 0 {
 		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
 	}
-	p := newProxier(o, rules, hc, events, keeper, guardAtAccept(ipt, o.families), log)
+	guard := guardAtAccept(ipt, o.families)
+	probeConntrackNetlink(o, ipt, guard, report)
+	p := newProxier(o, rules, hc, events, keeper, guard, report, log)
 	pred.adopt(ctx, p)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
@@ -131,7 +134,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 		hc.Close()
 		return err
 	}
-	log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}).Info("Started")
+	logStarted(log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}), report)
 	g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
 		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
 		ready: readyFile{path: o.readyFile, log: log}, keeper: keeper, log: log.WithField("component", "handover")}
@@ -156,7 +159,7 @@ func setSysctls(o *options, log *logrus.Logger) error {
 		return fmt.Errorf("reserving the proxy port range %s in net.ipv4.ip_local_reserved_ports: %w", o.portRange, err)
 	}
 	log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
-	o.conntrack.apply(log.WithField("component", "conntrack"))
+	o.conntrack.apply(log.WithField("component", "conntrack"), nil)
 	return nil
 }
 
@@ -258,7 +261,7 @@ func setUpProcess(o *options, log *logrus.Logger) {
 
 // newRules probes iptables (--iptables), changing nothing on the node, or
 // returns no rules.
-func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, error) {
+func newRules(o *options, report *config.KernelReport, log *logrus.Logger) (proxy.Rules, *iptables.Rules, error) {
 	if !o.iptables {
 		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
 		return nil, nil, nil
@@ -274,7 +277,7 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 		return nil, nil, err
 	}
 	r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, LocalTraffic: o.local, BasicOnly: o.iptablesBasic,
-		ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Log: log.WithField("component", "iptables")})
+		ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Kernel: report, Log: log.WithField("component", "iptables")})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -283,8 +286,9 @@ func newRules(o *options, log *logrus.Logger) (proxy.Rules, *iptables.Rules, err
 
 // prepareNode makes the node ready for the rules r (none without
 // --iptables): the guard of the proxy port range, the range reserved,
-// kube-proxy's conntrack settings; it sets the families served.
-func prepareNode(o *options, r *iptables.Rules, log *logrus.Logger) error {
+// kube-proxy's conntrack settings, what could not be done told to report;
+// it sets the families served.
+func prepareNode(o *options, r *iptables.Rules, report *config.KernelReport, log *logrus.Logger) error {
 	if r == nil {
 		return nil
 	}
@@ -307,13 +311,16 @@ func prepareNode(o *options, r *iptables.Rules, log *logrus.Logger) error {
 	// Only once iptables is known to work: a daemon that cannot start
 	// leaves the node's settings alone.
 	if changed, err := proxy.ReservePorts(o.portRange); err != nil {
-		log.WithError(err).WithField("range", o.portRange.String()).Warn("Cannot reserve the proxy port range (net.ipv4.ip_local_reserved_ports): " +
-			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped")
-	} else if changed {
-		log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+		report.Lacks(config.PieceReservedPorts, "the proxy port range "+o.portRange.String()+" is not reserved (net.ipv4.ip_local_reserved_ports): "+
+			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped", err)
+	} else {
+		report.Present(config.PieceReservedPorts)
+		if changed {
+			log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+		}
 	}
 	// Redirected connections are conntrack entries: kube-proxy's timeouts.
-	o.conntrack.apply(log.WithField("component", "conntrack"))
+	o.conntrack.apply(log.WithField("component", "conntrack"), report)
 	return nil
 }
 
@@ -367,7 +374,7 @@ func guardAtAccept(ipt *iptables.Rules, families []int) bool {
 }
 
 // newProxier makes the proxier of the flags.
-func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, guard bool, log *logrus.Logger) *proxy.Proxier {
+func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, guard bool, report *config.KernelReport, log *logrus.Logger) *proxy.Proxier {
 	var portEvents func(sp *config.ServicePort, reason, message string)
 	if events != nil {
 		portEvents = func(sp *config.ServicePort, reason, message string) { events(sp.Name.Service(), reason, message) }
@@ -378,6 +385,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		Rules:               rules,
 		Keeper:              socketKeeper(keeper),
 		GuardAtAccept:       guard,
+		Kernel:              report,
 		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
 		BindAddress:         o.bindAddress,
 		Families:            o.families,

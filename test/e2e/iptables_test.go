@@ -422,26 +422,30 @@ func TestNodePortConflictIsReported(t *testing.T) {
 }
 
 // On basic netfilter (no comment, addrtype or conntrack match) every
-// address of a Service is served, and the proxy ports are guarded at
-// accept instead of in the filter table: another host that connects to a
-// ClusterIP-only Service's listener port at the node's address is reset
-// before any byte reaches a backend (counted, logged with its address),
-// while the node itself reaches it, and a NodePort's listener, which sits
-// on the NodePort, serves other hosts as it should.
+// address of a Service is served, and the proxy ports are guarded by the
+// daemon instead of the filter table: another host that connects to a
+// ClusterIP-only Service's TCP listener port at the node's address is
+// reset before any byte reaches a backend, and its datagrams to the UDP
+// listener port are dropped (asked of conntrack netlink once per flow),
+// each counted and logged with its address; the node itself reaches both,
+// and a NodePort's listener, which sits on the NodePort, serves other
+// hosts as it should. The start line names every missing piece.
 func TestBasicNetfilterOnly(t *testing.T) {
-	plain := "---\n" + service("plain", "ClusterIP", "10.96.0.30", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`) +
-		slices("plain", `{name: http, port: 8080, protocol: TCP}`, false)
+	plain := "---\n" + service("plain", "ClusterIP", "10.96.0.30", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}, {name: dns, port: 53, targetPort: 8080, protocol: UDP}`) +
+		slices("plain", `{name: http, port: 8080, protocol: TCP}, {name: dns, port: 8080, protocol: UDP}`, false)
 	l, d, _ := startWeb(t, webManifest()+plain, "--iptables-basic-only")
 	reachesBoth(t, l, "client", "http://10.96.0.30:80/")
-	var port string
-	for _, line := range strings.Split(grepLines(d.Output(), `service="lab/plain:http"`), "\n") {
-		if _, v, ok := strings.Cut(line, " listen="); ok && strings.Contains(line, "msg=Listening") {
-			port = strings.Fields(v)[0]
+	udpReaches(t, l, "client", "10.96.0.30", "53")
+	listenPort := func(portName string) string {
+		for _, line := range strings.Split(grepLines(d.Output(), `service="lab/plain:`+portName+`"`), "\n") {
+			if _, v, ok := strings.Cut(line, " listen="); ok && strings.Contains(line, "msg=Listening") {
+				return strings.Fields(v)[0]
+			}
 		}
+		t.Fatalf("no listener port for lab/plain:%s in the log:\n%s", portName, tail(d.Output(), 3000))
+		return ""
 	}
-	if port == "" {
-		t.Fatalf("no listener port for lab/plain in the log:\n%s", tail(d.Output(), 3000))
-	}
+	port, udpPort := listenPort("http"), listenPort("dns")
 	direct := "http://192.168.50.1:" + port + "/"
 	// Reset at once after the handshake: curl reports it as a failed
 	// connect (7) or a reset (56); either way nothing is served.
@@ -453,10 +457,38 @@ func TestBasicNetfilterOnly(t *testing.T) {
 		t.Errorf("the node itself at its address and the listener port: %q", got)
 	}
 	waitFor(t, "the reset logged with the peer", func() bool {
-		return strings.Contains(grepLines(d.Output(), "that no rule redirected"), "peer=\"192.168.50.2:")
+		return strings.Contains(grepLines(d.Output(), "Reset a connection from another host"), "peer=\"192.168.50.2:")
 	})
-	if m := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/metrics"); !strings.Contains(m, "kube_userspace_proxy_unredirected_connections_reset_total 1") {
-		t.Errorf("/metrics does not count the reset:\n%s", grepLines(m, "unredirected"))
+	// UDP: no answer to another host, from one port or many; the node
+	// itself is answered at the same address and port. Without conntrack
+	// netlink (the basic kernel) nothing tells the flows apart: another
+	// host is answered, as the start line says.
+	answered := func(got string) bool { return got == "pod1:direct" || got == "pod2:direct" }
+	for i := range 3 {
+		if got := l.UDPFrom(40000+i, "192.168.50.1", udpPort, "direct"); answered(got) != basicKernel {
+			t.Errorf("another host at the node's address and the UDP listener port %s: answered %q (conntrack netlink: %v)", udpPort, got, !basicKernel)
+		}
+	}
+	if got := l.UDP("ext", "192.168.50.1", udpPort, "direct"); answered(got) != basicKernel {
+		t.Errorf("another host (ext) at the UDP listener port %s: answered %q (conntrack netlink: %v)", udpPort, got, !basicKernel)
+	}
+	if got := l.UDP("node", "192.168.50.1", udpPort, "ping"); got != "pod1:ping" && got != "pod2:ping" {
+		t.Errorf("the node itself at its address and the UDP listener port: %q", got)
+	}
+	udpReaches(t, l, "client", "10.96.0.30", "53")
+	metrics := l.MustExec("node", "curl", "-s", "http://127.0.0.1:10249/metrics")
+	if !strings.Contains(metrics, "kube_userspace_proxy_unredirected_connections_reset_total 1") {
+		t.Errorf("/metrics does not count the reset:\n%s", grepLines(metrics, "unredirected"))
+	}
+	fams := scrape(t, l)
+	dropped := metricSum(fams, "kube_userspace_proxy_unredirected_datagrams_dropped_total", nil)
+	switch {
+	case basicKernel && dropped != 0:
+		t.Errorf("kube_userspace_proxy_unredirected_datagrams_dropped_total = %v without conntrack netlink", dropped)
+	case !basicKernel && dropped < 4:
+		t.Errorf("kube_userspace_proxy_unredirected_datagrams_dropped_total = %v, want the 4 datagrams (or more: nc's retries)", dropped)
+	case !basicKernel && !strings.Contains(grepLines(d.Output(), "Dropped a UDP flow from another host"), "peer=\""):
+		t.Error("no line says a direct UDP flow was dropped")
 	}
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
@@ -471,8 +503,24 @@ func TestBasicNetfilterOnly(t *testing.T) {
 			}
 		}
 	}
-	if !strings.Contains(d.Output(), "WARNING: the conntrack match is missing") {
-		t.Error("no loud warning about the unguarded proxy ports")
+	// One start line names each missing piece with its cost; no piece
+	// that is there is named.
+	started := grepLines(d.Output(), "Started without every optional kernel piece")
+	for _, want := range []string{"no comment-match: ", "no addrtype-match: ", "no conntrack-match: the proxy ports are guarded by the daemon"} {
+		if !strings.Contains(started, want) {
+			t.Errorf("the start line lacks %q:\n%s", want, started)
+		}
+	}
+	if nl := strings.Contains(started, "no conntrack-netlink: "); nl != basicKernel {
+		t.Errorf("the start line names conntrack netlink missing: %v, want %v:\n%s", nl, basicKernel, started)
+	}
+	if basicKernel && !strings.Contains(started, "UDP proxy ports of ClusterIP-only Services answer other hosts") {
+		t.Errorf("the start line does not say that the UDP proxy ports are open:\n%s", started)
+	}
+	for _, piece := range []string{"comment-match", "addrtype-match", "conntrack-match"} {
+		if v := metricSum(fams, "kube_userspace_proxy_kernel_piece_available", map[string]string{"piece": piece}); v != 0 {
+			t.Errorf("kube_userspace_proxy_kernel_piece_available{piece=%q} = %v, want 0", piece, v)
+		}
 	}
 }
 

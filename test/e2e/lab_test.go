@@ -25,6 +25,13 @@ var (
 	binDir   string // built daemon and backend
 	repoRoot string
 	labSeq   atomic.Int64
+	// basicKernel: the second leg (KUP_E2E_KERNEL=basic, make test): the
+	// daemon runs as on a kernel without netfilter extras — no optional
+	// match (--iptables-basic-only), no conntrack netlink (a seccomp
+	// filter, test/cmd/basickernel), the legacy iptables binaries — and
+	// each test passes or asserts the degraded behaviour docs/iptables.md
+	// states.
+	basicKernel = os.Getenv("KUP_E2E_KERNEL") == "basic"
 )
 
 func TestMain(m *testing.M) {
@@ -59,7 +66,55 @@ func run(m *testing.M) int {
 			return 1
 		}
 	}
+	if basicKernel {
+		if err := installBasicKernel(dir); err != nil {
+			fmt.Fprintf(os.Stderr, "KUP_E2E_KERNEL=basic: %v\n", err)
+			return 1
+		}
+	}
 	return m.Run()
+}
+
+// installBasicKernel puts test/cmd/basickernel in front of the daemon's
+// binaries in dir (each NAME becomes NAME.real) and the legacy iptables
+// binaries first in PATH, for this process and every command it runs.
+func installBasicKernel(dir string) error {
+	wrapper := filepath.Join(dir, "basickernel")
+	cmd := exec.Command("go", "build", "-o", wrapper, "./test/cmd/basickernel")
+	cmd.Dir = repoRoot
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("building the wrapper: %v\n%s", err, out)
+	}
+	body, err := os.ReadFile(wrapper)
+	if err != nil {
+		return err
+	}
+	for _, name := range []string{"kube-userspace-proxy", "kube-userspace-proxy-crashtest"} {
+		bin := filepath.Join(dir, name)
+		if err := os.Rename(bin, bin+".real"); err != nil {
+			return err
+		}
+		if err := os.WriteFile(bin, body, 0o755); err != nil {
+			return err
+		}
+	}
+	legacy := filepath.Join(dir, "legacy")
+	if err := os.Mkdir(legacy, 0o755); err != nil {
+		return err
+	}
+	for _, fam := range []string{"iptables", "ip6tables"} {
+		for _, suffix := range []string{"", "-save", "-restore"} {
+			target, err := exec.LookPath(fam + "-legacy" + suffix)
+			if err != nil {
+				return fmt.Errorf("the legacy iptables binaries are needed: %w", err)
+			}
+			if err := os.Symlink(target, filepath.Join(legacy, fam+suffix)); err != nil {
+				return err
+			}
+		}
+	}
+	return os.Setenv("PATH", legacy+string(os.PathListSeparator)+os.Getenv("PATH"))
 }
 
 // requireRoot skips a test that needs root, or fails it when CI demands

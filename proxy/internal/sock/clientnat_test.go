@@ -576,3 +576,72 @@ func TestDialFromSparesAnotherSocketsConnection(t *testing.T) {
 		t.Fatal("the adopted connection's port is still taken after its Close")
 	}
 }
+
+// UDPOriginalDst tells a datagram a REDIRECT rule sent to a listener from one
+// sent to the listener's own address, over IPv4 and IPv6, by the conntrack
+// entry the first datagram made; a flow without an entry is not found.
+func TestConntrackOriginalDst(t *testing.T) {
+	l := newNATLab(t)
+	for _, c := range [][]string{
+		{"iptables", "-w", "-t", "nat", "-A", "PREROUTING", "-d", "10.96.0.53", "-p", "udp", "--dport", "53", "-j", "REDIRECT", "--to-ports", "5353"},
+		{"ip6tables", "-w", "-t", "nat", "-A", "PREROUTING", "-d", "fd00:96::53", "-p", "udp", "--dport", "53", "-j", "REDIRECT", "--to-ports", "5353"},
+	} {
+		if out, err := exec.Command("ip", append([]string{"netns", "exec", l.node}, c...)...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v: %s", strings.Join(c, " "), err, out)
+		}
+	}
+	for _, c := range [][]string{
+		{"ip", "-n", l.backend, "route", "add", "10.96.0.0/16", "via", "10.0.2.1"},
+		{"ip", "-n", l.backend, "-6", "route", "add", "fd00:96::/64", "via", "fd00:2::1"},
+	} {
+		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v: %s", strings.Join(c, " "), err, out)
+		}
+	}
+	var ct *Conntrack
+	in(t, l.node, func() {
+		var err error
+		if ct, err = OpenConntrack(1); err != nil {
+			t.Fatal(err)
+		}
+	})
+	defer ct.Close()
+	for _, tc := range []struct{ node, service string }{{"10.0.2.1", "10.96.0.53"}, {"fd00:2::1", "fd00:96::53"}} {
+		var ln *net.UDPConn
+		in(t, l.node, func() {
+			var err error
+			if ln, err = net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.MustParseAddrPort("[::]:5353"))); err != nil {
+				t.Fatal(err)
+			}
+		})
+		local := netip.AddrPortFrom(netip.MustParseAddr(tc.node), 5353)
+		for _, to := range []netip.AddrPort{netip.AddrPortFrom(netip.MustParseAddr(tc.service), 53), local} {
+			var peer netip.AddrPort
+			in(t, l.backend, func() {
+				c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(to))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				if _, err := c.Write([]byte("q")); err != nil {
+					t.Fatal(err)
+				}
+				peer = c.LocalAddr().(*net.UDPAddr).AddrPort()
+			})
+			_ = ln.SetReadDeadline(time.Now().Add(5 * time.Second))
+			var buf [16]byte
+			if _, from, err := ln.ReadFromUDPAddrPort(buf[:]); err != nil || unmapPort(from) != peer {
+				t.Fatalf("to %v: read %v from %v, want from %v", to, err, from, peer)
+			}
+			got, found, err := ct.UDPOriginalDst(local, peer)
+			if err != nil || !found || got != to {
+				t.Errorf("UDPOriginalDst(%v from %v) = %v, %v, %v; want %v", local, peer, got, found, err, to)
+			}
+		}
+		ln.Close()
+		stranger := netip.AddrPortFrom(netip.MustParseAddr(map[bool]string{true: "10.0.2.9", false: "fd00:2::9"}[local.Addr().Is4()]), 9)
+		if _, found, err := ct.UDPOriginalDst(local, stranger); found || err != nil {
+			t.Errorf("UDPOriginalDst of a flow that never was: found %v, %v", found, err)
+		}
+	}
+}

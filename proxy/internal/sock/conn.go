@@ -232,12 +232,12 @@ func (c *Conn) ReachedDirectly(dst netip.AddrPort, peer netip.Addr) bool {
 	if !local.IsValid() || dst != local {
 		return false
 	}
-	return !isLocalAddr(peer)
+	return !IsLocalAddr(peer)
 }
 
-// isLocalAddr reports whether addr is one of this node's addresses (a
+// IsLocalAddr reports whether addr is one of this node's addresses (a
 // socket may bind it).
-func isLocalAddr(addr netip.Addr) bool {
+func IsLocalAddr(addr netip.Addr) bool {
 	addr = addr.Unmap()
 	if addr.IsLoopback() {
 		return true
