@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test test-basic-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -20,16 +20,24 @@ build:
 demo: setup-demo build
 	BIN=$(BIN) KEEP=$(KEEP) ./test/demo.sh
 
-# The whole suite: formatting, vet, every test with the race detector, a short
+# The whole suite: formatting, vet, every test with the race detector, the
+# end-to-end tests once more as on a kernel without netfilter extras, a short
 # fuzz run of the manifests parser, the demo, the benchmarks' smoke runs and
 # the few-minute subset of Kubernetes' own e2e suite (docs/conformance.md).
 test: setup-test fmt-check vet build image-check
 	$(GO) test -race -count=1 -timeout 40m $(PKGS)
+	$(MAKE) test-basic-kernel
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
 	BIN=$(BIN) ./test/demo.sh
 	$(MAKE) bench-smoke
 	$(MAKE) bench-cluster-smoke
 	$(MAKE) conformance-short
+
+# The end-to-end tests again as on a kernel without netfilter extras: no
+# optional match, no conntrack netlink (a seccomp filter), legacy iptables
+# (docs/iptables.md; root, ~10 minutes; part of make test).
+test-basic-kernel:
+	KUP_E2E_KERNEL=basic $(GO) test -count=1 -timeout 30m ./test/e2e/
 
 # Installs what a job lacks on Debian (packages; Go when missing or too old),
 # saying what: test/setup.sh demo|test|bench.
