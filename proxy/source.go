@@ -278,8 +278,8 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		if err == nil {
 			err = fmt.Errorf("net.bridge.%s is %s", sysctl, strings.TrimSpace(string(v)))
 		}
-		cfg.Kernel.Lacks(config.PieceBridgeNetfilter, fmt.Sprintf("IPv%d pods calling a pod on this node's bridge show it the node's address "+
-			"(its reply would bypass conntrack); other clients keep theirs", fam), err)
+		cfg.Kernel.Lacks(config.PieceBridgeNetfilter, fmt.Sprintf("IPv%d pods calling a pod on this node's bridge show it the node's address: "+
+			"net.bridge.%s is not 1 (br_netfilter), so its reply would bypass conntrack; other clients keep theirs", fam, sysctl), err)
 	}
 	return c
 }

@@ -90,6 +90,9 @@ type explainer struct {
 	// service explains a matched frontend.
 	service func(fe config.Frontend, as string, client netip.Addr) proxy.Explanation
 	offline bool
+	// guardTCP, guardUDP: the daemon guards the proxy ports itself (no
+	// conntrack match; UDP only where conntrack netlink answers).
+	guardTCP, guardUDP bool
 }
 
 func (e *explainer) isNodeAddr(a netip.Addr) bool {
@@ -140,6 +143,8 @@ func (e *explainer) explain(q explainQuery) explainAnswer {
 			if found && as == proxy.AsNodePort && (matched.OnNodePort() || (e.offline && matched.Listen.Port() != 0)) {
 				fe, haveFE = matched, true
 				ans.Delivery = fmt.Sprintf("no nat rule needed: the listener sits on NodePort %d itself", matched.Service.NodePort)
+			} else if direct, ok := e.reachedDirectly(q, fromNode); ok {
+				fe, haveFE = e.directDelivery(&ans, direct, q.Protocol)
 			} else if ans.DstLocal {
 				ans.Delivery = "no rule of ours catches it: it goes to whatever listens on that port of the node"
 			} else {
@@ -196,10 +201,41 @@ func (d *debugServer) explainHTTP(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, ans)
 }
 
+// reachedDirectly is the frontend whose listener of the proxy port range
+// a packet from another host to q.To reaches without a rule, where the
+// daemon guards those ports itself.
+func (e *explainer) reachedDirectly(q explainQuery, fromNode bool) (config.Frontend, bool) {
+	if !e.guardTCP || fromNode || !e.isNodeAddr(q.To.Addr()) {
+		return config.Frontend{}, false
+	}
+	for _, f := range e.frontends {
+		if f.Protocol == q.Protocol && f.Err == nil && !f.OnNodePort() && f.Listen.Port() == q.To.Port() {
+			return f, true
+		}
+	}
+	return config.Frontend{}, false
+}
+
+// directDelivery says what the daemon's guard does with a packet that
+// reached fe's listener directly; the frontend that serves it, if any.
+func (e *explainer) directDelivery(ans *explainAnswer, fe config.Frontend, proto config.Protocol) (config.Frontend, bool) {
+	what := "no rule of ours catches it: it reaches the listener of " + fe.Service.Name.String() + " directly, "
+	switch {
+	case proto == config.TCP:
+		ans.Delivery = what + "which RESETS it at accept: a proxy port reached directly, not through a Service address (no conntrack match: the daemon guards the ports)"
+	case e.guardUDP:
+		ans.Delivery = what + "which DROPS the flow's datagrams: a proxy port reached directly, not through a Service address (no conntrack match: the daemon guards the ports, asking conntrack netlink)"
+	default:
+		ans.Delivery = what + "which serves it: without the conntrack match and conntrack netlink nothing tells a direct UDP flow from a redirected one (docs/iptables.md)"
+		return fe, true
+	}
+	return config.Frontend{}, false
+}
+
 // explainer is the live view: the frontends as last synced, the rules as
 // last written with the kernel's counters, the real balancers.
 func (d *debugServer) explainer() *explainer {
-	e := &explainer{node: d.node, frontends: d.p.Frontends(),
+	e := &explainer{node: d.node, frontends: d.p.Frontends(), guardTCP: d.guardTCP, guardUDP: d.guardUDP,
 		service: func(fe config.Frontend, as string, client netip.Addr) proxy.Explanation {
 			return d.p.Explain(fe, as, client)
 		},

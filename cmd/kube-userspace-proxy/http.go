@@ -96,6 +96,9 @@ type debugServer struct {
 	// old behaviour); adminSocket is where it is served otherwise.
 	drainOnMetrics bool
 	adminSocket    string
+	// guardTCP, guardUDP: the daemon guards the proxy ports itself, for
+	// explain (no conntrack match; UDP where conntrack netlink answers).
+	guardTCP, guardUDP bool
 }
 
 func (d *debugServer) routes(reg *prometheus.Registry, profiling bool) *http.ServeMux {

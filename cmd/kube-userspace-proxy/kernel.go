@@ -67,5 +67,13 @@ func logStarted(entry *logrus.Entry, report *config.KernelReport) {
 			entry.WithField("piece", piece).WithError(m.Err).Debug("Kernel piece missing")
 		}
 	}
-	entry.WithField("missing", report.Summary()).Warn("Started without every optional kernel piece (docs/iptables.md)")
+	// The message stays "Started" (scripts wait for it); the level and the
+	// field say what is missing.
+	entry.WithField("missing", report.Summary()+" (docs/iptables.md)").Warn("Started")
+}
+
+// lacks says whether report names piece missing.
+func lacks(report *config.KernelReport, piece config.KernelPiece) bool {
+	_, missing := report.Missing(piece)
+	return missing
 }

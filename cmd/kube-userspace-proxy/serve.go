@@ -105,7 +105,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	log.AddHook(recent)
 	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node),
 		health: healthHandler(p, o.syncPeriod, true, true), audit: log.WithField("component", "debug"),
-		drainOnMetrics: o.drainOnMetrics, adminSocket: o.adminSocket}
+		drainOnMetrics: o.drainOnMetrics, adminSocket: o.adminSocket, guardTCP: guard, guardUDP: guard && !lacks(report, config.PieceConntrackNL)}
 	metrics, err := startHTTP(httpCtx, o.metricsAddr, pred.listener(httpMetrics, o.metricsAddr), dbg.routes(newRegistry(), o.profiling), metricsLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()

@@ -34,7 +34,11 @@ func TestBenchStopsOnABrokenMeasurement(t *testing.T) {
 
 	requireRoot(t)
 	fake := t.TempDir()
-	for _, b := range []string{"kube-userspace-proxy", "backend"} {
+	bins := []string{"kube-userspace-proxy", "backend"}
+	if basicKernel {
+		bins = append(bins, "kube-userspace-proxy.real") // behind the basic kernel's wrapper
+	}
+	for _, b := range bins {
 		data, err := os.ReadFile(filepath.Join(binDir, b))
 		if err != nil {
 			t.Fatal(err)

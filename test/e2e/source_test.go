@@ -79,7 +79,7 @@ func seesOnly(t *testing.T, l *Lab, ns, url, want string, n int) {
 	t.Helper()
 	for i := 0; i < n; i++ {
 		body := l.Curl(ns, url)
-		if got := peerOf(body); got != want {
+		if got := peerOf(body); !seenOK(got, want) {
 			t.Fatalf("%s → %s: the backend saw %q (%q), want %s", ns, url, got, body, want)
 		}
 	}
@@ -157,7 +157,7 @@ func TestBackendSeesTheClient(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			if got := peerOf(string(body)); got != tc.want {
+			if got := peerOf(string(body)); !seenOK(got, tc.want) {
 				return fmt.Errorf("the backend saw %q (%q)", got, body)
 			}
 			return nil
@@ -266,7 +266,7 @@ func TestUDPBackendSeesTheClient(t *testing.T) {
 		t.Helper()
 		for range 2 { // both endpoints, by round robin
 			reply := l.udpExchange(ns, host, port, "peer?", "-w", "1")
-			if got := peerOf(reply); got != want {
+			if got := peerOf(reply); !seenOK(got, want) {
 				t.Fatalf("%s → %s:%s over UDP: the backend saw %q (%q), want %s", ns, host, port, got, reply, want)
 			}
 		}
@@ -366,7 +366,7 @@ func TestBackendBehindAnotherNode(t *testing.T) {
 			}
 			defer resp.Body.Close()
 			body, err := io.ReadAll(resp.Body)
-			if err == nil && peerOf(string(body)) != "10.251.19.20" {
+			if err == nil && !seenOK(peerOf(string(body)), "10.251.19.20") {
 				err = fmt.Errorf("the backend saw %q", body)
 			}
 			errs <- err
@@ -426,8 +426,11 @@ func TestBackendSourceFallsBack(t *testing.T) {
 		}
 	}()
 	waitFor(t, "web served", func() bool { return l.Curl("client", "http://10.96.0.10/") != "" })
-	if !strings.Contains(d.Output(), "bridge-nf-call-iptables is not 1") {
-		t.Fatalf("no warning about bridged replies")
+	switch started := grepLines(d.Output(), "msg=Started "); {
+	case basicKernel && !strings.Contains(started, "no conntrack-netlink: "):
+		t.Fatalf("the start line does not name the missing conntrack netlink:\n%s", started)
+	case !basicKernel && !strings.Contains(started, "no br-netfilter: IPv4 pods calling a pod on this node's bridge show it the node's address: net.bridge.bridge-nf-call-iptables is not 1"):
+		t.Fatalf("the start line does not name the bridged replies:\n%s", started)
 	}
 	seesOnly(t, l, "client", "http://10.96.0.10/", "10.251.19.1", 20)
 	// An external client's reply is routed, not bridged: its own address.
@@ -483,7 +486,7 @@ func TestBackendSourceByInterface(t *testing.T) {
 		d := l.Daemon(append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node"}, tc.args...)...)
 		waitFor(t, "web served", func() bool { return l.Curl("client", "http://10.96.0.10/") != "" })
 		for i := 0; i < 6; i++ {
-			if got := peerOf(l.Curl("client", "http://10.96.0.10/")); got != tc.sees {
+			if got := peerOf(l.Curl("client", "http://10.96.0.10/")); !seenOK(got, tc.sees) {
 				t.Fatalf("%v: the backend saw %q, want %s\n%s", tc.args, got, tc.sees, tail(d.Output(), 3000))
 			}
 		}
@@ -506,14 +509,24 @@ func TestBackendSourceKeepsTheNodesPorts(t *testing.T) {
 
 	// 1 500 connections: more than the node's 200 ports, fewer than the
 	// 2 000 that 1 000 ports to two endpoints give within a TIME_WAIT.
-	for i := range 1500 {
+	// Without conntrack netlink (the basic kernel) there is no source NAT:
+	// the dials take the node's own ports, as the classic proxier's did,
+	// so only what the node's 200 ports carry (docs/iptables.md).
+	n := 1500
+	if basicKernel {
+		n = 150
+	}
+	for i := range n {
 		body, err := getClosingFirst(l.NS("client"), "10.96.0.22:80")
 		if err != nil {
 			t.Fatalf("connection %d: %v", i, err)
 		}
-		if got := peerOf(body); got != "10.251.19.20" {
+		if got := peerOf(body); !seenOK(got, "10.251.19.20") {
 			t.Fatalf("connection %d: the backend saw %q (%q), want the client 10.251.19.20", i, got, body)
 		}
+	}
+	if basicKernel {
+		return
 	}
 	// The node's own connections still find a port (the scrape connects
 	// from the node).
