@@ -695,23 +695,31 @@ func (l *Lab) bareRulePattern(re string) string {
 	l.mu.Lock()
 	outs := append([]*testutil.Buffer(nil), l.nodeOut...)
 	l.mu.Unlock()
-	listening := regexp.MustCompile(`msg=Listening .*listen=(\d+) .*service="?([^" ]+)`)
-	ports := map[string]bool{}
+	listening := regexp.MustCompile(`msg=Listening .*listen=(\d+) protocol=(\w+) .*service="?([^" ]+)`)
+	ports := map[string]map[string]bool{} // by protocol, as the rules write it
 	for _, out := range outs {
 		for _, m := range listening.FindAllStringSubmatch(out.String(), -1) {
-			if matches(m[2]) {
-				ports[m[1]] = true
+			if matches(m[3]) {
+				proto := strings.ToLower(m[2])
+				if ports[proto] == nil {
+					ports[proto] = map[string]bool{}
+				}
+				ports[proto][m[1]] = true
 			}
 		}
 	}
 	if len(ports) == 0 {
 		return `^\b$` // no listener: no rule
 	}
-	alt := make([]string, 0, len(ports))
-	for p := range ports {
-		alt = append(alt, p)
+	var alts []string
+	for proto, set := range ports {
+		var ps []string
+		for p := range set {
+			ps = append(ps, p)
+		}
+		alts = append(alts, `-p `+proto+` .*(--to-ports |--to-destination \S+:)(`+strings.Join(ps, "|")+`)`)
 	}
-	return re[:loc[0]] + `.*(--to-ports |--to-destination \S+:)(` + strings.Join(alt, "|") + `)( |$)` + re[loc[1]:]
+	return re[:loc[0]] + `.*(` + strings.Join(alts, "|") + `)( |$)` + re[loc[1]:]
 }
 
 func tail(s string, n int) string {
