@@ -2,7 +2,9 @@ package proxy
 
 // One TCP connection's path, top to bottom:
 //
-//	serveTCP (the dataplane's acceptor) →  handleTCP (a worker goroutine)
+//	serveTCP (the dataplane's acceptor) →  handleTCP (a worker goroutine;
+//	    where the kernel has no conntrack match it first resets a connection
+//	    from another host that no rule redirected: Config.GuardAtAccept)
 //	  → dialBackend (balancer pick + sock.DialTCP, with retry)
 //	  → splice (two halfCopy, one per direction, each a sock.Copy;
 //	    half-closes passed on; tcpPair.end aborts both sockets; the idle

@@ -3,10 +3,12 @@ package proxy
 // One UDP flow's path, all of it the frontend's udpServer's:
 //
 //	serve reads a datagram (with IP_PKTINFO: the address it arrived on)
-//	  → flowFor finds or creates the client's flow (balancer pick, connected
-//	    socket to the endpoint from the address the backend should see,
-//	    source.go and sock.DialUDPFrom; the least recently used flow is
-//	    evicted when the table is full)
+//	  → flowFor finds or creates the client's flow (a new one from another
+//	    host that no rule redirected is dropped first where the kernel has
+//	    no conntrack match: unredirected asks conntrack once; then balancer
+//	    pick, connected socket to the endpoint from the address the backend
+//	    should see, source.go and sock.DialUDPFrom; the least recently used
+//	    flow is evicted when the table is full)
 //	  → the datagram is written to the endpoint
 //	replies copies the endpoint's datagrams back to the client, sent from
 //	the address the client's datagram arrived on so that conntrack can undo

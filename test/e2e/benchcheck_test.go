@@ -35,7 +35,7 @@ func TestBenchStopsOnABrokenMeasurement(t *testing.T) {
 	requireRoot(t)
 	fake := t.TempDir()
 	bins := []string{"kube-userspace-proxy", "backend"}
-	if basicKernel {
+	if basicKernel && !realBasicKernel {
 		bins = append(bins, "kube-userspace-proxy.real") // behind the basic kernel's wrapper
 	}
 	for _, b := range bins {
