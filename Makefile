@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test test-basic-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test test-basic-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -113,6 +113,11 @@ bench-floor-udp: bench-tools
 # and connections/s through a ClusterIP at scale (~6 minutes).
 bench-tax: bench-tools
 	BIN=$(BIN) bash test/bench/nodetax.sh
+
+# New connections/s with the guard of the proxy ports in the filter table
+# and at accept (basic netfilter), beside HAProxy (~6 minutes).
+bench-guard: bench-tools
+	BIN=$(BIN) bash test/bench/guard.sh
 
 # New connections/s with each scheduler and with the PROXY protocol v2 on and
 # off, in one run (~2 minutes).
