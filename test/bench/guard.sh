@@ -23,11 +23,11 @@ for round in $(seq "$ROUNDS"); do
     echo "$mode $cps $cpu" >>"$out"
   done
 done
-cell() { sort -g | awk '{v[NR]=$1} END{printf "%s (%s–%s)", v[int((NR+1)/2)], v[1], v[NR]}'; }
+cell() { sort -g | awk -v f="$1" '{v[NR]=$1} END{printf f " (" f "–" f ")", v[int((NR+1)/2)], v[1], v[NR]}'; } # FORMAT
 echo
 echo "| guard of the proxy ports | this proxy, new connections/s | HAProxy, same runs | ours ÷ HAProxy | proxy CPU µs per connection |"
 echo "|---|---:|---:|---:|---:|"
 for mode in filter accept; do
   label=$([ "$mode" = filter ] && echo "filter table (conntrack match)" || echo "at accept (basic netfilter)")
-  echo "| $label | $(awk -v m=$mode '$1==m {print $3}' "$out" | cell) | $(awk -v m=$mode '$1==m {print $2}' "$out" | cell) | $(awk -v m=$mode '$1==m {print $3/$2}' "$out" | cell) | $(awk -v m=$mode '$1==m {print $4}' "$out" | cell) |"
+  echo "| $label | $(awk -v m=$mode '$1==m {print $3}' "$out" | cell %.0f) | $(awk -v m=$mode '$1==m {print $2}' "$out" | cell %.0f) | $(awk -v m=$mode '$1==m {print $3/$2}' "$out" | cell %.2f)× | $(awk -v m=$mode '$1==m {print $4}' "$out" | cell %.1f) |"
 done
