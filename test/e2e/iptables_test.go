@@ -463,7 +463,7 @@ func TestNodePortConflictIsReported(t *testing.T) {
 func TestBasicNetfilterOnly(t *testing.T) {
 	plain := "---\n" + service("plain", "ClusterIP", "10.96.0.30", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}, {name: dns, port: 53, targetPort: 8080, protocol: UDP}`) +
 		slices("plain", `{name: http, port: 8080, protocol: TCP}, {name: dns, port: 8080, protocol: UDP}`, false)
-	l, d, _ := startWeb(t, webManifest()+plain, "--iptables-basic-only")
+	l, d, _ := startWeb(t, webManifest()+plain, "--iptables-basic-only", "--connection-log", "all")
 	reachesBoth(t, l, "client", "http://10.96.0.30:80/")
 	udpReaches(t, l, "client", "10.96.0.30", "53")
 	listenPort := func(portName string) string {
@@ -489,6 +489,12 @@ func TestBasicNetfilterOnly(t *testing.T) {
 	waitFor(t, "the reset logged with the peer", func() bool {
 		return strings.Contains(grepLines(d.Output(), "Reset a connection from another host"), "peer=\"192.168.50.2:")
 	})
+	// No backend saw it: its record ends without an endpoint or a dial.
+	for _, line := range strings.Split(grepLines(d.Output(), `client="192.168.50.2:`), "\n") {
+		if strings.Contains(line, "msg=\"Connection closed\"") && (!strings.Contains(line, `cause="not redirected"`) || strings.Contains(line, "endpoint=")) {
+			t.Errorf("the direct connection reached further than the accept:\n%s", line)
+		}
+	}
 	// UDP: no answer to another host, from one port or many; the node
 	// itself is answered at the same address and port. Without conntrack
 	// netlink (the basic kernel) nothing tells the flows apart: another
