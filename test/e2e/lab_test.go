@@ -33,7 +33,7 @@ var (
 	// states. KUP_E2E_KERNEL=basic-real is the same on a kernel that lacks
 	// those modules itself (docs/iptables.md, "Tested as a target"): only
 	// the legacy binaries are put first, nothing is switched off.
-	basicKernel = strings.HasPrefix(os.Getenv("KUP_E2E_KERNEL"), "basic")
+	basicKernel     = strings.HasPrefix(os.Getenv("KUP_E2E_KERNEL"), "basic")
 	realBasicKernel = os.Getenv("KUP_E2E_KERNEL") == "basic-real"
 )
 
