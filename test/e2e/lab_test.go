@@ -54,6 +54,27 @@ func run(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	binDir = dir
+	// KUP_E2E_BIN_DIR: binaries built beforehand (a VM whose go build
+	// would take long, docs/iptables.md), copied rather than built.
+	if pre := os.Getenv("KUP_E2E_BIN_DIR"); pre != "" {
+		for _, b := range []string{"kube-userspace-proxy", "backend", "kube-userspace-proxy-crashtest"} {
+			data, err := os.ReadFile(filepath.Join(pre, b))
+			if err == nil {
+				err = os.WriteFile(filepath.Join(dir, b), data, 0o755)
+			}
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "KUP_E2E_BIN_DIR: %v\n", err)
+				return 1
+			}
+		}
+		if basicKernel {
+			if err := installBasicKernel(dir); err != nil {
+				fmt.Fprintf(os.Stderr, "KUP_E2E_KERNEL=basic: %v\n", err)
+				return 1
+			}
+		}
+		return m.Run()
+	}
 	for _, b := range []struct{ out, tags, pkg string }{
 		{"kube-userspace-proxy", "", "./cmd/kube-userspace-proxy"},
 		{"backend", "", "./test/backend"},
