@@ -81,7 +81,7 @@ func (r *KernelReport) Lacks(piece KernelPiece, costs string, err error) {
 	r.missing[piece] = Missing{Costs: costs, Err: err}
 }
 
-// Pieces are the pieces probed, sorted, each with whether it works.
+// Pieces are the pieces probed, each with whether it works.
 func (r *KernelReport) Pieces() map[KernelPiece]bool {
 	if r == nil {
 		return nil
