@@ -267,6 +267,11 @@ func TestUDPConntrackFollowsListeners(t *testing.T) {
 	args := []string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node", "--proxy-port-range", "46000-46000"}
 	writeManifest(t, m, svcA(""))
 	d := l.Daemon(args...)
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", tail(d.Output(), 4000))
+		}
+	}()
 	// answers: once the rules of a change are in place, the client on its
 	// fixed port is answered again within about a second (a query may land
 	// between the rule sync and the conntrack cleanup right after it).

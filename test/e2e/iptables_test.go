@@ -542,6 +542,7 @@ func TestBasicNetfilterOnly(t *testing.T) {
 	// One start line names each missing piece with its cost; no piece
 	// that is there is named.
 	started := grepLines(d.Output(), "level=warning msg=Started ")
+	t.Logf("the start line: %s", started)
 	for _, want := range []string{"no comment-match: ", "no addrtype-match: ", "no conntrack-match: the proxy ports are guarded by the daemon"} {
 		if !strings.Contains(started, want) {
 			t.Errorf("the start line lacks %q:\n%s", want, started)
