@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test test-basic-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -38,6 +38,12 @@ test: setup-test fmt-check vet build image-check
 # (docs/iptables.md; root, ~10 minutes; part of make test).
 test-basic-kernel:
 	KUP_E2E_KERNEL=basic $(GO) test -count=1 -timeout 30m ./test/e2e/
+
+# A few end-to-end tests on a real kernel without the netfilter extras (Debian's,
+# modules removed, booted in qemu; docs/iptables.md; root, ~5 minutes a test,
+# TESTS=pattern picks; not part of make test).
+test-real-kernel:
+	TESTS='$(TESTS)' bash test/realkernel.sh
 
 # Installs what a job lacks on Debian (packages; Go when missing or too old),
 # saying what: test/setup.sh demo|test|bench.
