@@ -27,6 +27,7 @@ if [ ! -d "$W/root/boot" ]; then # the kernel package, unpacked, never installed
   (cd "$W" && apt-get download "$pkg" 2>/dev/null && dpkg-deb -x "$pkg"_*.deb root && rm -f "$pkg"_*.deb)
 fi
 kver=$(ls "$W/root/lib/modules" | head -1)
+depmod -b "$W/root" "$kver" # the package's own tree, for the initramfs' list below
 rm -rf "$W/mods" && mkdir -p "$W/mods/lib/modules" && cp -a "$W/root/lib/modules/$kver" "$W/mods/lib/modules/"
 for m in nf_conntrack_netlink xt_conntrack xt_comment xt_addrtype xt_state xt_MASQUERADE xt_mark xt_CT br_netfilter; do
   find "$W/mods/lib/modules/$kver" -name "$m.ko*" -delete
@@ -37,6 +38,7 @@ rm -rf "$W/initrd" && mkdir -p "$W/initrd/mods"
 CGO_ENABLED=0 go build -o "$W/initrd/init" ./test/cmd/vminit
 for m in virtio_pci 9pnet_virtio 9p overlay; do modprobe -d "$W/root" -S "$kver" --show-depends "$m" | awk '{print $2}'; done |
   awk '!seen[$0]++' | while read -r ko; do cp "$ko" "$W/initrd/mods/"; echo "/mods/$(basename "$ko")"; done >"$W/initrd/modules.list"
+[ "$(wc -l <"$W/initrd/modules.list")" -ge 4 ] || { echo "no module list for the initramfs" >&2; exit 1; }
 (cd "$W/initrd" && find . | cpio -o -H newc 2>/dev/null | gzip) >"$W/initrd.gz"
 mkdir -p "$W/bin"
 CGO_ENABLED=0 go build -o "$W/bin/kube-userspace-proxy" ./cmd/kube-userspace-proxy
