@@ -116,7 +116,7 @@ func (r *Rules) reportFeatures(report *config.KernelReport) {
 			"every new connection through the node enters the NodePort chains, and the NodePort rules of externalTrafficPolicy: Local Services list the node's addresses one by one"},
 		{config.PieceConntrackMatch, func(f Features) bool { return f.Conntrack },
 			"the proxy ports are guarded by the daemon instead of the filter table: a TCP connection from another host that no rule redirected is reset at accept, " +
-				"a UDP flow's datagrams are dropped after one conntrack netlink request per new flow"},
+				"a UDP flow's datagrams are dropped where conntrack netlink tells (one request per new flow)"},
 	} {
 		for _, f := range r.families {
 			if !m.has(f.features) {

@@ -246,10 +246,16 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 	if cfg.BackendSource == BackendSourceNode {
 		return nil
 	}
+	// Where conntrack netlink does not answer (no nf_conntrack_netlink:
+	// the socket may open and every request fail) the start line says it
+	// once, as conntrack-netlink (ProbeConntrackNetlink), not per family.
+	if err := ProbeConntrackNetlink(); err != nil {
+		cfg.log().WithError(err).Debug("No source NAT: backends see the node's address")
+		return nil
+	}
 	nat, err := sock.NewClientNAT(sockets, cfg.PortRange.Base, cfg.PortRange.Size)
 	if err != nil {
-		// The start line says it: no conntrack netlink (ProbeConntrackNetlink).
-		cfg.log().WithError(err).Debug("No source NAT: backends see the node's address")
+		cfg.log().WithError(err).Warn("Backends see the node's address, not their clients': the source NAT's netlink sockets could not be opened")
 		return nil
 	}
 	c := &clientNAT{nat: nat}
