@@ -54,41 +54,9 @@ func run(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	binDir = dir
-	// KUP_E2E_BIN_DIR: binaries built beforehand (a VM whose go build
-	// would take long, docs/iptables.md), copied rather than built.
-	if pre := os.Getenv("KUP_E2E_BIN_DIR"); pre != "" {
-		for _, b := range []string{"kube-userspace-proxy", "backend", "kube-userspace-proxy-crashtest"} {
-			data, err := os.ReadFile(filepath.Join(pre, b))
-			if err == nil {
-				err = os.WriteFile(filepath.Join(dir, b), data, 0o755)
-			}
-			if err != nil {
-				fmt.Fprintf(os.Stderr, "KUP_E2E_BIN_DIR: %v\n", err)
-				return 1
-			}
-		}
-		if basicKernel {
-			if err := installBasicKernel(dir); err != nil {
-				fmt.Fprintf(os.Stderr, "KUP_E2E_KERNEL=basic: %v\n", err)
-				return 1
-			}
-		}
-		return m.Run()
-	}
-	for _, b := range []struct{ out, tags, pkg string }{
-		{"kube-userspace-proxy", "", "./cmd/kube-userspace-proxy"},
-		{"backend", "", "./test/backend"},
-		// Crashes on demand, for the keeper's tests (cmd/…/crashtest.go).
-		{"kube-userspace-proxy-crashtest", "crashtest", "./cmd/kube-userspace-proxy"},
-	} {
-		pkg := b.pkg
-		cmd := exec.Command("go", "build", "-tags", b.tags, "-o", filepath.Join(dir, b.out), b.pkg)
-		cmd.Dir = repoRoot
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			fmt.Fprintf(os.Stderr, "building %s: %v\n%s", pkg, err, out)
-			return 1
-		}
+	if err := placeBinaries(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
 	}
 	if basicKernel {
 		if err := installBasicKernel(dir); err != nil {
@@ -97,6 +65,38 @@ func run(m *testing.M) int {
 		}
 	}
 	return m.Run()
+}
+
+// placeBinaries builds the daemon, its crash-on-demand build and the
+// backend into dir, or copies them from KUP_E2E_BIN_DIR: binaries built
+// beforehand, for a VM whose own go build would take long
+// (test/realkernel.sh).
+func placeBinaries(dir string) error {
+	builds := []struct{ out, tags, pkg string }{
+		{"kube-userspace-proxy", "", "./cmd/kube-userspace-proxy"},
+		{"backend", "", "./test/backend"},
+		// Crashes on demand, for the keeper's tests (cmd/…/crashtest.go).
+		{"kube-userspace-proxy-crashtest", "crashtest", "./cmd/kube-userspace-proxy"},
+	}
+	for _, b := range builds {
+		if pre := os.Getenv("KUP_E2E_BIN_DIR"); pre != "" {
+			data, err := os.ReadFile(filepath.Join(pre, b.out))
+			if err == nil {
+				err = os.WriteFile(filepath.Join(dir, b.out), data, 0o755)
+			}
+			if err != nil {
+				return fmt.Errorf("KUP_E2E_BIN_DIR: %w", err)
+			}
+			continue
+		}
+		cmd := exec.Command("go", "build", "-tags", b.tags, "-o", filepath.Join(dir, b.out), b.pkg)
+		cmd.Dir = repoRoot
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("building %s: %w\n%s", b.pkg, err, out)
+		}
+	}
+	return nil
 }
 
 // seenOK says whether a backend that saw got saw what the test wants:
