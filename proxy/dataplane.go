@@ -98,18 +98,20 @@ func newDataplane(cfg *Config) *dataplane {
 		unredirectedTCP: newConnLogLimit(0.1),
 		unredirectedUDP: newConnLogLimit(0.1),
 	}
+	// Both users of conntrack netlink ask once whether it answers; where it
+	// does not (no nf_conntrack_netlink: the socket may open and every
+	// request fail) the start line says so, as conntrack-netlink
+	// (ProbeConntrackNetlink, asked by cmd), not once per user.
+	if cfg.GuardAtAccept || cfg.BackendSource != BackendSourceNode {
+		if err := ProbeConntrackNetlink(); err != nil {
+			cfg.log().WithError(err).Debug("No conntrack netlink: backends see the node's address, and UDP proxy ports are unguarded")
+			return d
+		}
+	}
 	d.clientNAT.Store(openClientNAT(cfg, runtime.GOMAXPROCS(0)))
 	if cfg.GuardAtAccept {
-		ct, err := sock.OpenConntrack(runtime.GOMAXPROCS(0))
-		if err == nil {
-			err = ct.Probe()
-			if err != nil {
-				ct.Close()
-			}
-		}
-		if err != nil {
-			// The start line says it (conntrack-netlink, ProbeConntrackNetlink).
-			cfg.log().WithError(err).Debug("UDP proxy ports unguarded: no conntrack netlink to ask where a new flow was sent")
+		if ct, err := sock.OpenConntrack(runtime.GOMAXPROCS(0)); err != nil {
+			cfg.log().WithError(err).Warn("UDP proxy ports unguarded: the guard's conntrack netlink sockets could not be opened")
 		} else {
 			d.conntrack = ct
 		}

@@ -238,19 +238,13 @@ func (c *clientNAT) forFamily(addr netip.Addr) *sock.ClientNAT {
 
 func familyIndex(family int) int { return family / 6 } // 4 → 0, 6 → 1
 
-// openClientNAT opens the dataplane's source NAT and probes it per family;
+// openClientNAT opens the dataplane's source NAT (where conntrack netlink
+// answers: newDataplane asks first) and probes it per family;
 // a family the kernel cannot NAT this way keeps the node's address, told
 // to the kernel report (the start line; clientAddressAvailable tells the
 // metrics).
 func openClientNAT(cfg *Config, sockets int) *clientNAT {
 	if cfg.BackendSource == BackendSourceNode {
-		return nil
-	}
-	// Where conntrack netlink does not answer (no nf_conntrack_netlink:
-	// the socket may open and every request fail) the start line says it
-	// once, as conntrack-netlink (ProbeConntrackNetlink), not per family.
-	if err := ProbeConntrackNetlink(); err != nil {
-		cfg.log().WithError(err).Debug("No source NAT: backends see the node's address")
 		return nil
 	}
 	nat, err := sock.NewClientNAT(sockets, cfg.PortRange.Base, cfg.PortRange.Size)

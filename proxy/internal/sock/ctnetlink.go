@@ -97,8 +97,8 @@ func (c *ctnetlink) open(n int) error {
 	return nil
 }
 
-// errNATClosed is a request's error after Close.
-var errNATClosed = errors.New("conntrack netlink: closed")
+// errNetlinkClosed is a request's error after Close.
+var errNetlinkClosed = errors.New("conntrack netlink: closed")
 
 // Close closes the sockets; requests after it fail. Only after every
 // request has returned: a socket in use when it is called stays open.
@@ -139,7 +139,7 @@ func (c *ctnetlink) do(b []byte, onData func(msg []byte)) error {
 	var fd int
 	select {
 	case <-c.closed:
-		return errNATClosed
+		return errNetlinkClosed
 	case fd = <-c.socks:
 	}
 	defer func() { c.socks <- fd }()
