@@ -37,14 +37,17 @@ type clusterLab struct {
 	daemon *Proc
 	ctx    context.Context
 	token  string // the shipped ServiceAccount's, for more daemons
+	// kubeconfig is docs/deploy's, for daemons the test starts itself.
+	kubeconfig string
 }
 
 // clusterLabOptions vary the lab: listenAll serves the API server on the
 // node's addresses (for the daemons of other nodes), daemonArgs are added
-// to the daemon's command line.
+// to the daemon's command line; noDaemon leaves the daemon to the test.
 type clusterLabOptions struct {
 	listenAll  bool
 	daemonArgs []string
+	noDaemon   bool
 }
 
 func newClusterLab(t *testing.T) *clusterLab { return startClusterLab(t, clusterLabOptions{}) }
@@ -85,8 +88,12 @@ func startClusterLab(t *testing.T, o clusterLabOptions) *clusterLab {
 	}
 	cl.token = tr.Status.Token
 	kc := cl.deployKubeconfig(t, cp.URL)
+	cl.kubeconfig = kc
 	l.Backends()
 	l.Start("client", filepath.Join(binDir, "backend"), "--name", "pod3", "--tcp", ":8080", "--udp", "")
+	if o.noDaemon {
+		return cl
+	}
 	cl.daemon = l.Daemon(append([]string{"--kubeconfig", kc, "--hostname-override", "node", "--min-sync-period", "100ms"}, o.daemonArgs...)...)
 	t.Cleanup(func() {
 		if t.Failed() {
