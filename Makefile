@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -164,3 +164,21 @@ conformance: setup-conformance
 # The few-minute subset of the same (part of make test).
 conformance-short: setup-conformance
 	$(GO) run ./test/conformance -short -proxies kube-userspace-proxy
+
+# The differential (docs/conformance.md): SHAPES random Service and
+# EndpointSlice shapes (200) from SEED (a new one, printed, when unset),
+# each observed from seven clients over every address with ours and then
+# with kube-proxy (nftables) on the same three-node lab; fails on a
+# difference test/conformance/differential-known.txt does not list, each
+# printed as a reproduction reduced to the smallest shape that still
+# differs. CASE=N reruns one case of SEED. DOCS=1 writes the table.
+differential: setup-conformance
+	$(GO) run ./test/conformance -differential $(if $(SEED),-seed $(SEED)) $(if $(SHAPES),-shapes $(SHAPES)) \
+		$(if $(CASE),-case $(CASE)) $(if $(DOCS),-docs)
+
+# Hours of mixed load on the e2e cluster lab while the world misbehaves
+# (test/e2e/soak_test.go): SOAK=2h by default, the record (samples.tsv,
+# errors.txt, curves.svg) in RECORD=docs/soak. make test runs a 5-minute form.
+soak:
+	KUP_SOAK=$(or $(SOAK),2h) KUP_SOAK_RECORD=$(abspath $(or $(RECORD),docs/soak)) \
+		$(GO) test -count=1 -run '^TestSoak$$' -v -timeout 24h ./test/e2e/

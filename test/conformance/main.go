@@ -52,6 +52,13 @@ func main() {
 	nodes := flag.Int("nodes", 3, "kubelet nodes (three: the HealthCheckNodePort spec needs as many, the multi-node ones two)")
 	procs := flag.Int("procs", 3, "parallel e2e processes (Ginkgo -p; [Serial] specs run alone)")
 	keep := flag.Bool("keep", false, "leave the last lab's folder (logs, configs) in "+labDir)
+	differential := flag.Bool("differential", false, "run the differential instead of the e2e suite: random Service shapes observed with ours and with kube-proxy (nftables)")
+	seed := flag.Int64("seed", 0, "the differential's seed (0: a new one, printed)")
+	shapes := flag.Int("shapes", 200, "how many shapes the differential draws")
+	oneCase := flag.Int("case", -1, "run only this case of the seed (with -differential)")
+	batch := flag.Int("batch", 16, "shapes applied and observed together (with -differential)")
+	noShrink := flag.Bool("no-shrink", false, "report differences without reducing their shapes (with -differential)")
+	docs := flag.Bool("docs", false, "write the differential's table into docs/conformance.md (with -differential)")
 	flag.Parse()
 	if os.Geteuid() != 0 {
 		// As the root-only tests: a skip in make test, a failure in CI.
@@ -90,6 +97,25 @@ func main() {
 	tars, err := buildImages(repo, b)
 	if err != nil {
 		fatal(err)
+	}
+	if *differential {
+		o := diffOptions{seed: *seed, shapes: *shapes, only: *oneCase, batch: *batch, shrink: !*noShrink, writeDocs: *docs && *oneCase < 0,
+			resultsFile: filepath.Join(conf, "results", "differential.json")}
+		if o.seed == 0 {
+			o.seed = time.Now().UnixNano() % 1_000_000
+		}
+		if *oneCase >= 0 {
+			o.resultsFile = ""
+		}
+		fmt.Printf("== differential: seed %d, %d shapes (rerun with make differential SEED=%d)\n", o.seed, o.shapes, o.seed)
+		ok, err := runDifferential(ctx, repo, b, tars, o)
+		if err != nil {
+			fatal(err)
+		}
+		if !ok {
+			os.Exit(1)
+		}
+		return
 	}
 	command := "make conformance"
 	if *short {

@@ -206,6 +206,22 @@ func (s *soak) startKeeper() *Proc {
 
 func (s *soak) run() {
 	t := s.t
+	// No client tries a Service before its rules are in: a SYN sent to a
+	// ClusterIP no rule catches yet leaves a conntrack entry without NAT,
+	// and every later connection the kernel happens to give the same
+	// source port matches that entry, skips the REDIRECT and is lost (the
+	// entry lives 120 s from its last SYN). kube-proxy's rules have the
+	// same window; so the lab waits for the rules, as a node's pods wait
+	// for the proxy's readiness.
+	waitFor(t, "the Services' rules", func() bool {
+		out, _ := s.cl.Exec("node", "iptables-save", "-t", "nat")
+		for _, addr := range []string{soakWeb, soakSticky, soakEcho, soakExtIP} {
+			if !strings.Contains(out, "-d "+addr+"/32") {
+				return false
+			}
+		}
+		return true
+	})
 	for _, addr := range []string{"http://" + soakWeb + "/", "http://" + soakSticky + "/", "http://" + soakExtIP + "/"} {
 		waitFor(t, addr, func() bool { return strings.HasPrefix(s.cl.Curl("node", addr), "pod") })
 	}
@@ -611,8 +627,39 @@ func (s *soak) explained(e soakError) string {
 	return ""
 }
 
-// sample records the lab at rest.
+// sample records the lab at rest. What an event left in flight (dials to a
+// backend that was stopped, connections it queued) ends within seconds,
+// where a leak stays: while a worker's figure is above its life's first
+// sample by more than its margin, it is read again, for up to 30 s.
 func (s *soak) sample() {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		sm := s.read()
+		s.mu.Lock()
+		life := []soakSample{}
+		for _, prev := range s.samples {
+			if prev.worker == sm.worker {
+				life = append(life, prev)
+			}
+		}
+		life = append(life, sm)
+		grew := false
+		for _, f := range soakLifeFigures {
+			grew = grew || lifeGrowth(f, life) != ""
+		}
+		if !grew || time.Now().After(deadline) {
+			s.samples = append(s.samples, sm)
+			s.mu.Unlock()
+			s.t.Logf("soak %v: %+v", sm.at, sm)
+			return
+		}
+		s.mu.Unlock()
+		time.Sleep(time.Second) // the poll's interval; the deadline bounds it
+	}
+}
+
+// read reads the figures a sample holds.
+func (s *soak) read() soakSample {
 	t := s.t
 	worker := workerOf(t, s.keeper, 0)
 	sm := soakSample{at: time.Since(s.begun).Round(time.Second), worker: worker}
@@ -643,9 +690,8 @@ func (s *soak) sample() {
 			sm.unexplained++
 		}
 	}
-	s.samples = append(s.samples, sm)
 	s.mu.Unlock()
-	t.Logf("soak %v: %+v", sm.at, sm)
+	return sm
 }
 
 // count runs a shell line in the node's namespace and returns the number

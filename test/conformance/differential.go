@@ -1,0 +1,664 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discovery "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+)
+
+// The differential run (make differential): random but valid Service and
+// EndpointSlice shapes, each observed from every kind of client over every
+// address, first with kube-userspace-proxy, then with kube-proxy (nftables)
+// in its place on the same three-node lab; every difference that
+// differential-known.txt does not explain fails the run, reduced first to
+// the smallest shape that still differs.
+//
+// One lab serves both proxies: they take turns (the one leaving is stopped
+// and its rules cleaned up with its own --cleanup), so the shapes meet the
+// same pods, nodes and addresses.
+
+type diffOptions struct {
+	seed        int64
+	shapes      int
+	only        int // a case to run alone; -1: all
+	batch       int
+	shrink      bool
+	writeDocs   bool
+	resultsFile string
+}
+
+// shapeRun is one shape's observations, before (phase 0) and after its edit.
+type shapeRun struct {
+	shape  shape
+	phases [2][]observation
+	health [2][]string // per node, LoadBalancer with externalTrafficPolicy Local only
+}
+
+// differ is the run's state: the lab, its API client and what it saw.
+type differ struct {
+	ctx   context.Context
+	l     *lab
+	cp    *controlPlane
+	repo  string
+	kube  *kubernetes.Clientset
+	view  *labView
+	proxy string // serving now
+	known []knownDiff
+	log   *os.File
+
+	sentinelFlip int
+	sentinelIP   string
+}
+
+func runDifferential(ctx context.Context, repo string, b *binaries, tars []string, o diffOptions) (bool, error) {
+	conf := filepath.Join(repo, "test", "conformance")
+	known, err := readKnownDiffs(filepath.Join(conf, "differential-known.txt"))
+	if err != nil {
+		return false, err
+	}
+	sweep(labDir, false)
+	l := &lab{dir: labDir, log: os.Stdout, nodes: 3, keepLogs: filepath.Join(os.TempDir(), "kup-conformance-logs", "differential")}
+	defer l.close(false)
+	start := time.Now()
+	cp, err := l.bringUp(ctx, b, tars)
+	if err != nil {
+		return false, err
+	}
+	d := &differ{ctx: ctx, l: l, cp: cp, repo: repo, known: known, log: os.Stdout}
+	if err := d.setUp(); err != nil {
+		return false, fmt.Errorf("the differential's pods: %w", err)
+	}
+	fmt.Printf("   lab up in %v: %d clients, %d pool pods\n", time.Since(start).Round(time.Second), len(d.view.clients), len(diffPool))
+
+	var shapes []shape
+	for c := 0; c < o.shapes; c++ {
+		if o.only >= 0 && c != o.only {
+			continue
+		}
+		s := generate(o.seed, c)
+		if !s.valid() {
+			continue
+		}
+		shapes = append(shapes, s)
+	}
+	var ours, ref map[int]*shapeRun
+	for _, p := range []string{proxyOurs, proxyKubeNftables} {
+		if err := d.serveWith(p); err != nil {
+			return false, err
+		}
+		t0 := time.Now()
+		runs, err := d.runShapes(shapes, o.batch, ours)
+		if err != nil {
+			return false, err
+		}
+		fmt.Printf("   %s: %d shapes observed in %v\n", p, len(runs), time.Since(t0).Round(time.Second))
+		if p == proxyOurs {
+			ours = runs
+		} else {
+			ref = runs
+		}
+	}
+	diffs := d.compareAll(shapes, ours, ref)
+	if len(unexplainedOf(diffs)) > 0 && o.shrink {
+		d.shrinkAll(diffs)
+	}
+	sum := summarise(o, shapes, ours, diffs, time.Since(start))
+	d.report(diffs)
+	if o.resultsFile != "" {
+		if err := writeJSON(o.resultsFile, sum); err != nil {
+			return false, err
+		}
+	}
+	if o.writeDocs {
+		if err := writeDifferentialDocs(repo, sum); err != nil {
+			return false, err
+		}
+	}
+	fmt.Printf("== differential: %d shapes × %d clients, %d observations per proxy, %d differences (%d explained by differential-known.txt), %v\n",
+		sum.Shapes, sum.Clients, sum.Observations, sum.Differences, sum.Explained, time.Since(start).Round(time.Second))
+	return len(unexplainedOf(diffs)) == 0, nil
+}
+
+// bringUp starts the control plane and the nodes, with no Service proxy.
+func (l *lab) bringUp(ctx context.Context, b *binaries, tars []string) (*controlPlane, error) {
+	if err := os.MkdirAll(l.dir, 0o755); err != nil {
+		return nil, err
+	}
+	if err := l.network(); err != nil {
+		return nil, fmt.Errorf("lab network: %w", err)
+	}
+	cp, err := l.startControlPlane(ctx, b)
+	if err != nil {
+		return nil, fmt.Errorf("control plane: %w (logs in %s)", err, filepath.Join(l.dir, "logs"))
+	}
+	for i := 1; i <= l.nodes; i++ {
+		if err := l.startNode(ctx, i, b, cp, tars); err != nil {
+			return nil, fmt.Errorf("%s: %w (logs in %s)", nodeName(i), err, filepath.Join(l.dir, "logs"))
+		}
+	}
+	if _, err := cp.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=120s"); err != nil {
+		return nil, err
+	}
+	return cp, nil
+}
+
+// setUp makes the namespace, the pool, the client pods and the sentinel,
+// labels the nodes with zones and routes the outside addresses to nodes.
+func (d *differ) setUp() error {
+	cfg, err := clientcmd.BuildConfigFromFlags("", d.cp.kubeconfig)
+	if err != nil {
+		return err
+	}
+	cfg.Dial = cluster.DialContextIn(netNS)
+	cfg.QPS, cfg.Burst = 200, 400
+	if d.kube, err = kubernetes.NewForConfig(cfg); err != nil {
+		return err
+	}
+	ctx := d.ctx
+	for i := 1; i <= d.l.nodes; i++ {
+		if _, err := d.cp.kubectl("label", "node", nodeName(i), "--overwrite", "topology.kubernetes.io/zone="+diffZones[i]); err != nil {
+			return err
+		}
+	}
+	for _, r := range [][]string{{diffExternalNet + "0/24", nodeAddr(1)}, {diffLBNet + "0/24", nodeAddr(2)}} {
+		if err := ip(netNS, "route", "replace", r[0], "via", r[1]); err != nil {
+			return err
+		}
+	}
+	if _, err := d.kube.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: diffNamespace}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	netexec := func(name string, http, udp int) v1.Container {
+		return v1.Container{Name: name, Image: agnhostImage, ImagePullPolicy: v1.PullNever,
+			Args: []string{"netexec", fmt.Sprintf("--http-port=%d", http), fmt.Sprintf("--udp-port=%d", udp)}}
+	}
+	pods := map[string]int{}
+	for _, p := range diffPool {
+		pods[p.name] = p.node
+		pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: p.name, Namespace: diffNamespace}, Spec: v1.PodSpec{
+			NodeName: nodeName(p.node), Containers: []v1.Container{netexec("main", 8080, 8081), netexec("alt", 9080, 9081)}}}
+		if _, err := d.kube.CoreV1().Pods(diffNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+	}
+	for i := 1; i <= d.l.nodes; i++ {
+		name := fmt.Sprintf("client-%d", i)
+		pods[name] = i
+		pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: diffNamespace}, Spec: v1.PodSpec{
+			NodeName: nodeName(i), Containers: []v1.Container{{Name: "c", Image: agnhostImage, ImagePullPolicy: v1.PullNever, Args: []string{"pause"}}}}}
+		if _, err := d.kube.CoreV1().Pods(diffNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+	}
+	ips := map[string]string{}
+	if err := waitFor(ctx, 3*time.Minute, "the differential's pods running", func() error {
+		list, err := d.kube.CoreV1().Pods(diffNamespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		for _, p := range list.Items {
+			if p.Status.Phase != v1.PodRunning || p.Status.PodIP == "" {
+				return fmt.Errorf("%s: %s", p.Name, p.Status.Phase)
+			}
+			ips[p.Name] = p.Status.PodIP
+		}
+		if len(ips) != len(pods) {
+			return fmt.Errorf("%d of %d pods", len(ips), len(pods))
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	v := &labView{podIPs: ips, names: map[string]string{bridgeAddr: "outside"}}
+	for name, ip := range ips {
+		v.names[ip] = name
+	}
+	for i := 1; i <= d.l.nodes; i++ {
+		v.names[nodeAddr(i)] = nodeName(i)
+		node, err := d.kube.CoreV1().Nodes().Get(ctx, nodeName(i), metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if gw, ok := bridgeGateway(node.Spec.PodCIDR); ok {
+			v.names[gw] = nodeName(i) + "-bridge"
+		}
+	}
+	nsOf, err := podNetns()
+	if err != nil {
+		return err
+	}
+	for i := 1; i <= d.l.nodes; i++ {
+		name := fmt.Sprintf("client-%d", i)
+		ns, ok := nsOf[ips[name]]
+		if !ok {
+			return fmt.Errorf("no network namespace holds %s's address %s", name, ips[name])
+		}
+		v.clients = append(v.clients, diffClient{name: fmt.Sprintf("pod@node%d", i), netns: ns, ip: ips[name], node: i})
+	}
+	for i := 1; i <= d.l.nodes; i++ {
+		v.clients = append(v.clients, diffClient{name: fmt.Sprintf("node%d", i), netns: nodeName(i), ip: nodeAddr(i), node: i})
+	}
+	v.clients = append(v.clients, diffClient{name: "outside", netns: netNS, ip: bridgeAddr})
+	d.view = v
+	return d.makeSentinel()
+}
+
+// bridgeGateway is the first address of a node's pod subnet (the CNI bridge's).
+func bridgeGateway(cidr string) (string, bool) {
+	base, _, ok := strings.Cut(cidr, "/")
+	if !ok {
+		return "", false
+	}
+	parts := strings.Split(base, ".")
+	if len(parts) != 4 {
+		return "", false
+	}
+	parts[3] = "1"
+	return strings.Join(parts, "."), true
+}
+
+// podNetns maps each pod address to its network namespace (the CNI
+// plugin's, under /var/run/netns).
+func podNetns() (map[string]string, error) {
+	entries, err := os.ReadDir("/var/run/netns")
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "cni-") {
+			continue
+		}
+		data, err := runOut("ip", "-n", e.Name(), "-4", "-o", "addr", "show")
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(data, "\n") {
+			f := strings.Fields(line)
+			for i := 0; i+1 < len(f); i++ {
+				if f[i] == "inet" {
+					addr, _, _ := strings.Cut(f[i+1], "/")
+					if addr != "127.0.0.1" {
+						out[addr] = e.Name()
+					}
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// The sentinel is a Service whose one endpoint the run moves between two
+// pool pods after each round of writes: once every node's proxy answers
+// from the new one, it has seen every write before (EndpointSlices reach a
+// proxy in the order they were written, and Services were written first).
+func (d *differ) makeSentinel() error {
+	svc := &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: "sentinel", Namespace: diffNamespace}, Spec: v1.ServiceSpec{
+		Ports: []v1.ServicePort{{Name: "http", Port: 80}}}}
+	got, err := d.kube.CoreV1().Services(diffNamespace).Create(d.ctx, svc, metav1.CreateOptions{})
+	if err != nil {
+		return err
+	}
+	d.sentinelIP = got.Spec.ClusterIP
+	return d.writeSentinel()
+}
+
+func (d *differ) sentinelPod() string { return []string{"pool-1a", "pool-2a"}[d.sentinelFlip%2] }
+
+func (d *differ) writeSentinel() error {
+	name, port := "http", int32(8080)
+	sl := &discovery.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: "sentinel", Namespace: diffNamespace, Labels: map[string]string{
+			discovery.LabelServiceName: "sentinel", discovery.LabelManagedBy: diffManagedBy}},
+		AddressType: discovery.AddressTypeIPv4,
+		Ports:       []discovery.EndpointPort{{Name: &name, Port: &port}},
+		Endpoints:   []discovery.Endpoint{{Addresses: []string{d.view.podIPs[d.sentinelPod()]}, Conditions: discovery.EndpointConditions{Ready: ptr(true)}}},
+	}
+	c := d.kube.DiscoveryV1().EndpointSlices(diffNamespace)
+	if _, err := c.Update(d.ctx, sl, metav1.UpdateOptions{}); apierrors.IsNotFound(err) {
+		_, err = c.Create(d.ctx, sl, metav1.CreateOptions{})
+		return err
+	} else {
+		return err
+	}
+}
+
+// synced moves the sentinel and waits until every node's proxy answers
+// from its new endpoint.
+func (d *differ) synced() error {
+	d.sentinelFlip++
+	if err := d.writeSentinel(); err != nil {
+		return err
+	}
+	want := d.sentinelPod()
+	return waitFor(d.ctx, time.Minute, d.proxy+" programmed on every node", func() error {
+		for _, c := range d.view.clients {
+			if c.node == 0 || strings.HasPrefix(c.name, "pod@") {
+				continue
+			}
+			r := try(c, target{addr: d.sentinelIP + ":80", proto: v1.ProtocolTCP})
+			if r.endpoint != want {
+				return fmt.Errorf("%s: sentinel answered by %q (%s), want %s", c.name, r.endpoint, r.outcome, want)
+			}
+		}
+		return nil
+	})
+}
+
+// serveWith makes proxy the Service proxy, stopping and cleaning up the
+// one serving before.
+func (d *differ) serveWith(proxy string) error {
+	if d.proxy == proxy {
+		return nil
+	}
+	if d.proxy != "" {
+		if err := d.stopProxy(); err != nil {
+			return fmt.Errorf("stopping %s: %w", d.proxy, err)
+		}
+	}
+	if err := d.l.deployProxy(d.ctx, d.cp, d.repo, proxy); err != nil {
+		return fmt.Errorf("deploying %s: %w", proxy, err)
+	}
+	d.proxy = proxy
+	return d.synced()
+}
+
+func (d *differ) stopProxy() error {
+	switch d.proxy {
+	case proxyOurs:
+		if _, err := d.cp.kubectl("-n", "kube-system", "delete", "daemonset", ourDaemonSetName, "--wait=true"); err != nil {
+			return err
+		}
+		if err := waitFor(d.ctx, 2*time.Minute, "our DaemonSet's pods gone", func() error {
+			out, err := d.cp.kubectl("-n", "kube-system", "get", "pods", "-o", "name")
+			if err != nil {
+				return err
+			}
+			if strings.Contains(out, ourDaemonSetName) {
+				return fmt.Errorf("still running: %s", strings.TrimSpace(out))
+			}
+			return nil
+		}); err != nil {
+			return err
+		}
+		for i := 1; i <= d.l.nodes; i++ {
+			if err := run("", "nsenter", "--net=/run/netns/"+nodeName(i), "--", d.cp.b.ours, "--cleanup"); err != nil {
+				return err
+			}
+		}
+	case proxyKubeNftables, proxyKubeIptables:
+		for _, p := range d.l.procs {
+			if strings.HasPrefix(p.name, "kube-proxy-") {
+				stopProc(p, 10*time.Second)
+			}
+		}
+		for i := 1; i <= d.l.nodes; i++ {
+			if err := run("", "nsenter", "--net=/run/netns/"+nodeName(i), "--", filepath.Join(d.cp.b.k8s, "kube-proxy"), "--cleanup"); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// runShapes applies, observes and deletes the shapes, batch at a time.
+// With ours given (the run of the other proxy), an endpoint set that
+// lacks one ours saw is observed again with more tries before it counts:
+// kube-proxy picks at random, and eight tries may miss one of four.
+func (d *differ) runShapes(shapes []shape, batch int, ours map[int]*shapeRun) (map[int]*shapeRun, error) {
+	runs := map[int]*shapeRun{}
+	for i := 0; i < len(shapes); i += batch {
+		group := shapes[i:min(i+batch, len(shapes))]
+		applied := make([]*v1.Service, len(group))
+		for j, s := range group {
+			svc, err := d.apply(s, nil)
+			if err != nil {
+				return nil, fmt.Errorf("case %d: %w", s.Case, err)
+			}
+			applied[j] = svc
+			runs[s.Case] = &shapeRun{shape: s}
+		}
+		for phase := 0; phase < 2; phase++ {
+			if phase == 1 {
+				for j, s := range group {
+					if s.Edit == nil {
+						continue
+					}
+					svc, err := d.apply(s.edited(), applied[j])
+					if err != nil {
+						return nil, fmt.Errorf("case %d's edit: %w", s.Case, err)
+					}
+					applied[j] = svc
+				}
+			}
+			if err := d.synced(); err != nil {
+				return nil, err
+			}
+			var wg sync.WaitGroup
+			for j, s := range group {
+				if phase == 1 && s.Edit == nil {
+					continue
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var prior *shapeRun
+					if ours != nil {
+						prior = ours[s.Case]
+					}
+					r := runs[s.Case]
+					r.phases[phase], r.health[phase] = d.observeShape(s, applied[j], prior, phase)
+				}()
+			}
+			wg.Wait()
+		}
+		for _, s := range group {
+			d.remove(s)
+		}
+	}
+	return runs, nil
+}
+
+// apply writes the shape's objects (over prev, the Service as it stands,
+// for an edit) and returns the Service with what the API server filled in.
+func (d *differ) apply(s shape, prev *v1.Service) (*v1.Service, error) {
+	svcs := d.kube.CoreV1().Services(diffNamespace)
+	want := s.service()
+	var got *v1.Service
+	var err error
+	if prev == nil {
+		got, err = svcs.Create(d.ctx, want, metav1.CreateOptions{})
+	} else {
+		upd := prev.DeepCopy()
+		upd.Spec.Ports = want.Spec.Ports
+		for k, p := range upd.Spec.Ports {
+			for _, old := range prev.Spec.Ports {
+				if old.Port == p.Port && old.Protocol == p.Protocol {
+					upd.Spec.Ports[k].NodePort = old.NodePort
+				}
+			}
+		}
+		upd.Spec.ExternalTrafficPolicy, upd.Spec.InternalTrafficPolicy = want.Spec.ExternalTrafficPolicy, want.Spec.InternalTrafficPolicy
+		if upd.Spec.ExternalTrafficPolicy == "" && upd.Spec.Type != v1.ServiceTypeClusterIP {
+			upd.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyCluster
+		}
+		if upd.Spec.ExternalTrafficPolicy != v1.ServiceExternalTrafficPolicyLocal {
+			upd.Spec.HealthCheckNodePort = 0
+		}
+		if upd.Spec.InternalTrafficPolicy == nil {
+			upd.Spec.InternalTrafficPolicy = ptr(v1.ServiceInternalTrafficPolicyCluster)
+		}
+		got, err = svcs.Update(d.ctx, upd, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		return nil, err
+	}
+	if s.LBIP && prev == nil {
+		got.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: s.lbIP(), IPMode: ptr(v1.LoadBalancerIPModeVIP)}}
+		if got, err = svcs.UpdateStatus(d.ctx, got, metav1.UpdateOptions{}); err != nil {
+			return nil, fmt.Errorf("load-balancer status: %w", err)
+		}
+	}
+	slices := d.kube.DiscoveryV1().EndpointSlices(diffNamespace)
+	for _, sl := range s.slices(d.view.podIPs) {
+		if prev == nil {
+			_, err = slices.Create(d.ctx, sl, metav1.CreateOptions{})
+		} else {
+			_, err = slices.Update(d.ctx, sl, metav1.UpdateOptions{})
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return got, nil
+}
+
+func (d *differ) remove(s shape) {
+	_ = d.kube.CoreV1().Services(diffNamespace).Delete(d.ctx, s.name(), metav1.DeleteOptions{})
+	for _, sl := range s.slices(d.view.podIPs) {
+		_ = d.kube.DiscoveryV1().EndpointSlices(diffNamespace).Delete(d.ctx, sl.Name, metav1.DeleteOptions{})
+	}
+}
+
+// targets are the addresses a client dials for a Service port: the
+// cluster IP, the node port on its own node and the next one (outside:
+// on every node), the external IP and the load-balancer IP.
+func targets(c diffClient, s shape, svc *v1.Service) []target {
+	var out []target
+	for _, sp := range svc.Spec.Ports {
+		t := func(kind, host string, port int32) target {
+			return target{kind: kind, addr: fmt.Sprintf("%s:%d", host, port), proto: sp.Protocol, port: sp.Name}
+		}
+		if svc.Spec.ClusterIP != "" && svc.Spec.ClusterIP != v1.ClusterIPNone {
+			out = append(out, t("cluster-ip", svc.Spec.ClusterIP, sp.Port))
+		}
+		if sp.NodePort != 0 {
+			for i := 1; i <= 3; i++ {
+				if c.node == 0 || i == c.node || i == c.node%3+1 {
+					out = append(out, t(fmt.Sprintf("node-port@node%d", i), nodeAddr(i), sp.NodePort))
+				}
+			}
+		}
+		if s.ExternalIP {
+			out = append(out, t("external-ip", s.externalIP(), sp.Port))
+		}
+		if s.LBIP {
+			out = append(out, t("lb-ip", s.lbIP(), sp.Port))
+		}
+	}
+	return out
+}
+
+// observeShape observes every client at every target, one after another
+// (ours balances round-robin across clients: concurrent clients would see
+// parts of the rotation), and the health checks.
+func (d *differ) observeShape(s shape, svc *v1.Service, prior *shapeRun, phase int) ([]observation, []string) {
+	tries := 8
+	if prior != nil {
+		tries = 16
+	}
+	var obs []observation
+	for _, c := range d.view.clients {
+		for _, t := range targets(c, s, svc) {
+			o := d.view.observe(c, t, tries)
+			if prior != nil {
+				if p := find(prior.phases[phase], o.key()); p != nil && missesSome(o, *p) {
+					o.add(d.view, c, t, 48)
+				}
+			}
+			obs = append(obs, o)
+		}
+	}
+	var health []string
+	if svc.Spec.HealthCheckNodePort != 0 {
+		for i := 1; i <= d.l.nodes; i++ {
+			health = append(health, healthCheck(i, svc.Spec.HealthCheckNodePort))
+		}
+	}
+	return obs, health
+}
+
+func find(obs []observation, key string) *observation {
+	for i := range obs {
+		if obs[i].key() == key {
+			return &obs[i]
+		}
+	}
+	return nil
+}
+
+// missesSome says whether o lacks an endpoint p saw.
+func missesSome(o, p observation) bool {
+	have := toSet(o.Endpoints)
+	for _, e := range p.Endpoints {
+		if !have[e] {
+			return true
+		}
+	}
+	return false
+}
+
+func writeJSON(path string, v any) error {
+	data, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(data, '\n'), 0o644)
+}
+
+// diffSummary is what a run found, for the results file and the docs.
+type diffSummary struct {
+	Date         string       `json:"date"`
+	Command      string       `json:"command"`
+	Seed         int64        `json:"seed"`
+	Shapes       int          `json:"shapes"`
+	Clients      int          `json:"clients"`
+	Observations int          `json:"observations"`
+	Differences  int          `json:"differences"`
+	Explained    int          `json:"explained"`
+	Minutes      float64      `json:"minutes"`
+	ByKind       map[string]int `json:"byKind"`
+	Found        []string     `json:"found,omitempty"`
+}
+
+func summarise(o diffOptions, shapes []shape, ours map[int]*shapeRun, diffs []difference, took time.Duration) diffSummary {
+	sum := diffSummary{Date: time.Now().UTC().Format("2006-01-02"), Seed: o.seed, Shapes: len(shapes), Clients: 7,
+		Minutes: took.Minutes(), ByKind: map[string]int{}, Command: fmt.Sprintf("make differential SEED=%d SHAPES=%d", o.seed, o.shapes)}
+	for _, s := range shapes {
+		sum.ByKind[string(s.Type)]++
+		if r := ours[s.Case]; r != nil {
+			sum.Observations += len(r.phases[0]) + len(r.phases[1])
+		}
+	}
+	seen := map[string]bool{}
+	for _, df := range diffs {
+		sum.Differences++
+		if df.known != "" {
+			sum.Explained++
+			if !seen[df.known] {
+				seen[df.known] = true
+				sum.Found = append(sum.Found, df.known)
+			}
+		}
+	}
+	sort.Strings(sum.Found)
+	return sum
+}

@@ -1,0 +1,240 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
+)
+
+// diffClient is one place connections start from: a pod on a node, a node
+// itself (where hostNetwork pods live: in this lab they share the node's
+// network namespace, so they are one kind of client), or outside the
+// cluster (kupc-net, which routes to the nodes).
+type diffClient struct {
+	name  string // pod@node1, node1, outside
+	netns string // under /var/run/netns
+	ip    string
+	node  int // 0 outside
+}
+
+// target is one address of a shape's port, as a client dials it.
+type target struct {
+	kind  string // cluster-ip, node-port@nodeN, external-ip, lb-ip
+	addr  string // host:port
+	proto v1.Protocol
+	port  string // the Service port's name
+}
+
+// observation is what one client saw at one address of one port.
+type observation struct {
+	Client    string   `json:"client"`
+	Target    string   `json:"target"` // kind/port-name/protocol
+	Outcome   string   `json:"outcome"`
+	Endpoints []string `json:"endpoints,omitempty"` // who answered, as a set
+	Sticky    bool     `json:"sticky,omitempty"`    // every answer from one endpoint, over two or more
+	Sources   []string `json:"sources,omitempty"`   // what the endpoints saw as the client, classified
+	Tries     int      `json:"tries"`
+}
+
+func (o observation) key() string { return o.Client + " → " + o.Target }
+
+// labView is what the observer knows of the lab: who is who.
+type labView struct {
+	clients []diffClient
+	podIPs  map[string]string // pool pod → address
+	names   map[string]string // address → what it is (client, node1, a pool pod...)
+}
+
+// classify names an address an endpoint saw as its client.
+func (v *labView) classify(c diffClient, ip string) string {
+	if ip == c.ip {
+		return "client"
+	}
+	if n, ok := v.names[ip]; ok {
+		return n
+	}
+	return "other:" + ip
+}
+
+// tryResult is one connection's result.
+type tryResult struct {
+	outcome  string // connected, refused, timeout, reset
+	endpoint string
+	source   string
+}
+
+const diffTimeout = time.Second
+
+// try makes one connection (or one UDP exchange from a new socket) and
+// asks the endpoint who it is and whom it sees.
+func try(c diffClient, t target) tryResult {
+	ctx, cancel := context.WithTimeout(context.Background(), diffTimeout)
+	defer cancel()
+	network := "tcp"
+	if t.proto == v1.ProtocolUDP {
+		network = "udp"
+	}
+	conn, err := cluster.DialContextIn(c.netns)(ctx, network, t.addr)
+	if err != nil {
+		return tryResult{outcome: failure(err)}
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(diffTimeout))
+	var host, seen string
+	if network == "udp" {
+		host, err = udpAsk(conn, "hostname")
+		if err == nil {
+			seen, err = udpAsk(conn, "clientip")
+		}
+	} else {
+		br := bufio.NewReader(conn)
+		host, err = httpAsk(conn, br, "/hostname")
+		if err == nil {
+			seen, err = httpAsk(conn, br, "/clientip")
+		}
+	}
+	if err != nil {
+		return tryResult{outcome: failure(err)}
+	}
+	ip, _, splitErr := net.SplitHostPort(strings.TrimSpace(seen))
+	if splitErr != nil {
+		ip = strings.TrimSpace(seen)
+	}
+	return tryResult{outcome: "connected", endpoint: strings.TrimSpace(host), source: ip}
+}
+
+func udpAsk(c net.Conn, q string) (string, error) {
+	if _, err := c.Write([]byte(q)); err != nil {
+		return "", err
+	}
+	buf := make([]byte, 512)
+	n, err := c.Read(buf)
+	return string(buf[:n]), err
+}
+
+func httpAsk(c net.Conn, br *bufio.Reader, path string) (string, error) {
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: differential\r\n\r\n", path); err != nil {
+		return "", err
+	}
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("HTTP %d", resp.StatusCode)
+	}
+	return string(b), nil
+}
+
+// failure names a failed connection the way a user tells them apart.
+func failure(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "refused"
+	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
+		return "unreachable"
+	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, syscall.EPIPE):
+		return "reset"
+	}
+	return "error"
+}
+
+// observe makes up to tries connections from c to t, one after another,
+// and sums them up. Failures end it early: two in a row that agree are
+// the answer (a timeout costs a second each).
+func (v *labView) observe(c diffClient, t target, tries int) observation {
+	o := observation{Client: c.name, Target: t.kind + "/" + t.port + "/" + string(t.proto)}
+	o.add(v, c, t, tries)
+	return o
+}
+
+// add makes more tries into o.
+func (o *observation) add(v *labView, c diffClient, t target, tries int) {
+	outcomes := map[string]int{}
+	for k := range strings.SplitSeq(o.Outcome, "+") {
+		if k != "" {
+			outcomes[k] = 1
+		}
+	}
+	eps, srcs := toSet(o.Endpoints), toSet(o.Sources)
+	answers, failed := 0, 0
+	for i := 0; i < tries; i++ {
+		r := try(c, t)
+		o.Tries++
+		outcomes[r.outcome]++
+		if r.outcome != "connected" {
+			failed++
+			if failed >= 2 && len(outcomes) == 1 {
+				break
+			}
+			continue
+		}
+		answers++
+		eps[r.endpoint] = true
+		srcs[v.classify(c, r.source)] = true
+	}
+	o.Outcome = strings.Join(sortedKeys(outcomes), "+")
+	o.Endpoints, o.Sources = sortedKeys(eps), sortedKeys(srcs)
+	o.Sticky = answers >= 2 && len(eps) == 1
+}
+
+func toSet(v []string) map[string]bool {
+	m := map[string]bool{}
+	for _, x := range v {
+		m[x] = true
+	}
+	return m
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// healthCheck asks node i's healthCheckNodePort from outside, as a cloud
+// load balancer does: the status and how many local endpoints it counts.
+func healthCheck(i int, port int32) string {
+	ctx, cancel := context.WithTimeout(context.Background(), diffTimeout)
+	defer cancel()
+	hc := &http.Client{Transport: &http.Transport{DialContext: cluster.DialContextIn(netNS), DisableKeepAlives: true}}
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s/", net.JoinHostPort(nodeAddr(i), strconv.Itoa(int(port)))), nil)
+	resp, err := hc.Do(req)
+	if err != nil {
+		return failure(err)
+	}
+	defer resp.Body.Close()
+	var body struct {
+		LocalEndpoints int `json:"localEndpoints"`
+	}
+	_ = json.NewDecoder(resp.Body).Decode(&body)
+	return fmt.Sprintf("HTTP %d, localEndpoints %d", resp.StatusCode, body.LocalEndpoints)
+}
