@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"net"
 	"runtime"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
 
 // InNetns runs f with the calling thread inside the named network namespace
-// (/var/run/netns/NAME); sockets f creates stay in it. Empty name: just f.
+// (/var/run/netns/NAME, or NAME itself when it is an absolute path); sockets
+// f creates stay in it. Empty name: just f.
 func InNetns(name string, f func() error) error {
 	if name == "" {
 		return f()
@@ -22,7 +24,11 @@ func InNetns(name string, f func() error) error {
 		return err
 	}
 	defer unix.Close(orig)
-	target, err := unix.Open("/var/run/netns/"+name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	path := name
+	if !strings.HasPrefix(name, "/") {
+		path = "/var/run/netns/" + name
+	}
+	target, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		runtime.UnlockOSThread()
 		return err

@@ -6,19 +6,22 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 )
 
 // difference is one observation on which the two proxies disagree.
 type difference struct {
-	shape  shape
-	phase  int // 0: as created; 1: after the edit
-	key    string
-	field  string // outcome, endpoints, sticky, sources, health@nodeN
-	ours   string
-	ref    string
-	known  string // the reason differential-known.txt gives, or ""
-	shrunk *shape
+	shape shape
+	phase int // 0: as created; 1: after the edit
+	key   string
+	field string // outcome, endpoints, sticky, sources, health@nodeN
+	ours  string
+	ref   string
+	known string // the reason differential-known.txt gives, or ""
+	// failures are the failed tries behind it (ours first), for the report.
+	failures []string
+	shrunk   *shape
 }
 
 // line is the difference as known differences match it: what was seen and
@@ -79,6 +82,7 @@ func (d *differ) compareShape(s shape, a, b *shapeRun) []difference {
 			}
 			for _, f := range compareObs(s, o, *r) {
 				add(phase, o.key(), f[0], f[1], f[2])
+				out[len(out)-1].failures = append(slices.Clone(o.Failures), r.Failures...)
 			}
 		}
 		for i := range a.health[phase] {
@@ -222,6 +226,9 @@ func (d *differ) report(diffs []difference) {
 		fmt.Printf("\n--- difference: seed %d case %d (rerun: make differential SEED=%d CASE=%d)\n", s.Seed, s.Case, s.Seed, s.Case)
 		for _, df := range dfs {
 			fmt.Printf("    %s\n", df.line())
+			for _, f := range df.failures {
+				fmt.Printf("        %s\n", f)
+			}
 		}
 		show := s
 		if dfs[0].shrunk != nil {

@@ -16,6 +16,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
@@ -165,6 +166,7 @@ func (d *differ) setUp() error {
 		return err
 	}
 	cfg.Dial = cluster.DialContextIn(netNS)
+	cfg.WarningHandler = rest.NoWarnings{} // externalIPs' deprecation, once per Service
 	cfg.QPS, cfg.Burst = 200, 400
 	if d.kube, err = kubernetes.NewForConfig(cfg); err != nil {
 		return err
@@ -238,7 +240,7 @@ func (d *differ) setUp() error {
 			v.names[gw] = nodeName(i) + "-bridge"
 		}
 	}
-	nsOf, err := podNetns()
+	nsOf, err := podNetns(d.l.dir)
 	if err != nil {
 		return err
 	}
@@ -272,29 +274,30 @@ func bridgeGateway(cidr string) (string, bool) {
 	return strings.Join(parts, "."), true
 }
 
-// podNetns maps each pod address to its network namespace (the CNI
-// plugin's, under /var/run/netns).
-func podNetns() (map[string]string, error) {
-	entries, err := os.ReadDir("/var/run/netns")
-	if err != nil {
-		return nil, err
-	}
+// podNetns maps each pod address to a path of its network namespace:
+// /proc/PID/ns/net of a process inside it (the pod's pause process holds
+// it for the pod's life), found among the lab's processes.
+func podNetns(labDir string) (map[string]string, error) {
 	out := map[string]string{}
-	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), "cni-") {
+	seen := map[string]bool{}
+	for _, pid := range labPids(labDir) {
+		path := fmt.Sprintf("/proc/%d/ns/net", pid)
+		ino, err := os.Readlink(path)
+		if err != nil || seen[ino] {
 			continue
 		}
-		data, err := runOut("ip", "-n", e.Name(), "-4", "-o", "addr", "show")
+		seen[ino] = true
+		data, err := runOut("nsenter", "--net="+path, "--", "ip", "-4", "-o", "addr", "show")
 		if err != nil {
 			continue
 		}
 		for _, line := range strings.Split(data, "\n") {
-			f := strings.Fields(line)
-			for i := 0; i+1 < len(f); i++ {
-				if f[i] == "inet" {
-					addr, _, _ := strings.Cut(f[i+1], "/")
+			fields := strings.Fields(line)
+			for i := 0; i+1 < len(fields); i++ {
+				if fields[i] == "inet" {
+					addr, _, _ := strings.Cut(fields[i+1], "/")
 					if addr != "127.0.0.1" {
-						out[addr] = e.Name()
+						out[addr] = path
 					}
 				}
 			}
@@ -626,17 +629,17 @@ func writeJSON(path string, v any) error {
 
 // diffSummary is what a run found, for the results file and the docs.
 type diffSummary struct {
-	Date         string       `json:"date"`
-	Command      string       `json:"command"`
-	Seed         int64        `json:"seed"`
-	Shapes       int          `json:"shapes"`
-	Clients      int          `json:"clients"`
-	Observations int          `json:"observations"`
-	Differences  int          `json:"differences"`
-	Explained    int          `json:"explained"`
-	Minutes      float64      `json:"minutes"`
+	Date         string         `json:"date"`
+	Command      string         `json:"command"`
+	Seed         int64          `json:"seed"`
+	Shapes       int            `json:"shapes"`
+	Clients      int            `json:"clients"`
+	Observations int            `json:"observations"`
+	Differences  int            `json:"differences"`
+	Explained    int            `json:"explained"`
+	Minutes      float64        `json:"minutes"`
 	ByKind       map[string]int `json:"byKind"`
-	Found        []string     `json:"found,omitempty"`
+	Found        []string       `json:"found,omitempty"`
 }
 
 func summarise(o diffOptions, shapes []shape, ours map[int]*shapeRun, diffs []difference, took time.Duration) diffSummary {

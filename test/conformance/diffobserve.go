@@ -49,6 +49,7 @@ type observation struct {
 	Sticky    bool     `json:"sticky,omitempty"`    // every answer from one endpoint, over two or more
 	Sources   []string `json:"sources,omitempty"`   // what the endpoints saw as the client, classified
 	Tries     int      `json:"tries"`
+	Failures  []string `json:"failures,omitempty"` // the first few failed tries, as the client saw them
 }
 
 func (o observation) key() string { return o.Client + " → " + o.Target }
@@ -60,15 +61,23 @@ type labView struct {
 	names   map[string]string // address → what it is (client, node1, a pool pod...)
 }
 
-// classify names an address an endpoint saw as its client.
+// classify names an address an endpoint saw as its client. A node's
+// addresses count as one (kube-proxy's masquerade takes the outgoing
+// interface's, the bridge's for a local pod; ours dials from the node's),
+// and a node client seen by any of its node's addresses is the client.
 func (v *labView) classify(c diffClient, ip string) string {
 	if ip == c.ip {
 		return "client"
 	}
-	if n, ok := v.names[ip]; ok {
-		return n
+	n, ok := v.names[ip]
+	if !ok {
+		return "other:" + ip
 	}
-	return "other:" + ip
+	n = strings.TrimSuffix(n, "-bridge")
+	if c.node != 0 && !strings.HasPrefix(c.name, "pod@") && n == nodeName(c.node) {
+		return "client"
+	}
+	return n
 }
 
 // tryResult is one connection's result.
@@ -76,6 +85,7 @@ type tryResult struct {
 	outcome  string // connected, refused, timeout, reset
 	endpoint string
 	source   string
+	err      error
 }
 
 const diffTimeout = time.Second
@@ -91,7 +101,7 @@ func try(c diffClient, t target) tryResult {
 	}
 	conn, err := cluster.DialContextIn(c.netns)(ctx, network, t.addr)
 	if err != nil {
-		return tryResult{outcome: failure(err)}
+		return tryResult{outcome: failure(err), err: err}
 	}
 	defer conn.Close()
 	_ = conn.SetDeadline(time.Now().Add(diffTimeout))
@@ -109,7 +119,7 @@ func try(c diffClient, t target) tryResult {
 		}
 	}
 	if err != nil {
-		return tryResult{outcome: failure(err)}
+		return tryResult{outcome: failure(err), err: fmt.Errorf("%s: %w", conn.LocalAddr(), err)}
 	}
 	ip, _, splitErr := net.SplitHostPort(strings.TrimSpace(seen))
 	if splitErr != nil {
@@ -154,6 +164,10 @@ func failure(err error) string {
 		return "refused"
 	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
 		return "unreachable"
+	case errors.Is(err, syscall.EPERM), errors.Is(err, syscall.EACCES):
+		// A rule of this node's output path rejected it: the sender is told
+		// at once, without a packet.
+		return "rejected"
 	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
 		return "timeout"
 	case errors.As(err, &ne) && ne.Timeout():
@@ -161,7 +175,7 @@ func failure(err error) string {
 	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, syscall.EPIPE):
 		return "reset"
 	}
-	return "error"
+	return "error:" + err.Error()
 }
 
 // observe makes up to tries connections from c to t, one after another,
@@ -189,6 +203,9 @@ func (o *observation) add(v *labView, c diffClient, t target, tries int) {
 		outcomes[r.outcome]++
 		if r.outcome != "connected" {
 			failed++
+			if len(o.Failures) < 3 {
+				o.Failures = append(o.Failures, fmt.Sprintf("try %d at %s: %v", o.Tries, time.Now().Format("15:04:05.000"), r.err))
+			}
 			if failed >= 2 && len(outcomes) == 1 {
 				break
 			}

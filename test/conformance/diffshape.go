@@ -31,7 +31,7 @@ type shape struct {
 	SourceRange string         `json:"sourceRange,omitempty"` // LoadBalancer only: "", "allow" (the outside client) or "deny" (another range)
 	ETPLocal    bool           `json:"etpLocal,omitempty"`
 	ITPLocal    bool           `json:"itpLocal,omitempty"`
-	Affinity    int32          `json:"affinity,omitempty"` // ClientIP affinity's timeout in seconds; 0: none
+	Affinity    int32          `json:"affinity,omitempty"`  // ClientIP affinity's timeout in seconds; 0: none
 	DualStack   bool           `json:"dualStack,omitempty"` // ipFamilyPolicy PreferDualStack (the lab is IPv4: one family results)
 	PreferClose bool           `json:"preferClose,omitempty"`
 	Ports       []shapePort    `json:"ports"`
@@ -68,7 +68,10 @@ type shapeEdit struct {
 
 // The pool: two pods on each of the three nodes, each running agnhost
 // netexec twice (HTTP 8080 and UDP 8081; HTTP 9080 and UDP 9081).
-var diffPool = []struct{ name string; node int }{
+var diffPool = []struct {
+	name string
+	node int
+}{
 	{"pool-1a", 1}, {"pool-1b", 1}, {"pool-2a", 2}, {"pool-2b", 2}, {"pool-3a", 3}, {"pool-3b", 3},
 }
 
@@ -342,7 +345,7 @@ func (s shape) service() *v1.Service {
 		svc.Spec.IPFamilyPolicy = &p
 	}
 	if s.PreferClose {
-		d := v1.ServiceTrafficDistributionPreferClose
+		d := v1.ServiceTrafficDistributionPreferSameZone
 		svc.Spec.TrafficDistribution = &d
 	}
 	for _, p := range s.Ports {

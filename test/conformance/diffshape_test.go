@@ -150,3 +150,16 @@ func TestCompareObs(t *testing.T) {
 		t.Fatalf("two sticky observations on other endpoints differ: %v", got)
 	}
 }
+
+// The shipped list parses, and each of its patterns is anchored to a field.
+func TestKnownDifferencesFileParses(t *testing.T) {
+	known, err := readKnownDiffs("differential-known.txt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range known {
+		if !strings.HasPrefix(k.pattern, "^") {
+			t.Errorf("%q is not anchored at the field: it could match anything", k.pattern)
+		}
+	}
+}
