@@ -194,12 +194,12 @@ func (u *udpServer) forward(client netip.AddrPort, to netip.Addr, datagrams [][]
 	}
 }
 
-// flowFor returns the client's flow, creating it if needed. nil: no
-// endpoint (or no socket) for it.
+// flowFor returns the client's flow to the address local, creating it if
+// needed. nil: no endpoint (or no socket) for it.
 func (u *udpServer) flowFor(client netip.AddrPort, local netip.Addr) *udpFlow {
 	t := &u.flows
 	t.mu.Lock()
-	if fl, ok := t.flows[client]; ok {
+	if fl, ok := t.flows[flowKey{client: client, local: local}]; ok {
 		t.lru.MoveToFront(fl.elem)
 		t.mu.Unlock()
 		return fl
@@ -328,13 +328,13 @@ func (u *udpServer) insert(fl *udpFlow) (*udpFlow, bool) {
 	t := &u.flows
 	t.mu.Lock()
 	if t.flows == nil {
-		t.flows = make(map[netip.AddrPort]*udpFlow)
+		t.flows = make(map[flowKey]*udpFlow)
 	}
 	if t.closed {
 		t.mu.Unlock()
 		return nil, false
 	}
-	if cur, ok := t.flows[fl.client]; ok {
+	if cur, ok := t.flows[fl.key()]; ok {
 		t.mu.Unlock()
 		return cur, false
 	}
@@ -343,7 +343,7 @@ func (u *udpServer) insert(fl *udpFlow) (*udpFlow, bool) {
 		victim = t.lru.Back().Value.(*udpFlow)
 	}
 	fl.elem = t.lru.PushFront(fl)
-	t.flows[fl.client] = fl
+	t.flows[fl.key()] = fl
 	u.m.get().udpActive.Inc()
 	overBudget := t.budget.flowOpened(u)
 	t.wg.Add(1)

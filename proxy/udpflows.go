@@ -15,7 +15,7 @@ import (
 type udpFlows struct {
 	mu     sync.Mutex // guards flows, lru, closed and direct
 	closed bool       // closeFlows ran: no new flow (a failover may still try)
-	flows  map[netip.AddrPort]*udpFlow
+	flows  map[flowKey]*udpFlow
 	// direct are the clients from other hosts whose datagrams came to the
 	// listener without a rule (udp.go, unredirected), each until a UNIX
 	// nanosecond time: their next datagrams are dropped without asking
@@ -28,9 +28,21 @@ type udpFlows struct {
 	server  *udpServer // the table's owner, as the budget's index knows it
 }
 
+// flowKey names a flow: a client and the address its datagrams arrived
+// on. One client port may send to two addresses of a Service port (its
+// cluster IP and its node port; the kernel hands a freed port out again
+// soon); each is a flow of its own, whose replies leave from that address,
+// as conntrack keeps a flow per destination for kube-proxy.
+type flowKey struct {
+	client netip.AddrPort
+	local  netip.Addr
+}
+
+func (fl *udpFlow) key() flowKey { return flowKey{client: fl.client, local: fl.local} }
+
 func (t *udpFlows) removeLocked(fl *udpFlow) bool {
-	if cur, ok := t.flows[fl.client]; ok && cur == fl {
-		delete(t.flows, fl.client)
+	if cur, ok := t.flows[fl.key()]; ok && cur == fl {
+		delete(t.flows, fl.key())
 		t.lru.Remove(fl.elem)
 		t.budget.flowClosed(t.server)
 		return true
