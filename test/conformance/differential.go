@@ -1,12 +1,15 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -48,6 +51,61 @@ type shapeRun struct {
 	shape  shape
 	phases [2][]observation
 	health [2][]string // per node, LoadBalancer with externalTrafficPolicy Local only
+	held   *heldConn   // a connection open across a "terminate" edit
+}
+
+// heldConn is a connection a pod on node 1 keeps open to the cluster IP
+// of a shape's first TCP port while one of its endpoints goes terminating:
+// established connections outlive the endpoint's readiness in both proxies.
+type heldConn struct {
+	conn   net.Conn
+	br     *bufio.Reader
+	target string
+	before string // who answered when it was opened
+}
+
+// holdConnection opens the held connection, or returns nil when the shape
+// has no TCP port or nothing answers.
+func (d *differ) holdConnection(svc *v1.Service) *heldConn {
+	for _, p := range svc.Spec.Ports {
+		if p.Protocol != v1.ProtocolTCP || svc.Spec.ClusterIP == "" || svc.Spec.ClusterIP == v1.ClusterIPNone {
+			continue
+		}
+		c := d.view.clients[0] // pod@node1
+		addr := net.JoinHostPort(svc.Spec.ClusterIP, strconv.Itoa(int(p.Port)))
+		ctx, cancel := context.WithTimeout(d.ctx, diffTimeout)
+		conn, err := cluster.DialContextIn(c.netns)(ctx, "tcp", addr)
+		cancel()
+		if err != nil {
+			return nil
+		}
+		h := &heldConn{conn: conn, br: bufio.NewReader(conn), target: "held-connection/" + p.Name + "/TCP"}
+		_ = conn.SetDeadline(time.Now().Add(diffTimeout))
+		if h.before, err = httpAsk(conn, h.br, "/hostname"); err != nil {
+			conn.Close()
+			return nil
+		}
+		return h
+	}
+	return nil
+}
+
+// check asks the held connection again after the edit and closes it.
+func (h *heldConn) check() observation {
+	defer h.conn.Close()
+	o := observation{Client: "pod@node1", Target: h.target, Tries: 1}
+	_ = h.conn.SetDeadline(time.Now().Add(diffTimeout))
+	host, err := httpAsk(h.conn, h.br, "/hostname")
+	switch {
+	case err != nil:
+		o.Outcome = "cut"
+		o.Failures = []string{err.Error()}
+	case strings.TrimSpace(host) != strings.TrimSpace(h.before):
+		o.Outcome = "moved"
+	default:
+		o.Outcome = "alive"
+	}
+	return o
 }
 
 // differ is the run's state: the lab, its API client and what it saw.
@@ -115,6 +173,9 @@ func runDifferential(ctx context.Context, repo string, b *binaries, tars []strin
 		}
 	}
 	diffs := d.compareAll(shapes, ours, ref)
+	if err := saveObservations(shapes, ours, ref); err != nil {
+		fmt.Printf("   the observations were not saved: %v\n", err)
+	}
 	if len(unexplainedOf(diffs)) > 0 && o.shrink {
 		d.shrinkAll(diffs)
 	}
@@ -442,6 +503,9 @@ func (d *differ) runShapes(shapes []shape, batch int, ours map[int]*shapeRun) (m
 					if s.Edit == nil {
 						continue
 					}
+					if s.Edit.Kind == "terminate" {
+						runs[s.Case].held = d.holdConnection(applied[j])
+					}
 					svc, err := d.apply(s.edited(), applied[j])
 					if err != nil {
 						return nil, fmt.Errorf("case %d's edit: %w", s.Case, err)
@@ -471,6 +535,9 @@ func (d *differ) runShapes(shapes []shape, batch int, ours map[int]*shapeRun) (m
 			wg.Wait()
 		}
 		for _, s := range group {
+			if h := runs[s.Case].held; h != nil {
+				runs[s.Case].phases[1] = append(runs[s.Case].phases[1], h.check())
+			}
 			d.remove(s)
 		}
 	}
@@ -614,6 +681,36 @@ func missesSome(o, p observation) bool {
 		}
 	}
 	return false
+}
+
+// saveObservations writes every observation of both proxies, shape by
+// shape, for a reader who wants more than the differences.
+func saveObservations(shapes []shape, ours, ref map[int]*shapeRun) error {
+	type entry struct {
+		Shape  shape            `json:"shape"`
+		Ours   [2][]observation `json:"ours"`
+		Ref    [2][]observation `json:"kubeProxy"`
+		Health [2][][]string    `json:"health"`
+	}
+	var all []entry
+	for _, s := range shapes {
+		e := entry{Shape: s}
+		if r := ours[s.Case]; r != nil {
+			e.Ours = r.phases
+			e.Health[0] = r.health[:]
+		}
+		if r := ref[s.Case]; r != nil {
+			e.Ref = r.phases
+			e.Health[1] = r.health[:]
+		}
+		all = append(all, e)
+	}
+	path := filepath.Join(os.TempDir(), "kup-differential", "observations.json")
+	if err := writeJSON(path, all); err != nil {
+		return err
+	}
+	fmt.Printf("   every observation: %s\n", path)
+	return nil
 }
 
 func writeJSON(path string, v any) error {

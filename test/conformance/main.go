@@ -58,7 +58,6 @@ func main() {
 	oneCase := flag.Int("case", -1, "run only this case of the seed (with -differential)")
 	batch := flag.Int("batch", 16, "shapes applied and observed together (with -differential)")
 	noShrink := flag.Bool("no-shrink", false, "report differences without reducing their shapes (with -differential)")
-	docs := flag.Bool("docs", false, "write the differential's table into docs/conformance.md (with -differential)")
 	flag.Parse()
 	if os.Geteuid() != 0 {
 		// As the root-only tests: a skip in make test, a failure in CI.
@@ -99,7 +98,7 @@ func main() {
 		fatal(err)
 	}
 	if *differential {
-		o := diffOptions{seed: *seed, shapes: *shapes, only: *oneCase, batch: *batch, shrink: !*noShrink, writeDocs: *docs && *oneCase < 0,
+		o := diffOptions{seed: *seed, shapes: *shapes, only: *oneCase, batch: *batch, shrink: !*noShrink, writeDocs: *oneCase < 0,
 			resultsFile: filepath.Join(conf, "results", "differential.json")}
 		if o.seed == 0 {
 			o.seed = time.Now().UnixNano() % 1_000_000
