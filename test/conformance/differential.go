@@ -648,7 +648,7 @@ func (d *differ) observeShape(s shape, svc *v1.Service, prior *shapeRun, phase i
 			o := d.view.observe(c, t, tries)
 			if prior != nil {
 				if p := find(prior.phases[phase], o.key()); p != nil && missesSome(o, *p) {
-					o.add(d.view, c, t, 48)
+					o.add(d.view, c, t, 32)
 				}
 			}
 			obs = append(obs, o)

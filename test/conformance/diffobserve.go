@@ -179,8 +179,8 @@ func failure(err error) string {
 }
 
 // observe makes up to tries connections from c to t, one after another,
-// and sums them up. Failures end it early: two in a row that agree are
-// the answer (a timeout costs a second each).
+// and sums them up. Failures end it early: two that are all it saw, or
+// four among answers (a timeout costs a second each).
 func (v *labView) observe(c diffClient, t target, tries int) observation {
 	o := observation{Client: c.name, Target: t.kind + "/" + t.port + "/" + string(t.proto)}
 	o.add(v, c, t, tries)
@@ -206,8 +206,8 @@ func (o *observation) add(v *labView, c diffClient, t target, tries int) {
 			if len(o.Failures) < 3 {
 				o.Failures = append(o.Failures, fmt.Sprintf("try %d at %s: %v", o.Tries, time.Now().Format("15:04:05.000"), r.err))
 			}
-			if failed >= 2 && len(outcomes) == 1 {
-				break
+			if failed >= 2 && len(outcomes) == 1 || failed >= 4 {
+				break // the outcome is known; more failures only cost their timeouts
 			}
 			continue
 		}
