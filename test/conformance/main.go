@@ -150,20 +150,9 @@ func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy 
 	sweep(labDir, false)
 	l := &lab{dir: labDir, log: os.Stdout, nodes: nodes, keepLogs: filepath.Join(os.TempDir(), "kup-conformance-logs", proxy)}
 	defer l.close(keep)
-	if err := os.MkdirAll(l.dir, 0o755); err != nil {
-		return nil, err
-	}
-	if err := l.network(); err != nil {
-		return nil, fmt.Errorf("lab network: %w", err)
-	}
-	cp, err := l.startControlPlane(ctx, b)
+	cp, err := l.bringUp(ctx, b, tars)
 	if err != nil {
-		return nil, fmt.Errorf("control plane: %w (logs in %s)", err, filepath.Join(l.dir, "logs"))
-	}
-	for i := 1; i <= nodes; i++ {
-		if err := l.startNode(ctx, i, b, cp, tars); err != nil {
-			return nil, fmt.Errorf("%s: %w (logs in %s)", nodeName(i), err, filepath.Join(l.dir, "logs"))
-		}
+		return nil, err
 	}
 	if err := l.deployProxy(ctx, cp, repo, proxy); err != nil {
 		return nil, fmt.Errorf("deploying %s: %w", proxy, err)
