@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	stdslices "slices" // the package has a func named slices (manifests)
 	"strconv"
 	"strings"
 	"sync"
@@ -620,7 +621,7 @@ func (s *soak) explained(e soakError) string {
 		if e.at.Before(ev.start) || e.begun.After(ev.end.Add(grace)) {
 			continue
 		}
-		if containsString(ev.allowed[e.client], e.class) {
+		if stdslices.Contains(ev.allowed[e.client], e.class) {
 			return ev.name
 		}
 	}
@@ -765,12 +766,12 @@ func growth(f soakFigure, samples []soakSample) string {
 		return ""
 	}
 	third := max(len(v)/3, 1)
-	firstHigh := highest(v[:third])
-	if hi := highest(v); hi > 2*firstHigh+f.margin {
+	firstHigh := stdslices.Max(v[:third])
+	if hi := stdslices.Max(v); hi > 2*firstHigh+f.margin {
 		return fmt.Sprintf("%s reached %d, over twice the first third's highest (%d) and %d more", f.name, hi, firstHigh, f.margin)
 	}
 	if len(v) >= 3 {
-		if lastLow := lowest(v[len(v)-third:]); lastLow > firstHigh+f.margin {
+		if lastLow := stdslices.Min(v[len(v)-third:]); lastLow > firstHigh+f.margin {
 			return fmt.Sprintf("%s grew: the last third's lowest %d is over the first third's highest %d by more than %d", f.name, lastLow, firstHigh, f.margin)
 		}
 	}
@@ -814,31 +815,4 @@ func (s *soak) report() {
 			t.Error(g)
 		}
 	}
-}
-
-// The package's slices() builds manifests; these stand in for the
-// standard library's.
-func containsString(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
-}
-
-func highest(v []int) int {
-	m := v[0]
-	for _, x := range v {
-		m = max(m, x)
-	}
-	return m
-}
-
-func lowest(v []int) int {
-	m := v[0]
-	for _, x := range v {
-		m = min(m, x)
-	}
-	return m
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	stdslices "slices" // the package has a func named slices (manifests)
 	"strings"
 	"time"
 )
@@ -64,7 +65,7 @@ func soakSVG(samples []soakSample) string {
 		for _, s := range samples {
 			v = append(v, f.get(s))
 		}
-		top := float64(max(highest(v), 1))
+		top := float64(max(stdslices.Max(v), 1))
 		fmt.Fprintf(&b, `<text x="%.0f" y="%.0f">%s (0 – %d)</text>`+"\n", x0, y0-6, f.name, int(top))
 		fmt.Fprintf(&b, `<rect x="%.0f" y="%.0f" width="%.0f" height="%.0f" fill="none" stroke="#999"/>`+"\n", x0, y0, pw, ph)
 		var pts []string
