@@ -3,6 +3,7 @@ package e2e
 import (
 	"net"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -27,6 +28,14 @@ func TestUDPOneClientPortTwoAddresses(t *testing.T) {
 	cl.pod(t, "dns-1", "10.251.19.12", "node", "dns")
 	clusterIP := netip.MustParseAddrPort("10.96.7.10:53")
 	nodePort := netip.MustParseAddrPort("192.168.50.1:30057")
+	// No datagram before the rules: one sent to the cluster IP before its
+	// REDIRECT exists leaves a conntrack entry without NAT that every retry
+	// from the same port keeps alive, and without conntrack netlink
+	// (KUP_E2E_KERNEL=basic) nothing can delete it.
+	waitFor(t, "the cluster IP's rules", func() bool {
+		out, _ := cl.Exec("node", "iptables-save", "-t", "nat")
+		return strings.Contains(out, "-d 10.96.7.10/32")
+	})
 	for _, from := range []string{"node", "client"} {
 		t.Run(from, func(t *testing.T) {
 			var c *net.UDPConn
