@@ -321,9 +321,14 @@ func (s *soak) handover() {
 	s.event("handover", nil, func() {
 		s.handovr++
 		next := s.startKeeper()
-		waitFor(s.t, "the new keeper's worker serving", func() bool {
-			return strings.Contains(next.Output(), "Took over: the predecessor serves nothing more")
-		})
+		deadline := time.Now().Add(time.Minute)
+		for !strings.Contains(next.Output(), "Took over: the predecessor serves nothing more") {
+			if time.Now().After(deadline) {
+				s.t.Fatalf("handover %d: the new keeper's worker not serving after a minute; its log:\n%s\nthe old keeper's log:\n%s",
+					s.handovr, tail(next.Output(), 60), tail(s.keeper.Output(), 60))
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
 		_ = s.keeper.Cmd.Process.Signal(syscall.SIGTERM)
 		if err := s.keeper.Cmd.Wait(); err != nil {
 			s.t.Errorf("handover %d: the old keeper: %v", s.handovr, err)
