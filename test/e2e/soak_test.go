@@ -325,7 +325,7 @@ func (s *soak) handover() {
 		for !strings.Contains(next.Output(), "Took over: the predecessor serves nothing more") {
 			if time.Now().After(deadline) {
 				s.t.Fatalf("handover %d: the new keeper's worker not serving after a minute; its log:\n%s\nthe old keeper's log:\n%s",
-					s.handovr, tail(next.Output(), 60), tail(s.keeper.Output(), 60))
+					s.handovr, tail(next.Output(), 6000), tail(s.keeper.Output(), 6000))
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
