@@ -121,10 +121,13 @@ const (
 	// does changes (endpoints, affinity, scheduler, annotations, the
 	// health check port).
 	PortBalancing
-	// PortRules: the listener stays, its rules change (source ranges).
+	// PortRules: the listener stays, its rules change (source ranges,
+	// traffic policies: a policy changes which endpoints a listener
+	// serves and which rules lead to it, and may add or remove a
+	// listener of another kind, but one whose kind stays keeps serving).
 	PortRules
 	// PortFrontend: the listener must be opened anew (addresses, ports,
-	// protocol, traffic policies), or the port was added or removed.
+	// protocol), or the port was added or removed.
 	PortFrontend
 )
 
@@ -138,11 +141,10 @@ func ComparePorts(a, b *ServicePort) PortChange {
 	case a == nil || b == nil:
 		return PortFrontend
 	case a.Name != b.Name || a.Protocol != b.Protocol || a.Port != b.Port || a.NodePort != b.NodePort ||
-		a.InternalLocal != b.InternalLocal || a.ExternalLocal != b.ExternalLocal ||
 		!slices.Equal(a.ClusterIPs, b.ClusterIPs) || !slices.Equal(a.ExternalIPs, b.ExternalIPs) ||
 		!slices.Equal(a.LoadBalancerIPs, b.LoadBalancerIPs):
 		return PortFrontend
-	case !slices.Equal(a.SourceRanges, b.SourceRanges):
+	case !slices.Equal(a.SourceRanges, b.SourceRanges) || a.InternalLocal != b.InternalLocal || a.ExternalLocal != b.ExternalLocal:
 		return PortRules
 	case a.AffinityTimeout != b.AffinityTimeout || a.OutlierDetection != b.OutlierDetection ||
 		a.Scheduler != b.Scheduler || a.ProxyProtocol != b.ProxyProtocol || !a.Created.Equal(b.Created) ||

@@ -16,7 +16,7 @@ func TestComparePortsSeesEveryField(t *testing.T) {
 	want := map[string]PortChange{
 		"Name": PortFrontend, "Protocol": PortFrontend, "Port": PortFrontend, "NodePort": PortFrontend,
 		"ClusterIPs": PortFrontend, "ExternalIPs": PortFrontend, "LoadBalancerIPs": PortFrontend,
-		"InternalLocal": PortFrontend, "ExternalLocal": PortFrontend,
+		"InternalLocal": PortRules, "ExternalLocal": PortRules,
 		"SourceRanges":    PortRules,
 		"AffinityTimeout": PortBalancing, "Scheduler": PortBalancing, "ProxyProtocol": PortBalancing, "BackendSource": PortBalancing,
 		"Created": PortBalancing, "OutlierDetection": PortBalancing, "HealthCheckNodePort": PortBalancing,

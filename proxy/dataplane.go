@@ -19,11 +19,13 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -67,6 +69,12 @@ type dataplane struct {
 	// conntrack answers the UDP guard (udp.go, Config.GuardAtAccept): nil
 	// without the guard or without conntrack netlink.
 	conntrack *sock.Conntrack
+	// letGo has the keeper close its duplicates of sockets whose ports
+	// are bound anew (keeper.go); nil without a keeper. Set before start.
+	// letGoUntil is until when a bind that finds such a port in use tries
+	// again (bindAnew). Both on the sync goroutine.
+	letGo      func([]keptKey)
+	letGoUntil time.Time
 	// noLocalPortWarned is when the last "no local port" warning was
 	// logged (Unix ns): one a minute says it without flooding the log.
 	noLocalPortWarned atomic.Int64
@@ -228,7 +236,10 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 			// The listener itself sits on the NodePort: it holds the port
 			// against other processes, costs no extra descriptor, and
 			// serves even a connection that reaches it without a redirect.
-			ln, err = listenOn(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+			err = d.bindAnew(func() (err error) {
+				ln, err = listenOn(sp.Protocol, netip.AddrPortFrom(bind, uint16(sp.NodePort)))
+				return err
+			})
 		}
 		if err != nil {
 			// Logged by the caller: a retry that fails again stays quiet.
@@ -328,4 +339,17 @@ func bindFor(b netip.Addr, family int) netip.Addr {
 		return netip.IPv6Unspecified()
 	}
 	return netip.IPv4Unspecified()
+}
+
+// bindAnew runs bind, and runs it again while it finds its port in use and
+// the keeper was just asked to let go of sockets (letGo): the keeper's
+// duplicate of the socket that had the port closes a moment later.
+func (d *dataplane) bindAnew(bind func() error) error {
+	for {
+		err := bind()
+		if err == nil || !errors.Is(err, syscall.EADDRINUSE) || time.Now().After(d.letGoUntil) {
+			return err
+		}
+		time.Sleep(2 * time.Millisecond) // the keeper's close, in another process: polled until letGoUntil
+	}
 }

@@ -122,6 +122,13 @@ func (r *reconciler) carryOut(p *syncPlan, start time.Time) (w *ruleWrite, kept 
 		delete(r.frontends, key)
 	}
 	r.mu.Unlock()
+	if r.dp.letGo != nil && len(p.closeNow) > 0 {
+		keys := make([]keptKey, len(p.closeNow))
+		for i, fe := range p.closeNow {
+			keys[i] = fe.keptKey()
+		}
+		r.dp.letGo(keys) // their successors bind the NodePorts they had
+	}
 	for _, fe := range p.closeNow {
 		fe.stop()
 	}

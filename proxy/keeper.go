@@ -18,6 +18,7 @@ import (
 	"os"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
@@ -57,6 +58,40 @@ type keptSocket struct {
 type keepChange struct {
 	opened []handover.Socket
 	closed []string
+}
+
+// keeperLetGoWait bounds how long a sync waits for the keeper to close its
+// duplicate of a socket whose port it binds anew: past it the bind fails
+// (and is retried later) as it would have without the wait.
+const keeperLetGoWait = 2 * time.Second
+
+// letGo has the keeper close its duplicates of the sockets of keys, before
+// their ports are bound anew (a port turning to refuse, the next listener
+// on a NodePort): a duplicate keeps the socket listening, and the bind
+// would find the port in use. It returns at once; the binds that follow
+// retry while the port is in use, until keeperLetGoWait has passed
+// (dataplane.bindAnew). On the sync goroutine.
+func (p *Proxier) letGo(keys []keptKey) {
+	k := p.keeping
+	if k == nil || k.failed.Load() {
+		return
+	}
+	var names []string
+	for _, kk := range keys {
+		if _, ok := k.kept[kk]; ok {
+			delete(k.kept, kk)
+			names = append(names, socketName(kk.key, kk.role))
+		}
+	}
+	if len(names) == 0 {
+		return
+	}
+	select {
+	case k.queue <- keepChange{closed: names}:
+		p.dp.letGoUntil = time.Now().Add(keeperLetGoWait)
+	default:
+		k.fail(p, "its queue is full")
+	}
 }
 
 func newKeeping() *keeping {
@@ -120,12 +155,8 @@ func (r *reconciler) keepDiff(kept map[keptKey]keptSocket, gen uint64) keepChang
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var ch keepChange
-	for key, fe := range r.frontends {
-		role := roleRange
-		if fe.onNodePort {
-			role = roleNodePort
-		}
-		kk := keptKey{key, role}
+	for _, fe := range r.frontends {
+		kk := fe.keptKey()
 		var obj any
 		s := handover.Socket{Proto: strings.ToLower(string(fe.protocol)), Addr: fe.listen.String()}
 		switch {
@@ -144,7 +175,7 @@ func (r *reconciler) keepDiff(kept map[keptKey]keptSocket, gen uint64) keepChang
 		if ok && was.obj == obj {
 			continue
 		}
-		s.Name = socketName(key, role)
+		s.Name = socketName(kk.key, kk.role)
 		ch.opened = append(ch.opened, s)
 	}
 	for kk, ks := range kept {
@@ -154,6 +185,14 @@ func (r *reconciler) keepDiff(kept map[keptKey]keptSocket, gen uint64) keepChang
 		}
 	}
 	return ch
+}
+
+// keptKey names fe's listening socket as the keeper knows it.
+func (fe *frontend) keptKey() keptKey {
+	if fe.onNodePort {
+		return keptKey{fe.key, roleNodePort}
+	}
+	return keptKey{fe.key, roleRange}
 }
 
 // KeptPicks returns the frontends' pick states (balancer.go) that changed

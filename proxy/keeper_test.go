@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -160,4 +161,156 @@ func TestAdoptedListenerServesWhatWaited(t *testing.T) {
 		}
 	}
 	_ = h.p.call(context.Background(), func() error { fe.stop(); return nil })
+}
+
+// holdingKeeper keeps the duplicates it is lent open until told to drop
+// them, and closes them a moment after, as a keeper process reading its
+// link would: a socket it holds stays listening after the worker closes
+// its own descriptor.
+type holdingKeeper struct {
+	mu    sync.Mutex
+	files map[string]*os.File
+	wg    sync.WaitGroup
+}
+
+func (k *holdingKeeper) Keep(socks []handover.Socket) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, s := range socks {
+		f, err := s.Open()
+		if err != nil {
+			return err
+		}
+		if old := k.files[s.Name]; old != nil {
+			old.Close()
+		}
+		k.files[s.Name] = f
+	}
+	return nil
+}
+
+func (k *holdingKeeper) Drop(names []string) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var closing []*os.File
+	for _, n := range names {
+		if f := k.files[n]; f != nil {
+			closing = append(closing, f)
+			delete(k.files, n)
+		}
+	}
+	k.wg.Add(1)
+	go func() { // another process: its close comes after the message
+		defer k.wg.Done()
+		time.Sleep(20 * time.Millisecond)
+		for _, f := range closing {
+			f.Close()
+		}
+	}()
+	return nil
+}
+
+func (k *holdingKeeper) count() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.files)
+}
+
+// A port whose endpoints all leave refuses on the port it had, and serves
+// there again when one comes back, while a keeper holds a duplicate of its
+// listener: the keeper lets go first (found by make differential: the
+// refusing socket's bind found the port in use, the frontend was given up,
+// and its addresses went unredirected until a retry on another port).
+func TestKeeperLetsGoOfAPortThatTurnsToRefuse(t *testing.T) {
+	k := &holdingKeeper{files: map[string]*os.File{}}
+	t.Cleanup(func() {
+		k.wg.Wait()
+		for _, f := range k.files {
+			f.Close()
+		}
+	})
+	h := startProxier(t, Config{Keeper: k})
+	a := tcpBackend(t, "a")
+	u := udpBackend(t, "a")
+	h.apply(svc("web", config.TCP, a), svc("dns", config.UDP, u))
+	waitFor(t, "both listeners kept", func() bool { return k.count() == 2 })
+	webPort, dnsPort := h.port("web"), h.port("dns")
+
+	h.apply(svc("web", config.TCP), svc("dns", config.UDP))
+	for _, f := range h.p.Frontends() {
+		if f.Err != nil {
+			t.Fatalf("a frontend failed turning to refuse: %v", f.Err)
+		}
+	}
+	if h.port("web") != webPort || h.port("dns") != dnsPort {
+		t.Fatalf("ports moved: web %d→%d, dns %d→%d", webPort, h.port("web"), dnsPort, h.port("dns"))
+	}
+	expectRefused(t, h.addr("web"))
+	c := dialUDP(t, h.addr("dns"))
+	if _, err := c.Write([]byte("q")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 10)); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("a datagram to a refusing port: %v, want ECONNREFUSED", err)
+	}
+
+	h.apply(svc("web", config.TCP, a), svc("dns", config.UDP, u))
+	if h.port("web") != webPort || h.port("dns") != dnsPort {
+		t.Fatalf("ports moved on serving again: web %d→%d, dns %d→%d", webPort, h.port("web"), dnsPort, h.port("dns"))
+	}
+	if got := fetchName(t, h.addr("web")); got != "a" {
+		t.Fatalf("reached %q, want a", got)
+	}
+	if reply := udpExchange(t, c, []byte("q")); string(reply) != "a:q" {
+		t.Fatalf("after the endpoint came back: %q", reply)
+	}
+	waitFor(t, "both listeners kept again", func() bool { return k.count() == 2 })
+}
+
+// Both traffic policies flipped at once keep the Service's listener: its
+// kind stays, so it takes the new endpoints in place, no connection is
+// refused while a successor would open, and the keeper hears of nothing
+// but the short-circuit's new listener (found by make differential: the
+// listener was replaced, and with a keeper holding it the successor could
+// not bind its port).
+func TestPolicyFlipKeepsTheListener(t *testing.T) {
+	k := &fakeKeeper{kept: map[string]string{}}
+	h := startProxier(t, Config{Keeper: k})
+	here, there := tcpBackend(t, "here"), tcpBackend(t, "there")
+	web := func(local bool) *config.ServicePort {
+		sp := svc("web", config.TCP)
+		sp.ExternalIPs = []netip.Addr{netip.MustParseAddr("203.0.113.5")}
+		sp.InternalLocal, sp.ExternalLocal = local, local
+		sp.Endpoints = []config.Endpoint{
+			{Addr: here, Ready: true, Serving: true, NodeName: "node-a"},
+			{Addr: there, Ready: true, Serving: true, NodeName: "node-b"},
+		}
+		return sp
+	}
+	h.apply(web(false))
+	waitFor(t, "the listener kept", func() bool { return len(k.names()) == 1 })
+	port := h.port("web")
+	h.apply(web(true))
+	if h.port("web") != port {
+		t.Fatalf("the listener moved from %d to %d", port, h.port("web"))
+	}
+	for i := 0; i < 4; i++ {
+		if got := fetchName(t, h.addr("web")); got != "here" {
+			t.Fatalf("after the flip to Local: reached %q, want here", got)
+		}
+	}
+	waitFor(t, "the short-circuit's listener kept beside it", func() bool { return len(k.names()) == 2 })
+	h.apply(web(false))
+	if h.port("web") != port {
+		t.Fatalf("the listener moved from %d to %d", port, h.port("web"))
+	}
+	seen := map[string]bool{}
+	for i := 0; i < 8; i++ {
+		seen[fetchName(t, h.addr("web"))] = true
+	}
+	if !seen["here"] || !seen["there"] {
+		t.Fatalf("after the flip back: reached %v, want both", seen)
+	}
+	waitFor(t, "the short-circuit's listener dropped", func() bool { return len(k.names()) == 1 })
 }

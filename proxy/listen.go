@@ -312,15 +312,26 @@ func (fe *frontend) refuseIf(refuse bool) error {
 	if refuse == (fe.refusing != nil) {
 		return nil
 	}
+	if refuse && fe.dp.letGo != nil && (fe.tcp != nil || fe.udp != nil) && fe.opened.port == 0 {
+		fe.dp.letGo([]keptKey{fe.keptKey()}) // the keeper's duplicate would keep the port listening
+	}
 	fe.clearPort()
 	if !refuse {
-		ln, err := listenOn(fe.protocol, fe.listen)
+		var ln listener
+		err := fe.dp.bindAnew(func() (err error) {
+			ln, err = listenOn(fe.protocol, fe.listen)
+			return err
+		})
 		if err != nil {
 			return err
 		}
 		return fe.dp.serve(fe, ln)
 	}
-	h, err := sock.RefusePort(fe.protocol == config.UDP, fe.listen)
+	var h *sock.Hold
+	err := fe.dp.bindAnew(func() (err error) {
+		h, err = sock.RefusePort(fe.protocol == config.UDP, fe.listen)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("holding %s while no endpoint serves: %w", fe.listen, err)
 	}

@@ -65,6 +65,7 @@ func New(cfg Config) *Proxier {
 	p.writer = newRuleWriter(cfg.Rules, p.cfg.log(), &p.activity, familyNames(cfg.Families))
 	if cfg.Keeper != nil {
 		p.keeping = newKeeping()
+		p.dp.letGo = p.letGo
 	}
 	return p
 }

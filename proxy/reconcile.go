@@ -211,19 +211,22 @@ func (r *reconciler) changedSince(d config.Delta, verify bool) []config.ServiceP
 func (p *syncPlan) visit(cfg *Config, key frontendKey, fe *frontend) {
 	sp := p.st.Ports[key.Name]
 	change := config.ComparePorts(fe.spec, sp)
-	if fe.nodePortErr != nil && change < config.PortFrontend {
+	removed := sp == nil
+	if !removed && change != config.PortSame { // a policy may have changed the port's keys
+		p.keysScratch = frontendKeys(p.keysScratch[:0], key.Name, sp, cfg.serves)
+		removed = !slices.Contains(p.keysScratch, key)
+	}
+	if fe.nodePortErr != nil && change < config.PortFrontend && !removed {
 		// Every full sync tries again to take the NodePort another
 		// process (or Service) held.
 		p.retake = append(p.retake, key)
 		return
 	}
-	if change < config.PortFrontend {
-		return // the listener serves sp as it is
-	}
-	removed := sp == nil
-	if !removed {
-		p.keysScratch = frontendKeys(p.keysScratch[:0], key.Name, sp, cfg.serves)
-		removed = !slices.Contains(p.keysScratch, key)
+	if change < config.PortFrontend && !removed {
+		// The listener serves sp as it is, or with other endpoints and
+		// rules (a traffic policy changed): no connection is refused
+		// while its successor would open.
+		return
 	}
 	p.closing[key] = true
 	p.closed = append(p.closed, key.Name)

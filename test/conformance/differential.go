@@ -442,9 +442,27 @@ func (d *differ) serveWith(proxy string) error {
 	return d.synced()
 }
 
+// saveOurLogs copies our daemons' logs beside the lab's others (kept after
+// the run) before their pods go: best effort, a run does not fail on it.
+func (d *differ) saveOurLogs() {
+	out, err := d.cp.kubectl("-n", "kube-system", "get", "pods", "-o", "name")
+	if err != nil {
+		return
+	}
+	for _, pod := range strings.Fields(out) {
+		if !strings.Contains(pod, ourDaemonSetName) {
+			continue
+		}
+		if logs, err := d.cp.kubectl("-n", "kube-system", "logs", pod); err == nil {
+			_ = os.WriteFile(filepath.Join(d.l.dir, "logs", strings.TrimPrefix(pod, "pod/")+".log"), []byte(logs), 0o644)
+		}
+	}
+}
+
 func (d *differ) stopProxy() error {
 	switch d.proxy {
 	case proxyOurs:
+		d.saveOurLogs()
 		if _, err := d.cp.kubectl("-n", "kube-system", "delete", "daemonset", ourDaemonSetName, "--wait=true"); err != nil {
 			return err
 		}
