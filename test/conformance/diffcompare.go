@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 )
 
 // difference is one observation on which the two proxies disagree.
@@ -25,13 +26,14 @@ type difference struct {
 }
 
 // line is the difference as known differences match it: what was seen and
-// where, never which seed or case.
+// where, never which seed or case. After an edit the shape is described as
+// edited: the policies and endpoints the clients met.
 func (df difference) line() string {
-	phase := "created"
+	phase, seen := "created", df.shape
 	if df.phase == 1 {
-		phase = "after " + df.shape.Edit.Kind
+		phase, seen = "after "+df.shape.Edit.Kind, df.shape.edited()
 	}
-	return fmt.Sprintf("%s: ours=%s kube-proxy=%s | %s | %s | %s", df.field, df.ours, df.ref, df.key, phase, df.shape.describe())
+	return fmt.Sprintf("%s: ours=%s kube-proxy=%s | %s | %s | %s", df.field, df.ours, df.ref, df.key, phase, seen.describe())
 }
 
 // knownDiff is a difference kept on purpose: a pattern over line() and why.
@@ -125,16 +127,35 @@ func unexplainedOf(diffs []difference) []difference {
 	return out
 }
 
-// shrinkAll reduces each shape with an unexplained difference to the
-// smallest shape that still has one: each round observes every candidate
-// one step smaller with the proxy serving now and then with the other,
-// and keeps the first candidate that still differs.
+// Shrinking's bounds: one shape for each kind of difference (its field and
+// what each proxy did), at most shrinkShapes of them, rounds started
+// within shrinkBudget; the other shapes are reported as drawn.
+const (
+	shrinkShapes = 6
+	shrinkBudget = 15 * time.Minute
+)
+
+// shrinkAll reduces shapes with an unexplained difference to the smallest
+// shape that still has one: each round observes every candidate one step
+// smaller with the proxy serving now and then with the other, and keeps
+// the first candidate that still differs.
 func (d *differ) shrinkAll(diffs []difference) {
 	current := map[int]shape{} // the original case → its smallest shape so far
+	kinds := map[string]bool{}
 	for _, df := range unexplainedOf(diffs) {
+		kind := df.field + " " + df.ours + " " + df.ref
+		if _, ok := current[df.shape.Case]; ok || kinds[kind] || len(current) == shrinkShapes {
+			continue
+		}
+		kinds[kind] = true
 		current[df.shape.Case] = df.shape
 	}
+	deadline := time.Now().Add(shrinkBudget)
 	for round := 0; round < 12 && len(current) > 0; round++ {
+		if time.Now().After(deadline) {
+			fmt.Printf("   shrinking stopped after %s: the shapes are reported as far as they shrank\n", shrinkBudget)
+			break
+		}
 		var cands []shape
 		owner := map[int]int{} // candidate case → shape case
 		next := 100000 + round*10000
