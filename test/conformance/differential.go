@@ -368,24 +368,42 @@ func podNetns(labDir string) (map[string]string, error) {
 }
 
 // The sentinel is a Service whose one endpoint the run moves between two
-// pool pods after each round of writes: once every node's proxy answers
-// from the new one, it has seen every write before (EndpointSlices reach a
-// proxy in the order they were written, and Services were written first).
+// pool pods after each round of writes, renaming its port in the Service
+// and in its EndpointSlice at once: a proxy answers from the new pod only
+// once it has both the Service and the slice written last, and so every
+// Service and slice written before them (each kind reaches a proxy in the
+// order it was written, but the two kinds by separate watches).
 func (d *differ) makeSentinel() error {
 	svc := &v1.Service{ObjectMeta: metav1.ObjectMeta{Name: "sentinel", Namespace: diffNamespace}, Spec: v1.ServiceSpec{
-		Ports: []v1.ServicePort{{Name: "http", Port: 80}}}}
+		Ports: []v1.ServicePort{{Name: d.sentinelPort(), Port: 80}}}}
 	got, err := d.kube.CoreV1().Services(diffNamespace).Create(d.ctx, svc, metav1.CreateOptions{})
 	if err != nil {
 		return err
 	}
 	d.sentinelIP = got.Spec.ClusterIP
-	return d.writeSentinel()
+	return d.writeSentinelSlice()
 }
 
-func (d *differ) sentinelPod() string { return []string{"pool-1a", "pool-2a"}[d.sentinelFlip%2] }
+func (d *differ) sentinelPod() string  { return []string{"pool-1a", "pool-2a"}[d.sentinelFlip%2] }
+func (d *differ) sentinelPort() string { return fmt.Sprintf("http-%d", d.sentinelFlip) }
 
+// writeSentinel renames the sentinel's port in its Service, then moves its
+// endpoint and renames the port in its slice.
 func (d *differ) writeSentinel() error {
-	name, port := "http", int32(8080)
+	svcs := d.kube.CoreV1().Services(diffNamespace)
+	svc, err := svcs.Get(d.ctx, "sentinel", metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	svc.Spec.Ports[0].Name = d.sentinelPort()
+	if _, err := svcs.Update(d.ctx, svc, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	return d.writeSentinelSlice()
+}
+
+func (d *differ) writeSentinelSlice() error {
+	name, port := d.sentinelPort(), int32(8080)
 	sl := &discovery.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{Name: "sentinel", Namespace: diffNamespace, Labels: map[string]string{
 			discovery.LabelServiceName: "sentinel", discovery.LabelManagedBy: diffManagedBy}},
