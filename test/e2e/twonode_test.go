@@ -83,7 +83,7 @@ func TestTwoNodes(t *testing.T) {
 	// Both policies flipped in one update, as make differential's edit
 	// does: each node's port keeps its listener and serves its own pod.
 	t.Run("both policies flipped at once", func(t *testing.T) {
-		svc := webService("flip", "10.96.1.4")
+		svc := webService("flip", "10.96.1.9")
 		svc.Spec.Selector = map[string]string{"app": "web"}
 		svc.Spec.Type = v1.ServiceTypeNodePort
 		svc.Spec.Ports[0].NodePort = 30082
@@ -95,7 +95,7 @@ func TestTwoNodes(t *testing.T) {
 		})
 		cl.expectPods(t, "client", "http://10.251.19.1:30082/", "pod1")
 		cl.expectPods(t, "client", "http://10.251.19.40:30082/", "pod2")
-		cl.expectPods(t, "node", "http://10.96.1.4/", "pod1")
+		cl.expectPods(t, "node", "http://10.96.1.9/", "pod1")
 		cl.updateService(t, "flip", func(s *v1.Service) {
 			s.Spec.ExternalTrafficPolicy = v1.ServiceExternalTrafficPolicyCluster
 			s.Spec.InternalTrafficPolicy = nil
