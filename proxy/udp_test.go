@@ -141,16 +141,23 @@ func TestUDPNoEndpointsRefuses(t *testing.T) {
 	h := startProxier(t, Config{})
 	h.apply(svc("dns", config.UDP))
 	c := dialUDP(t, h.addr("dns"))
+	expectUDPRefused(t, c)
+	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
+	if reply := udpExchange(t, c, []byte("q")); string(reply) != "a:q" {
+		t.Fatalf("after an endpoint appeared: %q", reply)
+	}
+}
+
+// expectUDPRefused sends a datagram on c and expects the read to fail with
+// ECONNREFUSED (an ICMP port unreachable), within a bound.
+func expectUDPRefused(t *testing.T, c *net.UDPConn) {
+	t.Helper()
 	if _, err := c.Write([]byte("q")); err != nil {
 		t.Fatal(err)
 	}
 	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c.Read(make([]byte, 10)); !errors.Is(err, syscall.ECONNREFUSED) {
-		t.Fatalf("a datagram to a port without endpoints: %v, want ECONNREFUSED", err)
-	}
-	h.apply(svc("dns", config.UDP, udpBackend(t, "a")))
-	if reply := udpExchange(t, c, []byte("q")); string(reply) != "a:q" {
-		t.Fatalf("after an endpoint appeared: %q", reply)
+		t.Fatalf("a datagram to %v: %v, want ECONNREFUSED", c.RemoteAddr(), err)
 	}
 }
 
