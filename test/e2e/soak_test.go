@@ -94,6 +94,10 @@ type soakError struct {
 	text          string
 }
 
+func (e soakError) String() string {
+	return fmt.Sprintf("%s %s %s (begun %s): %s", e.at.Format("15:04:05.000"), e.client, e.class, e.begun.Format("15:04:05.000"), e.text)
+}
+
 // soakEvent is one disturbance: while it lasts, and for a grace after,
 // the clients it names may fail in the classes it names.
 type soakEvent struct {
@@ -124,11 +128,13 @@ type soak struct {
 	keeper  *Proc
 	handovr int
 
-	mu      sync.Mutex
-	errs    []soakError
-	events  []soakEvent
-	samples []soakSample
-	tries   int
+	mu   sync.Mutex
+	errs []soakError
+	// unexplainedShown is how many unexplained errors the samples logged.
+	unexplainedShown int
+	events           []soakEvent
+	samples          []soakSample
+	tries            int
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -691,12 +697,19 @@ func (s *soak) read() soakSample {
 	sm.rules = s.count("{ iptables-save; ip6tables-save; } | grep -c '^-A'", false)
 	s.mu.Lock()
 	sm.errors, sm.connsTried = len(s.errs), s.tries
+	var fresh []string
 	for _, e := range s.errs {
 		if s.explained(e) == "" {
-			sm.unexplained++
+			if sm.unexplained++; sm.unexplained > s.unexplainedShown {
+				fresh = append(fresh, e.String())
+			}
 		}
 	}
+	s.unexplainedShown = sm.unexplained
 	s.mu.Unlock()
+	if len(fresh) > 0 { // said as they come: a long run that fails has told why by then
+		s.t.Logf("client errors no event explains:\n%s", strings.Join(fresh, "\n"))
+	}
 	return sm
 }
 
@@ -793,7 +806,7 @@ func (s *soak) report() {
 		if ev := s.explained(e); ev != "" {
 			byEvent[ev+" / "+e.client+" "+e.class]++
 		} else {
-			unexplained = append(unexplained, fmt.Sprintf("%s %s %s (begun %s): %s", e.at.Format("15:04:05.000"), e.client, e.class, e.begun.Format("15:04:05.000"), e.text))
+			unexplained = append(unexplained, e.String())
 		}
 	}
 	kinds := map[string]int{}
