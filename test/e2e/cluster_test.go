@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -36,7 +37,10 @@ type clusterLab struct {
 	admin  *kubernetes.Clientset
 	daemon *Proc
 	ctx    context.Context
-	token  string // the shipped ServiceAccount's, for more daemons
+	// tokenMu guards token and tokenFiles: the refresher rewrites them.
+	tokenMu    sync.Mutex
+	token      string   // the shipped ServiceAccount's, for more daemons
+	tokenFiles []string // where deployKubeconfig wrote it
 	// kubeconfig is docs/deploy's, for daemons the test starts itself.
 	kubeconfig string
 }
@@ -80,13 +84,15 @@ func startClusterLab(t *testing.T, o clusterLabOptions) *clusterLab {
 		cl.mustCreate(t, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}})
 	}
 
-	// The daemon gets a token of the shipped ServiceAccount, not the admin's.
-	tr, err := admin.CoreV1().ServiceAccounts("kube-system").CreateToken(ctx, "kube-userspace-proxy",
-		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: ptr(int64(3600))}}, metav1.CreateOptions{})
+	// The daemon gets a token of the shipped ServiceAccount, not the
+	// admin's, valid for an hour and renewed in place as a kubelet renews
+	// a pod's projected token (a soak outlives it).
+	token, err := cl.newToken()
 	if err != nil {
 		t.Fatal(err)
 	}
-	cl.token = tr.Status.Token
+	cl.token = token
+	cl.renewTokens(t)
 	kc := cl.deployKubeconfig(t, cp.URL)
 	cl.kubeconfig = kc
 	l.Backends()
@@ -118,7 +124,11 @@ func (cl *clusterLab) deployKubeconfig(t *testing.T, server string) string {
 	kc := cm.Data["kubeconfig.conf"]
 	dir := t.TempDir()
 	tokenFile := filepath.Join(dir, "token")
-	if err := os.WriteFile(tokenFile, []byte(cl.token), 0o600); err != nil {
+	cl.tokenMu.Lock()
+	err = os.WriteFile(tokenFile, []byte(cl.token), 0o600)
+	cl.tokenFiles = append(cl.tokenFiles, tokenFile)
+	cl.tokenMu.Unlock()
+	if err != nil {
 		t.Fatal(err)
 	}
 	for old, repl := range map[string]string{
@@ -136,6 +146,54 @@ func (cl *clusterLab) deployKubeconfig(t *testing.T, server string) string {
 		t.Fatal(err)
 	}
 	return path
+}
+
+// tokenLife is how long the daemons' tokens live; renewed at 80% of it, as
+// the kubelet renews projected service account tokens.
+const tokenLife = time.Hour
+
+func (cl *clusterLab) newToken() (string, error) {
+	tr, err := cl.admin.CoreV1().ServiceAccounts("kube-system").CreateToken(cl.ctx, "kube-userspace-proxy",
+		&authv1.TokenRequest{Spec: authv1.TokenRequestSpec{ExpirationSeconds: ptr(int64(tokenLife / time.Second))}}, metav1.CreateOptions{})
+	if err != nil {
+		return "", err
+	}
+	return tr.Status.Token, nil
+}
+
+// renewTokens writes a new token into every token file before the last
+// expires, each file replaced by a rename (client-go rereads it), until
+// the test ends.
+func (cl *clusterLab) renewTokens(t *testing.T) {
+	ctx, cancel := context.WithCancel(cl.ctx)
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	go func() {
+		defer close(done)
+		wait := tokenLife * 8 / 10
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(wait):
+			}
+			token, err := cl.newToken()
+			if err != nil {
+				t.Logf("renewing the daemons' token (again in a minute): %v", err)
+				wait = time.Minute
+				continue
+			}
+			wait = tokenLife * 8 / 10
+			cl.tokenMu.Lock()
+			cl.token = token
+			for _, f := range cl.tokenFiles {
+				if err := os.WriteFile(f+".new", []byte(token), 0o600); err == nil {
+					_ = os.Rename(f+".new", f)
+				}
+			}
+			cl.tokenMu.Unlock()
+		}
+	}()
 }
 
 type testWriter struct{ t *testing.T }
