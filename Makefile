@@ -98,6 +98,7 @@ image-check:
 bench-tools: setup-bench build
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/loadgen ./test/bench/loadgen
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/gofloor ./test/bench/gofloor
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/runtimetail ./test/bench/runtimetail
 
 # The data path against direct, kernel DNAT, HAProxy, nginx and socat; writes docs/benchmarks.md (root, ~60 minutes).
 bench: bench-tools

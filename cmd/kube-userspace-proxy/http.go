@@ -10,6 +10,7 @@ import (
 	"net/http/pprof"
 	"net/netip"
 	"os"
+	"regexp"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -322,10 +323,18 @@ func startHTTP(ctx context.Context, addr string, inherited net.Listener, h http.
 	return s, nil
 }
 
+// runtimeCounters are the Go runtime's counts of what was allocated
+// (go_gc_heap_allocs_bytes_total, _objects_total) and collected
+// (go_gc_cycles_total_gc_cycles_total); with runtimeTailCollector's
+// histograms make bench reads them around each run.
+var runtimeCounters = collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(
+	`^/gc/heap/allocs:(bytes|objects)$|^/gc/cycles/total:gc-cycles$`)}
+
 // newRegistry holds every metric the daemon exports.
 func newRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	reg.MustRegister(collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(runtimeCounters)), newRuntimeTailCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		healthzTotal, livezTotal, kernelPieceAvailable, buildInfo())
 	proxy.RegisterMetrics(reg)
 	iptables.RegisterMetrics(reg)

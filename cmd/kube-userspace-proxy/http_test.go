@@ -142,3 +142,22 @@ func TestConfigzShowsEffectiveConfig(t *testing.T) {
 		t.Errorf("configz lacks this proxy's own fields: %v", got["kube-userspace-proxy"])
 	}
 }
+
+// The bench reads the runtime's scheduling latencies, pauses and allocations
+// from /metrics; a rename in the Prometheus client would leave it blind.
+func TestRegistryExportsTheRuntimeTail(t *testing.T) {
+	families, err := newRegistry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	have := map[string]bool{}
+	for _, f := range families {
+		have[f.GetName()] = true
+	}
+	for _, name := range []string{"kube_userspace_proxy_go_sched_latency_seconds", "kube_userspace_proxy_go_gc_pause_seconds",
+		"go_gc_heap_allocs_bytes_total", "go_gc_heap_allocs_objects_total", "go_gc_cycles_total_gc_cycles_total"} {
+		if !have[name] {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
+}

@@ -18,6 +18,7 @@ UDP_CPU_RATE=${UDP_CPU_RATE:-20000} # datagrams/s of the UDP cost figures
 UDP_CPU_FLOWS=${UDP_CPU_FLOWS:-"1 64"}
 UDP_CPU_PATHS=${UDP_CPU_PATHS:-"nginx gofloor proxy"} # each only when in PATHS
 RATE=${RATE:-2000}
+FLOWS_N=${FLOWS_N:-2000} # UDP flows of the memory count
 BIN=${BIN:-bin}
 [ "$(id -u)" = 0 ] || { echo "bench needs root (network namespaces)" >&2; exit 1; }
 bash test/setup.sh bench # haproxy, iperf3, socat, sockperf when missing
@@ -32,10 +33,6 @@ bench_lab kb
 # nginx, the client and node held 10 000 ports in TIME_WAIT, and the daemon's 5000 that followed were reset.
 N node sysctl -qw net.ipv4.tcp_tw_reuse=1
 N client sysctl -qw net.ipv4.tcp_tw_reuse=1
-# Backend pod: HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201.
-L pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 ${BACKEND_UDP_BUFFER:+--udp-buffer "$BACKEND_UDP_BUFFER"} >/dev/null 2>&1 &
-L pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
-wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
 
 # The paths, each on its own service address.
 declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5 [ringfloor]=10.96.9.6 [nginx]=10.96.9.7)
@@ -68,10 +65,25 @@ done
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.3 -p udp --dport 8081 -j REDIRECT --to-ports 28081
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.7 -p udp --dport 8081 -j REDIRECT --to-ports 58081
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.5 -p udp --dport 8081 -j REDIRECT --to-ports 38081
-# HAProxy as its documentation tunes it for L4 splicing: pipes as large as
-# ours (tune.pipesize; the kernel's default is 64 KiB against our 1 MiB),
-# one thread per CPU it runs on, splicing both ways when it pays.
-cat > "$work/haproxy.cfg" <<EOF
+start_haproxy() { P haproxy -f "$work/haproxy.cfg" >>"$work/haproxy.log" 2>&1 & }
+start_nginx() { P nginx -c "$work/nginx.conf" -e "$work/nginx.log" >>"$work/nginx.log" 2>&1 & }
+# The daemon serves /metrics on the node's loopback: the bench reads the Go
+# runtime's figures around each run (runtimetail).
+METRICS=127.0.0.1:10249
+start_proxy() { # extra daemon flags in $@
+  P env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
+    --metrics-bind-address "$METRICS" --healthz-bind-address "" ${PROXY_ARGS:-} "$@" >>"$work/proxy.log" 2>&1 &
+}
+# serve_paths: the backend pod (HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201) and every path of PATHS,
+# started under the current pinning (results.sh); stop_paths ends them all.
+serve_paths() {
+  L pod1 "$BIN/backend" --name pod1 --tcp :8080 --udp :8081 --echo :9000 ${BACKEND_UDP_BUFFER:+--udp-buffer "$BACKEND_UDP_BUFFER"} >/dev/null 2>&1 &
+  L pod1 iperf3 -s -p 5201 -D >/dev/null 2>&1
+  wait_until 10 N node curl -s --max-time 1 http://10.251.19.12:8080/ || { echo "backend down" >&2; exit 1; }
+  # HAProxy as its documentation tunes it for L4 splicing: pipes as large as
+  # ours (tune.pipesize; the kernel's default is 64 KiB against our 1 MiB),
+  # one thread per CPU it runs on, splicing both ways when it pays.
+  cat > "$work/haproxy.cfg" <<EOF
 global
   maxconn 7000
   nbthread $PROXY_NCPU
@@ -92,13 +104,12 @@ listen iperf
   bind :15201
   server pod1 10.251.19.12:5201
 EOF
-start_haproxy() { P haproxy -f "$work/haproxy.cfg" >>"$work/haproxy.log" 2>&1 & }
-start_haproxy
-# nginx's stream module: a second L4 peer, and the one for UDP. One worker
-# per CPU it runs on, as HAProxy's threads; reuseport on every listener, as
-# nginx's documentation asks for UDP (a client's datagrams then stay with one
-# worker, so one session per client address and port, as the daemon's flows).
-cat > "$work/nginx.conf" <<EOF
+  start_haproxy
+  # nginx's stream module: a second L4 peer, and the one for UDP. One worker
+  # per CPU it runs on, as HAProxy's threads; reuseport on every listener, as
+  # nginx's documentation asks for UDP (a client's datagrams then stay with one
+  # worker, so one session per client address and port, as the daemon's flows).
+  cat > "$work/nginx.conf" <<EOF
 load_module /usr/lib/nginx/modules/ngx_stream_module.so;
 daemon off;
 worker_processes $PROXY_NCPU;
@@ -113,21 +124,20 @@ stream {
   server { listen 58081 udp reuseport; proxy_pass 10.251.19.12:8081; proxy_timeout 30s; }
 }
 EOF
-start_nginx() { P nginx -c "$work/nginx.conf" -e "$work/nginx.log" >>"$work/nginx.log" 2>&1 & }
-runs nginx && start_nginx
-for p in 8080:28080 9000:29000 5201:25201; do
-  P socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
-done
-P socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
-if runs gofloor; then
-  P "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 -udp :38081=10.251.19.12:8081 \
-    >"$work/gofloor.log" 2>&1 &
-fi
-if runs ringfloor; then
-  P "$BIN/gofloor" -engine ring -listen :48080=10.251.19.12:8080 -listen :49000=10.251.19.12:9000 -listen :45201=10.251.19.12:5201 \
-    >"$work/ringfloor.log" 2>&1 &
-fi
-cat > "$work/svc.yaml" <<'EOF'
+  runs nginx && start_nginx
+  for p in 8080:28080 9000:29000 5201:25201; do
+    P socat TCP-LISTEN:"${p#*:}",fork,reuseaddr TCP:10.251.19.12:"${p%%:*}" >/dev/null 2>&1 &
+  done
+  P socat UDP-LISTEN:28081,fork,reuseaddr UDP:10.251.19.12:8081 >/dev/null 2>&1 &
+  if runs gofloor; then
+    P "$BIN/gofloor" -listen :38080=10.251.19.12:8080 -listen :39000=10.251.19.12:9000 -listen :35201=10.251.19.12:5201 -udp :38081=10.251.19.12:8081 \
+      >"$work/gofloor.log" 2>&1 &
+  fi
+  if runs ringfloor; then
+    P "$BIN/gofloor" -engine ring -listen :48080=10.251.19.12:8080 -listen :49000=10.251.19.12:9000 -listen :45201=10.251.19.12:5201 \
+      >"$work/ringfloor.log" 2>&1 &
+  fi
+  cat > "$work/svc.yaml" <<'EOF'
 apiVersion: v1
 kind: Service
 metadata: {name: bench, namespace: bench}
@@ -146,14 +156,19 @@ addressType: IPv4
 ports: [{name: http, port: 8080, protocol: TCP}, {name: echo, port: 9000, protocol: TCP}, {name: iperf, port: 5201, protocol: TCP}, {name: udp, port: 8081, protocol: UDP}]
 endpoints: [{addresses: [10.251.19.12]}]
 EOF
-start_proxy() { # extra daemon flags in $@
-  P env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
-    --metrics-bind-address "" --healthz-bind-address "" ${PROXY_ARGS:-} "$@" >>"$work/proxy.log" 2>&1 &
+  start_proxy
+  for p in $PATHS; do
+    wait_until 10 N client curl -s --max-time 1 "http://${VIP[$p]}:8080/" || { echo "path $p does not answer" >&2; cat "$work/proxy.log" "$work/haproxy.log" >&2; exit 1; }
+  done
 }
-start_proxy
-for p in $PATHS; do
-  wait_until 10 N client curl -s --max-time 1 "http://${VIP[$p]}:8080/" || { echo "path $p does not answer" >&2; cat "$work/proxy.log" "$work/haproxy.log" >&2; exit 1; }
-done
+stop_paths() {
+  local ns pid
+  for ns in node pod1; do
+    for pid in $(ip netns pids "$LAB-$ns"); do kill "$pid" 2>/dev/null; done
+  done
+  wait_until 10 sh -c "[ -z \"\$(ip netns pids $LAB-node; ip netns pids $LAB-pod1)\" ]" || { echo "the paths did not stop" >&2; exit 1; }
+  rm -f "$work/nginx.pid"
+}
 proxypid() { # the process serving a path, for CPU and memory
   case $1 in
     proxy) pgrep -f "kube-userspace-proxy --manifests $work" | head -1 ;;
@@ -167,8 +182,6 @@ cputicks() { local p; for p in $1; do cat "/proc/$p/stat"; done | awk '{t+=$14+$
 HZ=$(getconf CLK_TCK)
 cpusince() { awk -v t=$(($(cputicks "$1") - $2)) -v hz="$HZ" 'BEGIN{printf "%.4f", t/hz}'; } # pid ticks0 → CPU seconds since
 
-results="$work/results"
-: >"$results"
 
 iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
   local p=$1 len=$2 pid t0 out bps bytes
@@ -184,13 +197,50 @@ iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
 rate() { # path mode → operations/s; CPU µs per operation of the proxy process
   local p=$1 mode=$2 pid t0 out
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
+  [ "$p" = proxy ] && scrape "$work/before.prom"
   out=$(L client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 32)
   record "$mode" "$p" "$(echo "$out" | jsonval perSecond)"
   if [ -n "$pid" ]; then
     record "cpu_per_$mode" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v n="$(echo "$out" | jsonval count)" 'BEGIN{if(n>0) printf "%.1f", c/n*1e6}')"
   fi
+  if [ "$p" = proxy ]; then
+    scrape "$work/after.prom"
+    record "alloc_b_$mode" "$p" "$(runtimetail -ops "$(echo "$out" | jsonval count)" | jsonval allocBytesPerOp | awk '{printf "%.0f", $1}')"
+  fi
+}
+# The tail apart (latency runs): what the kernel says of every path's serving process — how long its threads
+# waited for a CPU per time slice (/proc/PID/task/*/schedstat: run-queue wait, slices) — and the machine's softirq
+# time per request; of this proxy also the Go runtime's view (runtimetail): how long a runnable goroutine waited
+# for a thread (p99, p99.9), the collections and the longest stop-the-world pause in the run.
+runq() { local p; for p in $1; do cat /proc/"$p"/task/*/schedstat 2>/dev/null; done | awk '{w+=$2; n+=$3} END{print w+0, n+0}'; }
+softirq() { awk '/^cpu /{print $8}' /proc/stat; }
+scrape() { N node curl -sf --max-time 5 "http://$METRICS/metrics" >"$1" || { echo "bench: cannot read the daemon's /metrics" >&2; exit 1; }; }
+runtimetail() { "$BIN/runtimetail" -before "$work/before.prom" -after "$work/after.prom" "$@"; }
+latency() { # path → p50/p99/p99.9 at RATE req/s, and the tail's parts
+  local p=$1 pid q0 q1 si0 lat n tail
+  pid=$(proxypid "$p"); q0=$(runq "$pid"); si0=$(softirq)
+  [ "$p" = proxy ] && scrape "$work/before.prom"
+  lat=$(L client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
+  q1=$(runq "$pid")
+  record p50 "$p" "$(echo "$lat" | jsonval p50us)"
+  record p99 "$p" "$(echo "$lat" | jsonval p99us)"
+  record p999 "$p" "$(echo "$lat" | jsonval p999us)"
+  n=$(awk -v r="$RATE" -v d="$LG_DUR" 'BEGIN{printf "%.0f", r*d}')
+  record softirq_us "$p" "$(awk -v t=$(($(softirq) - si0)) -v hz="$HZ" -v n="$n" 'BEGIN{printf "%.1f", t/hz/n*1e6}')"
+  if [ -n "$pid" ]; then
+    record runq_us "$p" "$(awk -v a="$q0" -v b="$q1" 'BEGIN{split(a,x," "); split(b,y," "); s=y[2]-x[2]; printf "%.1f", (s>0 ? (y[1]-x[1])/s/1000 : 0)}')"
+  fi
+  if [ "$p" = proxy ]; then
+    scrape "$work/after.prom"
+    tail=$(runtimetail)
+    record sched_p99 "$p" "$(echo "$tail" | jsonval schedP99us)"
+    record sched_p999 "$p" "$(echo "$tail" | jsonval schedP999us)"
+    record gc_cycles "$p" "$(echo "$tail" | jsonval gcCycles)"
+    record pause_max "$p" "$(echo "$tail" | jsonval pauseMaxUs)"
+  fi
 }
 
+measure_tcp() {
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
     echo "run $run/$RUNS: $p" >&2
@@ -198,14 +248,10 @@ for run in $(seq "$RUNS"); do
     want tput4 && iperf "$p" 4K
     want cps && rate "$p" cps
     want rps && rate "$p" rps
-    if want latency; then
-      lat=$(L client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
-      record p50 "$p" "$(echo "$lat" | jsonval p50us)"
-      record p99 "$p" "$(echo "$lat" | jsonval p99us)"
-      record p999 "$p" "$(echo "$lat" | jsonval p999us)"
-    fi
+    want latency && latency "$p"
   done
 done
+}
 
 # UDP: the highest rate with < 0.1 % loss, one flow and 64 flows, each figure the median of RUNS searches with the
 # paths interleaved (one search per path, then the next run): one search per path, minutes apart, moved the direct
@@ -240,6 +286,7 @@ udp_search() {
   fi
   record "udp_${size}_${flows}" "$p" "$best"
 }
+measure_udp() {
 if want udp; then
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
@@ -286,6 +333,7 @@ if want udprt; then
     done
   done
 fi
+}
 
 # Idle connections: descriptors and RSS per connection of the serving process
 # (of nginx's workers together).
@@ -328,6 +376,7 @@ restart_path() {
   esac
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[$1]}:8080/" >/dev/null || { echo "$1 did not come back" >&2; exit 1; }
 }
+measure_memory() {
 for p in haproxy nginx proxy; do
   want idle || break
   runs "$p" || continue
@@ -360,7 +409,6 @@ done
 # what the next one reuses, and a buffer the heap hands over zeroed is resident whatever the datagrams touch. nginx
 # keeps its 30 s timeout and holds both rounds. Live flows are counted as the descriptors they added (one socket a
 # flow in the daemon; nginx added ~1.5 a session).
-FLOWS_N=${FLOWS_N:-2000}
 for p in nginx proxy; do
   want flows || break
   runs "$p" || continue
@@ -376,9 +424,29 @@ for p in nginx proxy; do
   fd1=$(fds "$pid"); rss1=$(rss "$pid")
   record udp_flow_kib "$p" "$(awk -v a="$rss0" -v b="$rss1" -v f="$((fd1 - fd0))" 'BEGIN{if(f>0) printf "%.1f", (b-a)/f}')"
 done
+}
 
 
-table="$work/table.md"
+# The settings: pinned (every proxy on PROXY_CPUS, load and backend on LOAD_CPUS) and shared (nothing pinned, as
+# on a node). Idle connections, UDP flows' memory, rule programming and the node tax are the same code in both and
+# run once, in the first setting.
+SETTINGS=${SETTINGS:-"pinned shared"}
+for setting in $SETTINGS; do
+  pinning "$setting"
+  results="$work/results.$setting"
+  : >"$results"
+  echo "== $setting" >&2
+  serve_paths
+  measure_tcp
+  measure_udp
+  [ "$setting" = "${SETTINGS%% *}" ] && measure_memory
+  stop_paths
+done
+
+# table_of SETTING: the table of one setting's figures.
+table_of() {
+  results="$work/results.$1"
+  table="$work/table.$1.md"
 {
   declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor" [ringfloor]="Go ring floor" [nginx]="nginx stream")
   head="| metric"; rule="|---"
@@ -406,11 +474,19 @@ cpu_per_gb_128K proxy CPU seconds per GB, 128 KiB writes
 cpu_per_gb_4K proxy CPU seconds per GB, 4 KiB writes
 cps new connections/s (HTTP, Connection: close, 32 clients)
 cpu_per_cps proxy CPU µs per connection
+alloc_b_cps Go: bytes allocated per connection
 rps keep-alive requests/s (32 connections)
 cpu_per_rps proxy CPU µs per keep-alive request
+alloc_b_rps Go: bytes allocated per keep-alive request
 p50 p50 latency at $RATE req/s (µs)
 p99 p99 latency at $RATE req/s (µs)
 p999 p99.9 latency at $RATE req/s (µs)
+runq_us the latency run: the serving process's wait for a CPU per time slice (µs, kernel schedstat)
+softirq_us the latency run: the machine's softirq CPU per request (µs)
+sched_p99 the latency run, Go: a runnable goroutine's wait for a thread, p99 (µs, buckets a power of 2 apart)
+sched_p999 the latency run, Go: the same wait, p99.9 (µs)
+gc_cycles the latency run, Go: collections
+pause_max the latency run, Go: the longest stop-the-world pause (µs, bucket bound)
 udp_64_1 UDP 64 B, 1 flow: pps at < 0.1 % loss
 udp_64_64 UDP 64 B, 64 flows: pps at < 0.1 % loss
 udp_1400_1 UDP 1400 B, 1 flow: pps at < 0.1 % loss
@@ -423,9 +499,13 @@ $(for n in $IDLE_NS; do echo "idle_fd_$n descriptors per idle connection ($n ope
 udp_flow_kib RSS KiB per UDP flow ($FLOWS_N live, after $FLOWS_N others came and went)
 EOF
 } >"$table"
-
-echo
-cat "$table"
+}
+for setting in $SETTINGS; do
+  table_of "$setting"
+  echo
+  echo "$setting:"
+  cat "$table"
+done
 echo
 if want prog; then
   echo "Rule programming (progbench):"
@@ -441,7 +521,7 @@ if want tax; then
 fi
 
 # Only a full run (all paths, all figures) replaces the published table.
-if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle flows prog tax" ]; then
+if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle flows prog tax" ] && [ "$SETTINGS" = "pinned shared" ]; then
   doc=docs/benchmarks.md
   {
     sed '/<!-- bench:start -->/,$d' "$doc" # what comes before the table
@@ -451,13 +531,19 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo "Run $(date -u +%Y-%m-%d) on $(nproc) vCPU $(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo), $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo), Linux $(uname -r);"
     echo "$(haproxy -v | head -1 | cut -d' ' -f1-3), $(nginx -v 2>&1 | sed 's/^nginx version: //'), $(iperf3 --version | head -1 | cut -d' ' -f1-2), $(socat -V | sed -n 's/^socat version \([^ ]*\).*/socat \1/p')."
     echo "Command: \`make bench\` (test/bench/bench.sh: $RUNS interleaved runs of ${DUR} s per figure, median; a UDP figure the median of $RUNS interleaved searches of ${UDP_DUR} s tries, each client flow paced by the clock in sends of $UDP_BURST datagrams). Lab: client pod → node → backend pod over veth in network namespaces;"
-    echo "Pinned: each proxy (this one, HAProxy, nginx, socat, the Go floors) on CPU $PROXY_CPUS, load generators and the backend on CPU $LOAD_CPUS. Each cell is the median with the runs' spread (min–max)."
-    echo "HAProxy (mode tcp, splice-auto, \`tune.pipesize 1048576\` as our pipes, \`nbthread $PROXY_NCPU\`), nginx (stream module, TCP and UDP, \`worker_processes $PROXY_NCPU\`, \`reuseport\` on every listener) and socat listen behind the same kind of REDIRECT as this proxy;"
-    echo "kernel DNAT is what kube-proxy's iptables mode does."
+    pinned_ncpu=$(taskset -c "$PROXY_CPUS" nproc)
+    echo "Two settings, each with its own table: **pinned**, each proxy (this one, HAProxy, nginx, socat, the Go floors) on CPU $PROXY_CPUS, load generators and the backend on CPU $LOAD_CPUS;"
+    echo "and **shared cores**, nothing pinned, as on a node where the proxy shares its cores with the pods it serves. Each cell is the median with the runs' spread (min–max)."
+    echo "HAProxy (mode tcp, splice-auto, \`tune.pipesize 1048576\` as our pipes, \`nbthread\` the CPUs it may use: $pinned_ncpu pinned, $NCPU shared), nginx (stream module, TCP and UDP, \`worker_processes\` the same, \`reuseport\` on every listener) and socat listen behind the same kind of REDIRECT as this proxy;"
+    echo "kernel DNAT is what kube-proxy's iptables mode does. The latency run's tail rows: docs/benchmarks.md, \"The tail apart\"."
+    for setting in $SETTINGS; do
+      echo
+      case $setting in pinned) echo "### Pinned" ;; shared) echo "### Shared cores" ;; esac
+      echo
+      cat "$work/table.$setting.md"
+    done
     echo
-    cat "$table"
-    echo
-    echo "The peers' configurations in this run:"
+    echo "The peers' configurations in this run (the last setting's):"
     echo
     echo '```'
     echo "# haproxy -f haproxy.cfg"

@@ -22,6 +22,9 @@ sane_range() {
     cps | rps | svc) echo "1 100000000" ;;        # per second
     cpu_per_*) echo "0 100000000" ;;              # CPU µs per operation
     p50 | p99 | p999 | lat) echo "0.1 100000000" ;; # µs
+    runq_us | softirq_us | sched_p99 | sched_p999 | pause_max | pause_total) echo "0 100000000" ;; # µs
+    gc_cycles) echo "0 1000000" ;;
+    alloc_b_*) echo "0 100000000" ;;              # bytes per operation
     udp_per_core_*) echo "1 1000000000000" ;;     # datagrams per CPU-second
     udp_rt_us_*) echo "0.01 1000000000" ;;        # machine CPU µs per round trip
     udp_flow_kib | idle_kib_*) echo "-64 100000" ;; # KiB (a heap handing memory back reads a little below 0)
@@ -43,12 +46,31 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if(a=="—"||b=="—"||b==0){print "—
 # A pinned lab: the proxy under test (ours or a peer) on PROXY_CPUS, the load
 # generators and the backend on LOAD_CPUS, the same for every path, so that
 # neither steals the other's CPU (floating, "proxy ÷ direct" read above 1).
+# The shared setting pins nothing, as on a node, where the proxy shares its
+# cores with the pods it serves: every process may run on every CPU, and a
+# proxy runs one thread or worker per CPU of the machine.
 NCPU=$(nproc)
 PROXY_CPUS=${PROXY_CPUS:-$((NCPU - 1))}
 LOAD_CPUS=${LOAD_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo 0)}
-PROXY_NCPU=$(taskset -c "$PROXY_CPUS" nproc)
-P() { N node taskset -c "$PROXY_CPUS" "$@"; }     # a proxy under test, in the node
-L() { N "$1" taskset -c "$LOAD_CPUS" "${@:2}"; } # a load generator or backend, in namespace $1
+# pinning pinned|shared: how P and L start processes from now on; PROXY_NCPU
+# is the number of CPUs a proxy may run on (its threads or workers).
+pinning() {
+  SETTING=$1
+  case $1 in
+    pinned)
+      PROXY_NCPU=$(taskset -c "$PROXY_CPUS" nproc)
+      P() { N node taskset -c "$PROXY_CPUS" "$@"; }     # a proxy under test, in the node
+      L() { N "$1" taskset -c "$LOAD_CPUS" "${@:2}"; } # a load generator or backend, in namespace $1
+      ;;
+    shared)
+      PROXY_NCPU=$NCPU
+      P() { N node "$@"; }
+      L() { N "$1" "${@:2}"; }
+      ;;
+    *) echo "pinning: '$1' is neither pinned nor shared" >&2; exit 1 ;;
+  esac
+}
+pinning pinned
 
 # bench_lab PREFIX: the lab of test/lab/lab.sh (sourced before) under the name
 # $LAB when set, else PREFIX<pid>, a work directory $work, both removed on
