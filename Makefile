@@ -107,7 +107,7 @@ bench: bench-tools
 # HAProxy, the least a Go program does per connection (test/bench/gofloor)
 # and this proxy, for the TCP figures: what the Go runtime costs (~4 minutes).
 bench-floor: bench-tools
-	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency" BIN=$(BIN) ./test/bench/bench.sh
+	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency sys" BIN=$(BIN) ./test/bench/bench.sh
 
 # The UDP figures and the machine's CPU per round trip for direct, nginx, the
 # least a user-space process does per datagram (gofloor -udp) and this proxy:

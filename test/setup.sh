@@ -6,7 +6,7 @@
 #
 #   test/setup.sh demo    the lab and the daemon: iptables, iproute2, curl, …
 #   test/setup.sh test    + the tests' peers: nc, dig, HAProxy, nginx, iperf3, …
-#   test/setup.sh bench   + the benchmarks' tools (sockperf, socat)
+#   test/setup.sh bench   + the benchmarks' tools (sockperf, socat, perf)
 #   test/setup.sh bench-cluster  bench + nftables (kube-proxy's nftables mode)
 #   test/setup.sh ci      test + Chromium for the live page's browser test
 #                         (installed only here: make test never installs a browser)
@@ -30,8 +30,9 @@ conformance=(runc:runc /usr/lib/cni/bridge:containernetworking-plugins nft:nftab
   gcc:gcc nsenter:util-linux wget:wget)
 case "$job" in
   demo) want=("${demo[@]}") ;;
-  test | bench) want=("${test_[@]}") ;;
-  bench-cluster) want=("${test_[@]}" nft:nftables) ;;
+  test) want=("${test_[@]}") ;;
+  bench) want=("${test_[@]}" perf:linux-perf) ;;
+  bench-cluster) want=("${test_[@]}" perf:linux-perf nft:nftables) ;;
   ci) want=("${test_[@]}" chromium:chromium "${conformance[@]}") ;;
   conformance) want=("${test_[@]}" "${conformance[@]}") ;;
   *) echo "usage: $0 demo|test|bench|bench-cluster|ci|conformance" >&2; exit 2 ;;

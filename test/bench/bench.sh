@@ -50,8 +50,8 @@ PATHS=${PATHS:-$DEFAULT_PATHS}
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
 # The smoke run leaves out tput4 (tput128 runs the same code) and counts idle connections through the daemon
 # alone (the count is the same code for every path).
-[ "$SMOKE" = 1 ] && TESTS=${TESTS:-"tput128 cps rps latency udp idle prog tax"}
-TESTS=${TESTS:-"tput128 tput4 cps rps latency udp idle flows prog tax"}
+[ "$SMOKE" = 1 ] && TESTS=${TESTS:-"tput128 cps rps latency sys udp idle prog tax"}
+TESTS=${TESTS:-"tput128 tput4 cps rps latency sys udp idle flows prog tax"}
 want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
 runs() { case " $PATHS " in *" $1 "*) return 0 ;; esac; return 1; } # path $1 is measured
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
@@ -240,6 +240,22 @@ latency() { # path → p50/p99/p99.9 at RATE req/s, and the tail's parts
   fi
 }
 
+# The system calls and context switches of each path's serving process per connection (cps) and per keep-alive
+# request (rps), counted by perf stat in runs of their own: a tracepoint on every system call costs the process a
+# little, so the rate figures are measured without it. perf attaches as the load starts: the first milliseconds
+# of a 5-second run may go uncounted, the same for every path.
+syscounts() { # path mode
+  local p=$1 mode=$2 pids perfpid out n
+  pids=$(proxypid "$p" | tr -s ' \n' ',' | sed 's/,$//')
+  [ -n "$pids" ] || return 0
+  perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$pids" -o "$work/perf.out" 2>/dev/null &
+  perfpid=$!
+  out=$(L client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 32)
+  kill -INT "$perfpid"; wait "$perfpid"
+  n=$(echo "$out" | jsonval count)
+  record "sys_per_$mode" "$p" "$(awk -F, -v n="$n" '$3=="raw_syscalls:sys_enter" && n>0 {printf "%.2f", $1/n}' "$work/perf.out")"
+  record "cs_per_$mode" "$p" "$(awk -F, -v n="$n" '$3=="context-switches" && n>0 {printf "%.2f", $1/n}' "$work/perf.out")"
+}
 measure_tcp() {
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
@@ -249,6 +265,7 @@ for run in $(seq "$RUNS"); do
     want cps && rate "$p" cps
     want rps && rate "$p" rps
     want latency && latency "$p"
+    if want sys; then syscounts "$p" cps; syscounts "$p" rps; fi
   done
 done
 }
@@ -478,6 +495,10 @@ alloc_b_cps Go: bytes allocated per connection
 rps keep-alive requests/s (32 connections)
 cpu_per_rps proxy CPU µs per keep-alive request
 alloc_b_rps Go: bytes allocated per keep-alive request
+sys_per_cps system calls per connection (perf stat, a run of its own)
+cs_per_cps context switches per connection
+sys_per_rps system calls per keep-alive request
+cs_per_rps context switches per keep-alive request
 p50 p50 latency at $RATE req/s (µs)
 p99 p99 latency at $RATE req/s (µs)
 p999 p99.9 latency at $RATE req/s (µs)
@@ -521,7 +542,7 @@ if want tax; then
 fi
 
 # Only a full run (all paths, all figures) replaces the published table.
-if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency udp idle flows prog tax" ] && [ "$SETTINGS" = "pinned shared" ]; then
+if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128 tput4 cps rps latency sys udp idle flows prog tax" ] && [ "$SETTINGS" = "pinned shared" ]; then
   doc=docs/benchmarks.md
   {
     sed '/<!-- bench:start -->/,$d' "$doc" # what comes before the table

@@ -25,6 +25,7 @@ sane_range() {
     runq_us | softirq_us | sched_p99 | sched_p999 | pause_max | pause_total) echo "0 100000000" ;; # µs
     gc_cycles) echo "0 1000000" ;;
     alloc_b_*) echo "0 100000000" ;;              # bytes per operation
+    sys_per_* | cs_per_*) echo "0.001 100000" ;;  # per operation (a path that made no system call measured nothing)
     udp_per_core_*) echo "1 1000000000000" ;;     # datagrams per CPU-second
     udp_rt_us_*) echo "0.01 1000000000" ;;        # machine CPU µs per round trip
     udp_flow_kib | idle_kib_*) echo "-64 100000" ;; # KiB (a heap handing memory back reads a little below 0)
