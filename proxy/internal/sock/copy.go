@@ -46,104 +46,147 @@ import (
 // when it fires after data came, costs an active copy nothing per message.
 // Copy leaves no deadline behind.
 func Copy(dst, src *Conn, count func(int64), idle time.Duration) (int64, error) {
-	// The sink counts every write as it lands, so that a transfer held up
-	// by a slow reader shows its bytes moving (a burst under backpressure
-	// can last as long as the connection).
-	out := newSink(dst)
-	out.count = count
-	var cerr error // what ended the copy inside the callback; nil at EOF
+	c := copiers.Get().(*copier)
+	c.start(dst, src, count)
+	n, err := c.run(idle)
+	c.reset()
+	copiers.Put(c)
+	return n, err
+}
+
+// copier is one Copy's state, its callbacks bound once. Copiers are pooled:
+// a connection's two copies cost no allocation (closures and the variables
+// they captured cost ten per copy), and no copier is referenced once its Copy
+// has returned.
+type copier struct {
+	out sink
+	src *Conn
+	// cerr is what ended the copy inside the callback; nil at EOF.
+	cerr error
 	// bulk: the last wake-up moved more than a buffer, so this one starts
 	// with splice(2) instead of copying the first 32 KiB through user space.
-	bulk := false
-	// inq reads with TCP_CM_INQ, which saves the read that finds the
+	bulk bool
+	// useInq: read with TCP_CM_INQ, which saves the read that finds the
 	// socket empty after every message (three system calls per message
 	// become two). An accepted socket has TCP_INQ from its listener; a
 	// dialled one gets it once it carried a second message (a
 	// conversation), so that a connection with one request and one reply
 	// never pays the setsockopt.
-	var inq *inqReader
-	if src.inq {
-		inq = &inqReader{}
-	}
-	messages := 0
-	wakes := 0 // wake-ups that found data: an idle deadline after one is no idle time
-	burst := func(fd int) bool {
-		m, eof, err := spliceBurst(out, fd, &src.detach)
-		if err != nil {
-			cerr = err
-			return true
-		}
-		if m > 0 {
-			wakes++
-		}
-		bulk = m >= bufSize
-		return eof // drained (the pipe is back in the pool): wait, unless at EOF
-	}
-	copyAvailable := func(fd uintptr) bool {
-		if bulk {
-			return burst(int(fd))
-		}
-		b := bufs.Get().(*[]byte)
-		n, eof, rerr := readAvailable(int(fd), *b, inq)
-		if n > 0 {
-			wakes++
-			if messages++; messages == 2 && inq == nil {
-				// Kept on the Conn: a copy resumed after a pause
-				// starts with it instead of counting again.
-				inq = newInqReader(int(fd))
-				src.inq = inq != nil
-			}
-			flags := 0
-			if eof {
-				flags = unix.MSG_MORE // the caller's FIN follows at once
-			}
-			if werr := out.send((*b)[:n], flags); werr != nil {
-				bufs.Put(b)
-				cerr = werr
-				return true
-			}
-		}
-		full := n == len(*b)
-		bufs.Put(b) // never held while waiting
-		switch {
-		case rerr != nil:
-			cerr = &net.OpError{Op: "read", Net: "tcp", Err: rerr}
-			return true
-		case eof:
-			return true
-		case !full:
-			return false // src is drained: wait for more
-		}
-		return burst(int(fd))
-	}
+	useInq   bool
+	inq      inqReader
+	messages int
+	wakes    int                   // wake-ups that found data: an idle deadline after one is no idle time
+	tryRead  func(fd uintptr) bool // copyAvailable, bound once
+}
+
+var copiers = sync.Pool{New: func() any {
+	c := &copier{}
+	c.out.try = c.out.attempt
+	c.tryRead = c.copyAvailable
+	return c
+}}
+
+func (c *copier) start(dst, src *Conn, count func(int64)) {
+	c.out.s, c.out.count = dst, count
+	c.src = src
+	c.useInq = src.inq
+}
+
+// reset leaves the copier holding nothing of the copy it served.
+func (c *copier) reset() {
+	c.out.s, c.out.count, c.out.err, c.out.total = nil, nil, nil, 0
+	c.src, c.cerr = nil, nil
+	c.bulk, c.useInq, c.messages, c.wakes = false, false, 0, 0
+}
+
+func (c *copier) run(idle time.Duration) (int64, error) {
+	src, out := c.src, &c.out
 	if src.detach.Load() {
 		return 0, ErrDetached
 	}
 	if idle <= 0 {
-		if err := src.read(copyAvailable); err != nil {
+		if err := src.read(c.tryRead); err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) && src.detach.Load() {
 				return out.total, ErrDetached // waiting for src: nothing in flight
 			}
 			return out.total, err // closed while waiting
 		}
-		return out.total, cerr
+		return out.total, c.cerr
 	}
 	defer src.setReadDeadline(time.Time{})
 	for {
-		seen := wakes
+		seen := c.wakes
 		src.setReadDeadline(time.Now().Add(idle))
-		err := src.read(copyAvailable)
+		err := src.read(c.tryRead)
 		switch {
 		case err == nil:
-			return out.total, cerr
+			return out.total, c.cerr
 		case errors.Is(err, os.ErrDeadlineExceeded) && src.detach.Load():
 			return out.total, ErrDetached // waiting for src: nothing in flight
 		case !errors.Is(err, os.ErrDeadlineExceeded):
 			return out.total, err // closed while waiting
-		case wakes == seen:
+		case c.wakes == seen:
 			return out.total, ErrIdle
 		}
 	}
+}
+
+// burst splices what the socket has; true ends the wait.
+func (c *copier) burst(fd int) bool {
+	m, eof, err := spliceBurst(&c.out, fd, &c.src.detach)
+	if err != nil {
+		c.cerr = err
+		return true
+	}
+	if m > 0 {
+		c.wakes++
+	}
+	c.bulk = m >= bufSize
+	return eof // drained (the pipe is back in the pool): wait, unless at EOF
+}
+
+// copyAvailable is the read callback: it moves what src has now, and says
+// whether the copy is over (true) or waits for src (false).
+func (c *copier) copyAvailable(fd uintptr) bool {
+	if c.bulk {
+		return c.burst(int(fd))
+	}
+	var inq *inqReader
+	if c.useInq {
+		inq = &c.inq
+	}
+	b := bufs.Get().(*[]byte)
+	n, eof, rerr := readAvailable(int(fd), *b, inq)
+	if n > 0 {
+		c.wakes++
+		if c.messages++; c.messages == 2 && !c.useInq {
+			// Kept on the Conn: a copy resumed after a pause
+			// starts with it instead of counting again.
+			c.useInq = setInq(int(fd))
+			c.src.inq = c.useInq
+		}
+		flags := 0
+		if eof {
+			flags = unix.MSG_MORE // the caller's FIN follows at once
+		}
+		if werr := c.out.send((*b)[:n], flags); werr != nil {
+			bufs.Put(b)
+			c.cerr = werr
+			return true
+		}
+	}
+	full := n == len(*b)
+	bufs.Put(b) // never held while waiting
+	switch {
+	case rerr != nil:
+		c.cerr = &net.OpError{Op: "read", Net: "tcp", Err: rerr}
+		return true
+	case eof:
+		return true
+	case !full:
+		return false // src is drained: wait for more
+	}
+	return c.burst(int(fd))
 }
 
 // readAvailable reads from the non-blocking socket fd into b until b is
@@ -188,13 +231,10 @@ type inqReader struct {
 	oob [unix.SizeofCmsghdr + 8]byte // one cmsg with an int, aligned
 }
 
-// newInqReader sets TCP_INQ on fd and returns a reader for it, or nil when
-// the kernel refuses (before Linux 4.18): plain reads then.
-func newInqReader(fd int) *inqReader {
-	if unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) != nil {
-		return nil
-	}
-	return &inqReader{}
+// setInq sets TCP_INQ on fd; false when the kernel refuses (before Linux
+// 4.18): plain reads then.
+func setInq(fd int) bool {
+	return unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil
 }
 
 // read reads once into b. left is what the kernel says remains, or -1 when
