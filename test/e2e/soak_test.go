@@ -126,6 +126,7 @@ type soak struct {
 
 	socket  string // the handover socket both keepers share
 	keeper  *Proc
+	keepers []*Proc // every keeper started, for the logs around an unexplained error
 	handovr int
 
 	mu   sync.Mutex
@@ -203,6 +204,9 @@ func (s *soak) startKeeper() *Proc {
 		"--kubeconfig", s.cl.kubeconfig, "--hostname-override", "node", "--min-sync-period", "100ms", "--shutdown-grace", "1s"},
 		detectionArgs...)
 	p := s.cl.Start("node", args...)
+	s.mu.Lock()
+	s.keepers = append(s.keepers, p)
+	s.mu.Unlock()
 	s.t.Cleanup(func() {
 		if s.t.Failed() {
 			s.t.Logf("a keeper's log:\n%s", tail(p.Output(), 8000))
@@ -698,19 +702,70 @@ func (s *soak) read() soakSample {
 	s.mu.Lock()
 	sm.errors, sm.connsTried = len(s.errs), s.tries
 	var fresh []string
+	var around []soakError
 	for _, e := range s.errs {
 		if s.explained(e) == "" {
 			if sm.unexplained++; sm.unexplained > s.unexplainedShown {
 				fresh = append(fresh, e.String())
+				around = append(around, e)
 			}
 		}
 	}
 	s.unexplainedShown = sm.unexplained
+	keepers := stdslices.Clone(s.keepers)
+	events := stdslices.Clone(s.events)
 	s.mu.Unlock()
 	if len(fresh) > 0 { // said as they come: a long run that fails has told why by then
-		s.t.Logf("client errors no event explains:\n%s", strings.Join(fresh, "\n"))
+		s.t.Logf("client errors no event explains:\n%s\nthe last events: %s\nthe keepers' log lines from 3 s before to 3 s after:\n%s",
+			strings.Join(fresh, "\n"), lastEvents(events, 3), keeperLinesAround(keepers, around, 3*time.Second))
 	}
 	return sm
+}
+
+// lastEvents names the last n events with their times.
+func lastEvents(events []soakEvent, n int) string {
+	var b strings.Builder
+	for _, ev := range events[max(len(events)-n, 0):] {
+		fmt.Fprintf(&b, "%s %s–%s; ", ev.name, ev.start.Format("15:04:05.000"), ev.end.Format("15:04:05.000"))
+	}
+	return b.String()
+}
+
+// keeperLinesAround picks from the keepers' logs (logrus text, time="…")
+// the lines within margin of each error, from its begin to when it was
+// seen: what the daemon said while a client was cut.
+func keeperLinesAround(keepers []*Proc, errs []soakError, margin time.Duration) string {
+	var b strings.Builder
+	for i, k := range keepers {
+		for _, line := range strings.Split(k.Output(), "\n") {
+			at, ok := logLineTime(line)
+			if !ok {
+				continue
+			}
+			for _, e := range errs {
+				if !at.Before(e.begun.Add(-margin)) && !at.After(e.at.Add(margin)) {
+					fmt.Fprintf(&b, "keeper %d (pid %d): %s\n", i+1, k.Cmd.Process.Pid, line)
+					break
+				}
+			}
+		}
+	}
+	return b.String()
+}
+
+// logLineTime reads the time="2006-01-02T15:04:05Z07:00" field of a logrus
+// text line.
+func logLineTime(line string) (time.Time, bool) {
+	_, rest, ok := strings.Cut(line, `time="`)
+	if !ok {
+		return time.Time{}, false
+	}
+	value, _, ok := strings.Cut(rest, `"`)
+	if !ok {
+		return time.Time{}, false
+	}
+	at, err := time.Parse(time.RFC3339Nano, value)
+	return at, err == nil
 }
 
 // count runs a shell line in the node's namespace and returns the number

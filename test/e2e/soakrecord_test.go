@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	stdslices "slices" // the package has a func named slices (manifests)
 	"strings"
+	"testing"
 	"time"
 )
 
@@ -77,4 +78,14 @@ func soakSVG(samples []soakSample) string {
 			x0, y0+ph+13, x0+pw, y0+ph+13, end)
 	}
 	return b.String() + "</svg>\n"
+}
+
+func TestLogLineTime(t *testing.T) {
+	at, ok := logLineTime(`time="2026-12-06T20:35:58Z" level=info msg="Took over" service=default/web`)
+	if !ok || !at.Equal(time.Date(2026, 12, 6, 20, 35, 58, 0, time.UTC)) {
+		t.Errorf("got %v %v", at, ok)
+	}
+	if _, ok := logLineTime(`level=info msg="no time"`); ok {
+		t.Error("a line without time= read as timed")
+	}
 }
