@@ -117,8 +117,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
 	// The proxier's sync goroutine starts first: a source hands it the first
-	// State only once it has the whole picture.
-	proxierCtx, stopProxier := context.WithCancel(ctx)
+	// State only once it has the whole picture. It stops with ctx, but not
+	// before a handover under way has moved the connections (below).
+	proxierCtx, stopProxier := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopProxier()
 	proxierDone := make(chan struct{})
 	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
@@ -141,6 +142,14 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	defer g.ready.set(false)
 	handoversDone := serveHandovers(srcCtx, handoverSocket, profile, pred, p, g, log.WithField("component", "handover"))
 	defer func() { stopSource(); <-handoversDone }()
+	// A stop during a handover's transfer of connections lets the transfer
+	// end (bounded) before the proxier drains and closes what is left: a
+	// rollout stops the old pod once the new one is ready, mid-transfer.
+	go func() {
+		<-ctx.Done()
+		<-handoversDone
+		stopProxier()
+	}()
 
 	<-proxierDone // after ctx ends and connections drained
 	hc.Close()    // the sync goroutine fed it: after that is done

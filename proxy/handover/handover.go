@@ -148,6 +148,11 @@ const maxMessage = 256 << 10
 // successor's first sync (its source may take long to answer).
 const stepTimeout = 10 * time.Second
 
+// handOffAfterStop bounds the transfer of live connections once this daemon
+// is told to stop: thousands take under a second (docs/benchmarks.md,
+// Handover); what is left then drains here.
+const handOffAfterStop = 10 * time.Second
+
 // Listen opens the handover socket at path: its folder made root-only, a
 // stale socket of a previous daemon replaced, the socket itself 0600.
 func Listen(path string) (*net.UnixListener, error) {
@@ -236,7 +241,7 @@ func GiveTo(ctx context.Context, c *net.UnixConn, g Giver, log logrus.FieldLogge
 func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus.FieldLogger) bool {
 	defer c.Close()
 	stop := context.AfterFunc(ctx, func() { c.Close() })
-	defer stop()
+	defer func() { stop() }()
 	p, err := peerOf(c)
 	if err != nil {
 		log.WithError(err).Warn("Handover refused: the peer's credentials are unreadable")
@@ -317,7 +322,21 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 		log.WithError(err).WithField("message", m.Type).Warn("Handover broke off during the successor's first sync; serving on")
 		return false
 	}
+	// From here on the successor serves and our connections are its to
+	// take: a stop (SIGTERM, as a rollout sends once the successor is
+	// ready) must not break off their transfer, or it would cut every one
+	// of them. The transfer goes on, for at most handOffAfterStop after a
+	// stop; the shutdown waits for it (serve.go).
+	if !stop() {
+		log.Warn("Stopped during the handover, before the successor took over: our connections drain here")
+		return false
+	}
 	thaw = false
+	handOffCtx, breakOff := context.WithCancel(context.WithoutCancel(ctx))
+	defer breakOff()
+	stopLate := context.AfterFunc(ctx, func() { time.AfterFunc(handOffAfterStop, breakOff) })
+	defer stopLate()
+	stop = context.AfterFunc(handOffCtx, func() { c.Close() })
 	g.Release(int(p.pid))
 	_ = c.SetDeadline(time.Now().Add(stepTimeout))
 	if err := send(c, message{Type: "released"}, nil); err != nil {
@@ -327,7 +346,7 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 	log.WithFields(logrus.Fields{"sockets": len(socks), "took": time.Since(start).Round(time.Microsecond).String()}).
 		Info("Handed over to the successor; serving nothing more")
 	_ = c.SetDeadline(time.Time{})
-	err = g.HandOff(ctx, func(conns []Socket) error {
+	err = g.HandOff(handOffCtx, func(conns []Socket) error {
 		fds := make([]int, len(conns))
 		for i, s := range conns {
 			fds[i] = int(s.File.Fd())

@@ -922,3 +922,54 @@ func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
 		t.Fatalf("the held connection after the true successor took over: %q %v", pod, err)
 	}
 }
+
+// A rollout stops the old daemon as soon as the new one is ready, which
+// is when the new one has taken over — while the live connections are
+// still on their way to it. That stop must not break off their transfer:
+// the old daemon finishes moving them, then ends. (It cut every one of
+// them: the soak found it, a handover followed by SIGTERM within the
+// transfer's few tens of milliseconds.) 400 idle connections (half seeing
+// the pod, as detection is on; all through the echo Service), SIGTERM to
+// the old daemon within milliseconds of "Took over": every connection
+// echoes afterwards, on the successor.
+func TestStopDuringTheConnectionsTransfer(t *testing.T) {
+	h := newHandoverLab(t)
+	old := h.daemon()
+	waitFor(t, "the echo Service", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
+	var conns []net.Conn
+	for i, ns := range []string{"client", "node"} {
+		dial := cluster.DialContextIn(h.NS(ns))
+		for j := 0; j < 200; j++ {
+			c, err := dial(context.Background(), "tcp", "10.96.0.20:7")
+			if err != nil {
+				t.Fatalf("connection %d from %s: %v", j, ns, err)
+			}
+			t.Cleanup(func() { c.Close() })
+			if err := echo(c, fmt.Sprintf("hello %d %d", i, j)); err != nil {
+				t.Fatalf("connection %d from %s: %v", j, ns, err)
+			}
+			conns = append(conns, c)
+		}
+	}
+	next := h.daemon()
+	testutil.WaitFor(t, "the successor taking over", time.Minute, time.Millisecond, func() bool {
+		return strings.Contains(next.Output(), "Took over: the predecessor serves nothing more")
+	})
+	_ = old.Cmd.Process.Signal(syscall.SIGTERM)
+	if err := old.Cmd.Wait(); err != nil {
+		t.Fatalf("the old daemon: %v\n%s", err, tail(old.Output(), 3000))
+	}
+	var cut []string
+	for i, c := range conns {
+		if err := echo(c, fmt.Sprintf("after %d", i)); err != nil {
+			cut = append(cut, fmt.Sprintf("%d: %v", i, err))
+		}
+	}
+	if len(cut) > 0 {
+		t.Fatalf("%d of %d connections cut by the stop during their transfer (%s …)\nthe old daemon:\n%s\nthe successor:\n%s",
+			len(cut), len(conns), cut[0], grepLines(old.Output(), "handover"), grepLines(next.Output(), "handover"))
+	}
+	if !strings.Contains(next.Output(), "Adopted the predecessor's connections") {
+		t.Errorf("the successor did not say it adopted the connections:\n%s", grepLines(next.Output(), "handover"))
+	}
+}

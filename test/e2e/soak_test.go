@@ -239,7 +239,7 @@ func (s *soak) run() {
 	s.begun = time.Now()
 	s.startClients()
 	eventEvery := min(max(s.dur/20, 15*time.Second), time.Minute)
-	events := []func(){s.notReady, s.editService, s.backendKilled, s.backendStopped, s.handover, s.workerKilled}
+	events := s.eventsChosen()
 	// The warm-up: UDP flows and their conntrack entries live 30 s, so the
 	// load's steady state begins after that.
 	s.pause(30 * time.Second)
@@ -261,6 +261,28 @@ func (s *soak) run() {
 	s.wg.Wait()
 	s.sample()
 	s.report()
+}
+
+// eventsChosen is the events' cycle: all of them in turn, or those
+// KUP_SOAK_EVENTS names (comma-separated: not-ready, edit, backend-killed,
+// backend-stopped, handover, worker-killed), to chase one kind of trouble.
+func (s *soak) eventsChosen() []func() {
+	all := []struct {
+		name string
+		do   func()
+	}{{"not-ready", s.notReady}, {"edit", s.editService}, {"backend-killed", s.backendKilled},
+		{"backend-stopped", s.backendStopped}, {"handover", s.handover}, {"worker-killed", s.workerKilled}}
+	want := os.Getenv("KUP_SOAK_EVENTS")
+	var events []func()
+	for _, e := range all {
+		if want == "" || stdslices.Contains(strings.Split(want, ","), e.name) {
+			events = append(events, e.do)
+		}
+	}
+	if len(events) == 0 {
+		s.t.Fatalf("KUP_SOAK_EVENTS=%q names no event (not-ready, edit, backend-killed, backend-stopped, handover, worker-killed)", want)
+	}
+	return events
 }
 
 // settle waits until the lab is at rest: both pods answer the Service.
