@@ -81,13 +81,8 @@ func (l *lab) deployProxy(ctx context.Context, cp *controlPlane, repo, proxy str
 			return nil
 		})
 	case proxyKubeNftables, proxyKubeIptables:
-		mode := strings.TrimPrefix(proxy, "kube-proxy-")
 		for i := 1; i <= l.nodes; i++ {
-			// --conntrack-max-per-core=0 leaves the machine-wide conntrack
-			// table size alone (it is not per namespace).
-			if _, err := l.start(fmt.Sprintf("kube-proxy-%d", i), nodeName(i), nil, filepath.Join(cp.b.k8s, "kube-proxy"),
-				"--kubeconfig", cp.kubeconfig, "--hostname-override", nodeName(i), kubeProxyModeFlags, mode,
-				"--cluster-cidr", clusterCIDR, "--conntrack-max-per-core=0", "--v=2"); err != nil {
+			if _, err := l.startKubeProxy(cp, proxy, i); err != nil {
 				return err
 			}
 		}
@@ -103,6 +98,19 @@ func (l *lab) deployProxy(ctx context.Context, cp *controlPlane, repo, proxy str
 	}
 	return fmt.Errorf("unknown proxy %q", proxy)
 }
+
+// startKubeProxy starts kube-proxy (proxy: kube-proxy-MODE) on node i.
+// --conntrack-max-per-core=0 leaves the machine-wide conntrack table size
+// alone (it is not per namespace); its proxier.go logs at level 4, which
+// says when it takes its node's topology labels (the differential checks
+// that it did: kubeProxyTookZone).
+func (l *lab) startKubeProxy(cp *controlPlane, proxy string, i int) (*proc, error) {
+	return l.start(kubeProxyName(i), nodeName(i), nil, filepath.Join(cp.b.k8s, "kube-proxy"),
+		"--kubeconfig", cp.kubeconfig, "--hostname-override", nodeName(i), kubeProxyModeFlags, strings.TrimPrefix(proxy, "kube-proxy-"),
+		"--cluster-cidr", clusterCIDR, "--conntrack-max-per-core=0", "--v=2", "--vmodule=proxier=4")
+}
+
+func kubeProxyName(i int) string { return fmt.Sprintf("kube-proxy-%d", i) }
 
 // deployDNS starts CoreDNS and waits for it to answer through the proxy.
 func (l *lab) deployDNS(ctx context.Context, cp *controlPlane) error {

@@ -453,11 +453,93 @@ func (d *differ) serveWith(proxy string) error {
 			return fmt.Errorf("stopping %s: %w", d.proxy, err)
 		}
 	}
+	logStart := map[int]int64{}
+	for i := 1; i <= d.l.nodes; i++ {
+		logStart[i] = fileSize(d.kubeProxyLog(i))
+	}
 	if err := d.l.deployProxy(d.ctx, d.cp, d.repo, proxy); err != nil {
 		return fmt.Errorf("deploying %s: %w", proxy, err)
 	}
 	d.proxy = proxy
+	if proxy == proxyKubeNftables || proxy == proxyKubeIptables {
+		if err := d.kubeProxiesTookZones(logStart); err != nil {
+			return err
+		}
+	}
 	return d.synced()
+}
+
+// kubeProxiesTookZones makes sure every kube-proxy serves with its node's
+// zone. kube-proxy v1.37 can miss it for its whole life: its node
+// informer is running before the proxier registers for topology changes,
+// the informer's first event for the node arrives in between, and later
+// ones carry the same labels, which it skips. That kube-proxy ignores every
+// topology hint ("since node is missing label") while its node has the
+// label. A kube-proxy that has not said it took its zone within 20 s is
+// started again (at most three times).
+func (d *differ) kubeProxiesTookZones(logStart map[int]int64) error {
+	for i := 1; i <= d.l.nodes; i++ {
+		zone := diffZones[i]
+		if zone == "" {
+			continue // no label: nothing to take
+		}
+		for try := 1; ; try++ {
+			err := waitFor(d.ctx, 20*time.Second, fmt.Sprintf("kube-proxy on %s taking its zone %s", nodeName(i), zone), func() error {
+				if tookZone(d.kubeProxyLog(i), logStart[i], zone) {
+					return nil
+				}
+				return fmt.Errorf("its log since its start has no %q with %s", kubeProxyTopologyLine, zone)
+			})
+			if err == nil {
+				break
+			}
+			if try == 3 {
+				return err
+			}
+			fmt.Fprintf(d.log, "   kube-proxy on %s did not take its node's zone (its start race): started again\n", nodeName(i))
+			for _, p := range d.l.procs {
+				if p.name == kubeProxyName(i) {
+					stopProc(p, 10*time.Second)
+				}
+			}
+			logStart[i] = fileSize(d.kubeProxyLog(i))
+			if _, err := d.l.startKubeProxy(d.cp, d.proxy, i); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// kubeProxyTopologyLine is what kube-proxy's proxier logs (level 4) when it
+// takes its node's topology labels.
+const kubeProxyTopologyLine = "Updated proxier node topology labels"
+
+func (d *differ) kubeProxyLog(i int) string {
+	return filepath.Join(d.l.dir, "logs", kubeProxyName(i)+".log")
+}
+
+// tookZone says whether the log at path, from offset on, has kube-proxy
+// taking zone.
+func tookZone(path string, offset int64, zone string) bool {
+	b, err := os.ReadFile(path)
+	if err != nil || int64(len(b)) < offset {
+		return false
+	}
+	for _, line := range strings.Split(string(b[offset:]), "\n") {
+		if strings.Contains(line, kubeProxyTopologyLine) && strings.Contains(line, zone) {
+			return true
+		}
+	}
+	return false
+}
+
+func fileSize(path string) int64 {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	return fi.Size()
 }
 
 // saveOurLogs copies our daemons' logs beside the lab's others (kept after
