@@ -146,7 +146,11 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	// end (bounded) before the proxier drains and closes what is left: a
 	// rollout stops the old pod once the new one is ready, mid-transfer.
 	go func() {
-		<-ctx.Done()
+		select {
+		case <-ctx.Done():
+		case <-proxierDone:
+			return // it ended by itself
+		}
 		<-handoversDone
 		stopProxier()
 	}()

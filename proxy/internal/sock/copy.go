@@ -261,9 +261,9 @@ func (r *inqReader) read(fd int, b []byte) (n, left int, err error) {
 	return m, left, nil
 }
 
-// sink writes to the destination socket of one copy. It lives as long as the
-// copy, with its wait callback bound once, so that a message costs no
-// allocation (closures per write cost six per message).
+// sink writes to the destination socket of one copy (a copier's, or one
+// write's: newSink). Its wait callback is bound once, so that a message costs
+// no allocation (closures per write cost six per message).
 type sink struct {
 	s   *Conn
 	try func(fd uintptr) bool // s.attempt
