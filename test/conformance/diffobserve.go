@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -100,7 +101,13 @@ func try(c diffClient, t target) tryResult {
 	if t.proto == v1.ProtocolUDP {
 		network = "udp"
 	}
-	conn, err := cluster.DialContextIn(c.netns)(ctx, network, t.addr)
+	var conn net.Conn
+	var err error
+	if network == "udp" {
+		conn, err = dialUDPFromUnusedPort(ctx, c.netns, t.addr)
+	} else {
+		conn, err = cluster.DialContextIn(c.netns)(ctx, network, t.addr)
+	}
 	if err != nil {
 		return tryResult{outcome: failure(err), err: err}
 	}
@@ -127,6 +134,37 @@ func try(c diffClient, t target) tryResult {
 		ip = strings.TrimSpace(seen)
 	}
 	return tryResult{outcome: "connected", endpoint: strings.TrimSpace(host), source: ip}
+}
+
+// UDP tries send from ports below the kernel's ephemeral range, each
+// port once per pass through udpSourcePorts: a port the kernel hands out
+// again would meet the flow an earlier try left (its conntrack entry, or
+// ours), whose endpoint was chosen before the shape's last edit, and the
+// run would compare two proxies' leftovers rather than their answers. A
+// pass takes minutes, far longer than either proxy keeps an idle flow.
+const (
+	udpSourcePortFirst = 20000
+	udpSourcePorts     = 10000 // below the lab's node ports (30000-32767)
+)
+
+var nextUDPSourcePort atomic.Uint32
+
+func dialUDPFromUnusedPort(ctx context.Context, netns, addr string) (net.Conn, error) {
+	var lastErr error
+	for range 16 {
+		port := udpSourcePortFirst + int(nextUDPSourcePort.Add(1)%udpSourcePorts)
+		var c net.Conn
+		err := cluster.InNetns(netns, func() error {
+			var err error
+			c, err = (&net.Dialer{LocalAddr: &net.UDPAddr{Port: port}}).DialContext(ctx, "udp", addr)
+			return err
+		})
+		if !errors.Is(err, syscall.EADDRINUSE) {
+			return c, err
+		}
+		lastErr = err // a node's listener or another client holds it: the next one
+	}
+	return nil, fmt.Errorf("no free UDP source port in %d tries: %w", 16, lastErr)
 }
 
 func udpAsk(c net.Conn, q string) (string, error) {
