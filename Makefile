@@ -61,19 +61,19 @@ clean:
 	rm -rf $(BIN)
 
 # Rule and listener programming at 1k and 10k service ports (root; its own netns).
-bench-programming: build
+bench-programming: setup-test build
 	$(GO) build -o $(BIN)/progbench ./test/bench/progbench
 	$(BIN)/progbench -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -runs 5
 
 # A handover at 1 000 and 10 000 service ports with live connections (10 000
 # listeners leave descriptors for 4 000 under the machine's 20 000).
-bench-handover: build
+bench-handover: setup-test build
 	$(GO) build -o $(BIN)/handoverbench ./test/bench/handoverbench
 	$(BIN)/handoverbench -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -c 5000,4000 -runs 3
 
 # kill -9 of the serving process of a daemon run under its keeper, at 1 000
 # and 10 000 service ports under a prober's new connection every millisecond.
-bench-crash: build
+bench-crash: setup-test build
 	$(GO) build -o $(BIN)/handoverbench ./test/bench/handoverbench
 	$(BIN)/handoverbench -crash -daemon $(BIN)/kube-userspace-proxy -n 1000,10000 -c 1000,1000 -runs 3
 
@@ -181,6 +181,6 @@ differential: setup-conformance
 # Hours of mixed load on the e2e cluster lab while the world misbehaves
 # (test/e2e/soak_test.go): SOAK=2h by default, the record (samples.tsv,
 # errors.txt, curves.svg) in RECORD=docs/soak. make test runs a 5-minute form.
-soak:
+soak: setup-test
 	KUP_SOAK=$(or $(SOAK),2h) KUP_SOAK_RECORD=$(abspath $(or $(RECORD),docs/soak)) \
 		$(GO) test -count=1 -run '^TestSoak$$' -v -timeout 24h ./test/e2e/
