@@ -10,6 +10,7 @@ package proxy
 //	conns    every live TCP connection (conns.go)
 //	budget   the descriptor budget of connections, flows and listeners (budget.go)
 //	clientNAT  the conntrack source NAT that shows backends their clients (source.go)
+//	nodeAddrs  the node's own addresses, whose clients bind theirs (links.go)
 //
 // A frontend borrows these and never reaches past them: everything live on
 // the data path (listeners, TCP pairs, UDP flows, the balancers' affinity
@@ -51,6 +52,9 @@ type dataplane struct {
 	// clientNAT sets the client's address on backend connections
 	// (source.go); set by start, nil when off or unavailable.
 	clientNAT atomic.Pointer[clientNAT]
+	// nodeAddrs are the node's own addresses, whose clients bind theirs
+	// on a dial (source.go, links.go).
+	nodeAddrs nodeAddrs
 	// inherited are the sockets a predecessor handed over (handover.go);
 	// nil without one. Set before start.
 	inherited *inherited

@@ -1,8 +1,8 @@
 package proxy
 
 // What the node's links and routes say of an address, for the source NAT
-// (source.go): which link it is on and whether that link is a bridge, and
-// which interface the node routes it by.
+// (source.go): which link it is on and whether that link is a bridge,
+// which interface the node routes it by, and whether it is the node's own.
 
 import (
 	"encoding/binary"
@@ -11,6 +11,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -170,4 +171,55 @@ func (n *nodeLinks) refreshLinks() {
 		}
 	}
 	n.links = links
+}
+
+// nodeAddrs are the node's own addresses: a client of a ClusterIP keeps
+// its address on the dial (sourceBindIfLocal) only when it is one of them,
+// so a client from elsewhere costs no bind that fails. A miss rereads
+// them, at most once every nodeAddrsMissTTL, so an address added a moment
+// ago is found after that long; before, its client's backend sees the
+// node's address on the route, another of the node's own.
+type nodeAddrs struct {
+	snap   atomic.Pointer[addrSnapshot]
+	reread sync.Mutex // one reader at a time; the others use the snapshot
+}
+
+type addrSnapshot struct {
+	read  time.Time
+	addrs []netip.Addr
+}
+
+const nodeAddrsMissTTL = time.Second
+
+// has says whether addr is one of the node's addresses.
+func (n *nodeAddrs) has(addr netip.Addr) bool {
+	s := n.snap.Load()
+	if s != nil && slices.Contains(s.addrs, addr) {
+		return true
+	}
+	if s != nil && time.Since(s.read) < nodeAddrsMissTTL || !n.reread.TryLock() {
+		return false
+	}
+	defer n.reread.Unlock()
+	s = &addrSnapshot{read: time.Now(), addrs: interfaceAddrs()}
+	n.snap.Store(s)
+	return slices.Contains(s.addrs, addr)
+}
+
+// interfaceAddrs are the addresses of the node's interfaces; none on an
+// error (every client then dials from the node's address).
+func interfaceAddrs() []netip.Addr {
+	as, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	out := make([]netip.Addr, 0, len(as))
+	for _, a := range as {
+		if ipn, ok := a.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(ipn.IP); ok {
+				out = append(out, ip.Unmap())
+			}
+		}
+	}
+	return out
 }

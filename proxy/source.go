@@ -127,6 +127,9 @@ func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 	}
 	switch p.choose(f.dp.cfg, nat, addr, internal) {
 	case sourceBindIfLocal:
+		if !f.dp.nodeAddrs.has(addr) {
+			return sock.Source{}, false
+		}
 		return sock.Source{Client: addr}, false
 	case sourceClientNAT:
 		if !nat.repliesComeBack(addr, ep.Addr().Unmap()) {
