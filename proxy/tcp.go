@@ -148,6 +148,11 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 			err = f.sendProxyHeader(conn, c)
 		}
 		if err == nil {
+			if f.dp.cfg.parkIdleAfter() <= 0 {
+				// No copy returns for idleness (halfCopy.run turns
+				// probing on then): from the start.
+				_ = conn.KeepAlive()
+			}
 			c.setDialed(time.Since(start), dialed.Sees)
 			f.countSource(c.Client, ep, dialed, wanted)
 			f.report(ep, "")
@@ -273,6 +278,7 @@ type halfCopy struct {
 	eofCause, resetCause Cause
 	count                func(int64)
 	n                    int64 // bytes copied
+	probing              bool  // keep-alive turned on for the backend (the downstream copy's source)
 	// closed: its source's FIN was passed on, and it watches for that
 	// peer's reset (watchPeerReset). Guarded by the pair's detach lock.
 	closed bool
@@ -296,6 +302,13 @@ func (h *halfCopy) run() {
 		if !errors.Is(err, sock.ErrIdle) {
 			h.ended(err)
 			return
+		}
+		if h.src == h.pr.backend && !h.probing {
+			// The backend is quiet: from now on it is probed, as the
+			// client is (a dial leaves keep-alive out: a short
+			// connection would pay for it and never use it).
+			h.probing = true
+			_ = h.src.KeepAlive()
 		}
 		if perr := h.f.dp.parker.Load().Park(h.src, h.resume); perr == nil {
 			return

@@ -605,6 +605,53 @@ func TestIdleConnectionsParkWithoutGoroutines(t *testing.T) {
 	}
 }
 
+// The socket dialled to a backend is probed with keep-alive as the
+// client's is, from the dial where copies never park, else from the
+// first time the backend goes quiet (a short connection never pays for
+// it): either way an idle connection's backend socket has the kernel's
+// keep-alive timer running.
+func TestBackendSocketProbedWhenQuiet(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		park time.Duration
+	}{{"parked", 30 * time.Millisecond}, {"never parked", -1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startProxier(t, Config{ParkIdleAfter: tc.park})
+			ep := tcpBackend(t, "a")
+			h.apply(svc("quiet", config.TCP, ep))
+			c, err := net.Dial("tcp", h.addr("quiet"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+			if line, err := bufio.NewReader(c).ReadString('\n'); line != "a\n" || err != nil {
+				t.Fatalf("%q %v", line, err)
+			}
+			waitFor(t, "the keep-alive timer on the socket to the backend", func() bool { return tcpTimerTo(t, ep) == "02" })
+		})
+	}
+}
+
+// tcpTimerTo is the timer (/proc/net/tcp's "tr": 00 none, 01 retransmit,
+// 02 keep-alive) of the established IPv4 socket connected to ep.
+func tcpTimerTo(t *testing.T, ep netip.AddrPort) string {
+	t.Helper()
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := ep.Addr().As4()
+	rem := fmt.Sprintf("%02X%02X%02X%02X:%04X", a[3], a[2], a[1], a[0], ep.Port())
+	for _, line := range strings.Split(string(data), "\n")[1:] {
+		f := strings.Fields(line)
+		if len(f) > 5 && f[2] == rem && f[3] == "01" {
+			return strings.SplitN(f[5], ":", 2)[0]
+		}
+	}
+	return ""
+}
+
 // A shutdown ends connections whose sockets are parked: Run returns at once
 // (grace 0) and the client sees the connection end.
 func TestShutdownEndsParkedConnections(t *testing.T) {

@@ -165,6 +165,27 @@ func (c *Conn) CloseWrite() error {
 	return nil
 }
 
+// KeepAlive turns on keep-alive probing, as the listener's sockets have
+// it (first probe after 15 s of silence): a dialled socket starts
+// without it. The kernel counts the silence from the last segment
+// received, whenever probing is turned on.
+func (c *Conn) KeepAlive() error {
+	var errno syscall.Errno
+	if err := c.control(func(fd int) {
+		for _, o := range keepAliveOptions {
+			if errno = o.set(fd); errno != 0 {
+				return
+			}
+		}
+	}); err != nil {
+		return err
+	}
+	if errno != 0 {
+		return os.NewSyscallError("setsockopt", errno)
+	}
+	return nil
+}
+
 // SetResetOnClose makes Close send a reset instead of a FIN (SO_LINGER 0).
 func (c *Conn) SetResetOnClose() error {
 	var serr error

@@ -16,7 +16,7 @@ import (
 
 // DialTCP connects to ep within timeout, or until ctx is done, from the
 // address the kernel chooses (the node's on the route to ep). The socket
-// gets TCP_NODELAY and keep-alive (the kernel's probe count). Errors are
+// gets TCP_NODELAY; keep-alive waits for KeepAlive. Errors are
 // *net.OpError; DialFailure names them.
 func DialTCP(ctx context.Context, ep netip.AddrPort, timeout time.Duration) (*Conn, error) {
 	c, _, err := DialTCPFrom(ctx, ep, timeout, Source{})
@@ -88,7 +88,7 @@ func dialFrom(ctx context.Context, ep netip.AddrPort, timeout time.Duration, src
 		return nil, Dialed{}, false, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: os.NewSyscallError("socket", errno)}
 	}
 	fd := int(sfd)
-	for _, o := range connOptions {
+	for _, o := range dialOptions {
 		_ = o.set(fd) // on a fresh socket of our own they cannot fail but for ENOMEM
 	}
 	b, err := bindSource(fd, ep, src, unix.IPPROTO_TCP)

@@ -174,13 +174,18 @@ const (
 
 // connOptions are the options of both sockets of a proxied connection:
 // TCP_NODELAY, and keep-alive with the kernel's probe count. Accepted
-// sockets inherit them from the listener; a dial sets them.
+// sockets inherit them from the listener. A dial sets TCP_NODELAY
+// (dialOptions) and leaves keep-alive to Conn.KeepAlive, called once the
+// connection first goes quiet: a short connection never probes, and so
+// need not pay three system calls for it.
 var connOptions = [...]sockOpt{
 	{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
 	{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
 	{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int32(keepAliveIdle / time.Second)},
 	{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int32(keepAliveInterval / time.Second)},
 }
+
+var dialOptions, keepAliveOptions = connOptions[:1], connOptions[1:]
 
 // listenBacklog is the kernel's somaxconn, as Go's net package uses.
 var listenBacklog = sync.OnceValue(func() int {

@@ -133,7 +133,7 @@ func TestAbortWakesReadAndStays(t *testing.T) {
 
 // Both sockets of a proxied connection carry keep-alive and TCP_NODELAY:
 // the accepted one inherits them (and TCP_INQ) from its listener, the
-// dialled one gets them at dial.
+// dialled one gets TCP_NODELAY at dial and keep-alive from KeepAlive.
 func TestConnOptions(t *testing.T) {
 	ln, err := ListenTCP(netip.AddrPortFrom(loopback, 0))
 	if err != nil {
@@ -161,6 +161,15 @@ func TestConnOptions(t *testing.T) {
 		t.Fatal("not accepted")
 	}
 	ln.Close()
+	// A dialled socket probes only once KeepAlive turns it on.
+	_ = dialled.control(func(fd int) {
+		if got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE); err != nil || got != 0 {
+			t.Errorf("dialled socket before KeepAlive: SO_KEEPALIVE = %d (%v), want 0", got, err)
+		}
+	})
+	if err := dialled.KeepAlive(); err != nil {
+		t.Fatal(err)
+	}
 	for side, c := range map[string]*Conn{"accepted": acc, "dialled": dialled} {
 		_ = c.control(func(fd int) {
 			for _, o := range []struct {
