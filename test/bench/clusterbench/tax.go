@@ -11,6 +11,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -92,22 +93,52 @@ var taxFigures = []taxFigure{
 
 // cps is loadgen's new connections/s to addr, from the clients' CPU.
 func (n *node) cps(addr string) (float64, error) {
+	perSecond, _, err := n.cpsCount(addr)
+	return perSecond, err
+}
+
+// cpsCount is cps and how many connections it made.
+func (n *node) cpsCount(addr string) (float64, int64, error) {
 	out, err := n.run(pinned(clientCPU, []string{filepath.Join(n.b.o.bin, "loadgen"), "-mode", "cps", "-addr", addr,
 		"-d", fmt.Sprintf("%ds", n.b.o.taxDur), "-c", "32"})...)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	var r struct {
 		PerSecond float64 `json:"perSecond"`
+		Count     int64   `json:"count"`
 		Errors    int64   `json:"errors"`
 	}
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
-		return 0, fmt.Errorf("loadgen's answer: %w", err)
+		return 0, 0, fmt.Errorf("loadgen's answer: %w", err)
 	}
-	if r.PerSecond <= 0 {
-		return 0, fmt.Errorf("loadgen to %s: no connection made (%d errors)", addr, r.Errors)
+	if r.PerSecond <= 0 || r.Count <= 0 {
+		return 0, 0, fmt.Errorf("loadgen to %s: no connection made (%d errors)", addr, r.Errors)
 	}
-	return r.PerSecond, nil
+	return r.PerSecond, r.Count, nil
+}
+
+// machineCPU is the machine's CPU time so far (/proc/stat, every CPU), in
+// seconds: busy (everything but idle, iowait and steal) and the softirq
+// part of it.
+func machineCPU() (busy, softirq float64, err error) {
+	data, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0, err
+	}
+	line, _, _ := strings.Cut(string(data), "\n")
+	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
+	if len(f) < 9 || f[0] != "cpu" {
+		return 0, 0, fmt.Errorf("/proc/stat's first line: %q", line)
+	}
+	var v [8]float64
+	for i := range v {
+		if v[i], err = strconv.ParseFloat(f[i+1], 64); err != nil {
+			return 0, 0, fmt.Errorf("/proc/stat's first line: %q: %w", line, err)
+		}
+	}
+	const hz = 100 // USER_HZ
+	return (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, v[6] / hz, nil
 }
 
 // measureTax records the node tax of n's proxy (pinned to the servers'
@@ -137,15 +168,35 @@ func (b *bench) measureTax(n *node, p *proc) error {
 		b.record(fmt.Sprintf("node tax at %d Services: %s, with the rules ÷ without (the bare figure)", b.o.n, f.label),
 			fmt.Sprintf("%.2f× (%.2f–%.2f×; %s %s)", median(with)/base, lo, hi, num(base), f.unit))
 	}
-	var through []float64
+	// The CPU a connection through the ClusterIP costs the machine, both
+	// CPUs (client, backend, the kernel's NAT or our daemon): for kube-proxy
+	// the work is the kernel's, softirq and the client's system time; for
+	// ours the daemon's process time besides the kernel's.
+	var through, machine, softirq, daemon []float64
 	for range b.o.taxRuns {
-		v, err := n.cps(taxTargetIP + ":80")
+		busy0, soft0, err := machineCPU()
+		if err != nil {
+			return err
+		}
+		proc0 := p.cpu()
+		v, count, err := n.cpsCount(taxTargetIP + ":80")
 		if err != nil {
 			return fmt.Errorf("new connections through a ClusterIP, %s: %w", n.proxy, err)
 		}
+		busy1, soft1, err := machineCPU()
+		if err != nil {
+			return err
+		}
+		perConn := func(s float64) float64 { return s / float64(count) * 1e6 }
 		through = append(through, v)
+		machine = append(machine, perConn(busy1-busy0))
+		softirq = append(softirq, perConn(soft1-soft0))
+		daemon = append(daemon, perConn(p.cpu()-proc0))
 	}
 	b.record(fmt.Sprintf("node tax at %d Services: new connections/s through a ClusterIP", b.o.n), spread(through, ""))
+	b.record(fmt.Sprintf("node tax at %d Services: CPU per connection through a ClusterIP, the whole machine (client, backend, kernel, proxy)", b.o.n), spread(machine, " µs"))
+	b.record(fmt.Sprintf("node tax at %d Services: of which softirq (the kernel's packet work, kube-proxy's NAT)", b.o.n), spread(softirq, " µs"))
+	b.record(fmt.Sprintf("node tax at %d Services: of which the proxy's process", b.o.n), spread(daemon, " µs"))
 	return nil
 }
 
