@@ -214,11 +214,12 @@ rate() { # path mode → operations/s; CPU µs per operation of the proxy proces
 # for a thread (p99, p99.9), the collections and the longest stop-the-world pause in the run.
 runq() { local p; for p in $1; do cat /proc/"$p"/task/*/schedstat 2>/dev/null; done | awk '{w+=$2; n+=$3} END{print w+0, n+0}'; }
 softirq() { awk '/^cpu /{print $8}' /proc/stat; }
+steal() { awk '/^cpu /{print $9}' /proc/stat; } # time the hypervisor ran another guest on our CPUs
 scrape() { N node curl -sf --max-time 5 "http://$METRICS/metrics" >"$1" || { echo "bench: cannot read the daemon's /metrics" >&2; exit 1; }; }
 runtimetail() { "$BIN/runtimetail" -before "$work/before.prom" -after "$work/after.prom" "$@"; }
 latency() { # path → p50/p99/p99.9 at RATE req/s, and the tail's parts
-  local p=$1 pid q0 q1 si0 lat n tail
-  pid=$(proxypid "$p"); q0=$(runq "$pid"); si0=$(softirq)
+  local p=$1 pid q0 q1 si0 st0 lat n tail
+  pid=$(proxypid "$p"); q0=$(runq "$pid"); si0=$(softirq); st0=$(steal)
   [ "$p" = proxy ] && scrape "$work/before.prom"
   lat=$(L client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
   q1=$(runq "$pid")
@@ -227,6 +228,7 @@ latency() { # path → p50/p99/p99.9 at RATE req/s, and the tail's parts
   record p999 "$p" "$(echo "$lat" | jsonval p999us)"
   n=$(awk -v r="$RATE" -v d="$LG_DUR" 'BEGIN{printf "%.0f", r*d}')
   record softirq_us "$p" "$(awk -v t=$(($(softirq) - si0)) -v hz="$HZ" -v n="$n" 'BEGIN{printf "%.1f", t/hz/n*1e6}')"
+  record steal_ms "$p" "$(awk -v t=$(($(steal) - st0)) -v hz="$HZ" 'BEGIN{printf "%.0f", t/hz*1e3}')"
   if [ -n "$pid" ]; then
     record runq_us "$p" "$(awk -v a="$q0" -v b="$q1" 'BEGIN{split(a,x," "); split(b,y," "); s=y[2]-x[2]; printf "%.1f", (s>0 ? (y[1]-x[1])/s/1000 : 0)}')"
   fi
@@ -504,6 +506,7 @@ p99 p99 latency at $RATE req/s (µs)
 p999 p99.9 latency at $RATE req/s (µs)
 runq_us the latency run: the serving process's wait for a CPU per time slice (µs, kernel schedstat)
 softirq_us the latency run: the machine's softirq CPU per request (µs)
+steal_ms the latency run: time the hypervisor gave the machine's CPUs to another guest (ms, both CPUs, /proc/stat steal)
 sched_p99 the latency run, Go: a runnable goroutine's wait for a thread, p99 (µs, buckets a power of 2 apart)
 sched_p999 the latency run, Go: the same wait, p99.9 (µs)
 gc_cycles the latency run, Go: collections

@@ -22,6 +22,7 @@ sane_range() {
     cps | rps | svc) echo "1 100000000" ;;        # per second
     cpu_per_*) echo "0 100000000" ;;              # CPU µs per operation
     p50 | p99 | p999 | lat) echo "0.1 100000000" ;; # µs
+    steal_ms) echo "0 100000000" ;;               # ms
     runq_us | softirq_us | sched_p99 | sched_p999 | pause_max | pause_total) echo "0 100000000" ;; # µs
     gc_cycles) echo "0 1000000" ;;
     alloc_b_*) echo "0 100000000" ;;              # bytes per operation
