@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"net"
 	"reflect"
 	"regexp"
 	"strings"
@@ -161,5 +163,37 @@ func TestKnownDifferencesFileParses(t *testing.T) {
 		if !strings.HasPrefix(k.pattern, "^") {
 			t.Errorf("%q is not anchored at the field: it could match anything", k.pattern)
 		}
+	}
+}
+
+// UDP tries send from ports below the ephemeral range, a new one each
+// time, skipping a port something else holds.
+func TestDialUDPFromUnusedPort(t *testing.T) {
+	echo, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer echo.Close()
+	dial := func() int {
+		t.Helper()
+		c, err := dialUDPFromUnusedPort(context.Background(), "", echo.LocalAddr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		p := c.LocalAddr().(*net.UDPAddr).Port
+		if p < udpSourcePortFirst || p >= udpSourcePortFirst+udpSourcePorts {
+			t.Fatalf("source port %d outside %d+%d", p, udpSourcePortFirst, udpSourcePorts)
+		}
+		return p
+	}
+	first := dial()
+	// The next port is held: the dial takes the one after.
+	held := udpSourcePortFirst + (first+1-udpSourcePortFirst)%udpSourcePorts
+	if h, err := net.ListenUDP("udp", &net.UDPAddr{Port: held}); err == nil {
+		defer h.Close()
+	} // else something here holds it already
+	if got := dial(); got == first || got == held {
+		t.Fatalf("second dial from port %d (first %d, held %d): want a new, free one", got, first, held)
 	}
 }
