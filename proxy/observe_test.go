@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"net"
+	"net/netip"
 	"testing"
 	"time"
 
@@ -67,4 +68,28 @@ func TestServiceMetricsCreatedOnUseDeletedOnRemoval(t *testing.T) {
 	waitFor(t, "the connection's series", func() bool { return seriesOf(name) >= 5 })
 	h.apply(svc("stays", config.TCP, backend))
 	waitFor(t, "the removed service's series to go", func() bool { return seriesOf(name) == 0 })
+}
+
+// Dial attempts count per endpoint, into the series /metrics exports: also
+// after the service port went away (its series deleted) and came back.
+func TestDialAttemptsPerEndpoint(t *testing.T) {
+	h := startProxier(t, Config{})
+	a, b := tcpBackend(t, "a"), tcpBackend(t, "b")
+	name := config.ServicePortName{Namespace: "ns", Name: "counted"}.String()
+	attempts := func(ep netip.AddrPort) float64 {
+		var d dto.Metric
+		_ = dialAttempts.WithLabelValues(name, ep.String()).Write(&d)
+		return d.GetCounter().GetValue()
+	}
+	for round, want := range []float64{2, 1} {
+		h.apply(svc("counted", config.TCP, a, b))
+		for range 2 * int(want) {
+			fetchName(t, h.addr("counted"))
+		}
+		if got := [2]float64{attempts(a), attempts(b)}; got != [2]float64{want, want} {
+			t.Fatalf("round %d: dial attempts %v, want %v each", round, got, want)
+		}
+		h.apply()
+		waitFor(t, "the removed service's series to go", func() bool { return seriesOf(name) == 0 })
+	}
 }
