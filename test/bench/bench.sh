@@ -258,6 +258,19 @@ syscounts() { # path mode
   record "sys_per_$mode" "$p" "$(awk -F, -v n="$n" '$3=="raw_syscalls:sys_enter" && n>0 {printf "%.2f", $1/n}' "$work/perf.out")"
   record "cs_per_$mode" "$p" "$(awk -F, -v n="$n" '$3=="context-switches" && n>0 {printf "%.2f", $1/n}' "$work/perf.out")"
 }
+# The same per MB moved with 4 KiB writes: how many wake-ups a stream of small writes costs each path.
+syscounts_stream() { # path
+  local p=$1 pids perfpid out bytes
+  pids=$(proxypid "$p" | tr -s ' \n' ',' | sed 's/,$//')
+  [ -n "$pids" ] || return 0
+  perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$pids" -o "$work/perf.out" 2>/dev/null &
+  perfpid=$!
+  out=$(L client iperf3 -c "${VIP[$p]}" -p 5201 -t "$DUR" -l 4K -J 2>/dev/null)
+  kill -INT "$perfpid"; wait "$perfpid"
+  bytes=$(echo "$out" | awk '/"sum_received"/{f=1} f&&/"bytes"/{gsub(/[,]/,"");print $2;exit}')
+  record sys_per_mb_4K "$p" "$(awk -F, -v b="${bytes:-0}" '$3=="raw_syscalls:sys_enter" && b>0 {printf "%.1f", $1/(b/1e6)}' "$work/perf.out")"
+  record cs_per_mb_4K "$p" "$(awk -F, -v b="${bytes:-0}" '$3=="context-switches" && b>0 {printf "%.2f", $1/(b/1e6)}' "$work/perf.out")"
+}
 measure_tcp() {
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
@@ -267,7 +280,7 @@ for run in $(seq "$RUNS"); do
     want cps && rate "$p" cps
     want rps && rate "$p" rps
     want latency && latency "$p"
-    if want sys; then syscounts "$p" cps; syscounts "$p" rps; fi
+    if want sys; then syscounts "$p" cps; syscounts "$p" rps; syscounts_stream "$p"; fi
   done
 done
 }
@@ -501,6 +514,8 @@ sys_per_cps system calls per connection (perf stat, a run of its own)
 cs_per_cps context switches per connection
 sys_per_rps system calls per keep-alive request
 cs_per_rps context switches per keep-alive request
+sys_per_mb_4K system calls per MB moved, 4 KiB writes (perf stat, a run of its own)
+cs_per_mb_4K context switches per MB moved, 4 KiB writes
 p50 p50 latency at $RATE req/s (µs)
 p99 p99 latency at $RATE req/s (µs)
 p999 p99.9 latency at $RATE req/s (µs)
