@@ -151,7 +151,8 @@ var nextUDPSourcePort atomic.Uint32
 
 func dialUDPFromUnusedPort(ctx context.Context, netns, addr string) (net.Conn, error) {
 	var lastErr error
-	for range 16 {
+	const tries = 16
+	for range tries {
 		port := udpSourcePortFirst + int(nextUDPSourcePort.Add(1)%udpSourcePorts)
 		var c net.Conn
 		err := cluster.InNetns(netns, func() error {
@@ -164,7 +165,7 @@ func dialUDPFromUnusedPort(ctx context.Context, netns, addr string) (net.Conn, e
 		}
 		lastErr = err // a node's listener or another client holds it: the next one
 	}
-	return nil, fmt.Errorf("no free UDP source port in %d tries: %w", 16, lastErr)
+	return nil, fmt.Errorf("no free UDP source port in %d tries: %w", tries, lastErr)
 }
 
 func udpAsk(c net.Conn, q string) (string, error) {
