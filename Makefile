@@ -109,11 +109,12 @@ bench: bench-tools
 bench-floor: bench-tools
 	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency sys" BIN=$(BIN) ./test/bench/bench.sh
 
-# The UDP figures and the machine's CPU per round trip for direct, nginx, the
-# least a user-space process does per datagram (gofloor -udp) and this proxy:
-# how close to direct any user-space UDP proxy comes on this machine (~10 minutes).
+# The UDP figures (64 B and 1 400 B, 1 and 64 flows) and the machine's CPU per
+# round trip for direct, nginx, the least a user-space process does per
+# datagram (gofloor -udp) and this proxy: how close to direct any user-space
+# UDP proxy comes on this machine (~20 minutes).
 bench-floor-udp: bench-tools
-	PATHS="direct nginx gofloor proxy" TESTS="udp udprt" UDP_SIZES=1400 BIN=$(BIN) ./test/bench/bench.sh
+	PATHS="direct nginx gofloor proxy" TESTS="udp udprt" UDP_SIZES="64 1400" BIN=$(BIN) ./test/bench/bench.sh
 
 # What our rules cost the node's other traffic: loopback throughput, ping-pong
 # and new connections/s without and with 1, 100, 1000 and 10000 service ports,
