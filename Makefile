@@ -104,17 +104,18 @@ bench-tools: setup-bench build
 bench: bench-tools
 	BIN=$(BIN) ./test/bench/bench.sh
 
-# HAProxy, the least a Go program does per connection (test/bench/gofloor)
-# and this proxy, for the TCP figures: what the Go runtime costs (~4 minutes).
+# HAProxy, the least a Go program does per connection (test/bench/gofloor, on
+# epoll and on io_uring) and this proxy, for the TCP figures, 3 interleaved
+# runs in both settings: what the Go runtime costs (~15 minutes).
 bench-floor: bench-tools
-	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency sys" BIN=$(BIN) ./test/bench/bench.sh
+	PATHS="haproxy gofloor ringfloor proxy" TESTS="tput128 tput4 cps rps latency sys" RUNS=$(or $(RUNS),3) BIN=$(BIN) ./test/bench/bench.sh
 
 # The UDP figures (64 B and 1 400 B, 1 and 64 flows) and the machine's CPU per
 # round trip for direct, nginx, the least a user-space process does per
 # datagram (gofloor -udp) and this proxy: how close to direct any user-space
-# UDP proxy comes on this machine (~20 minutes).
+# UDP proxy comes on this machine; 3 interleaved searches, both settings (~25 minutes).
 bench-floor-udp: bench-tools
-	PATHS="direct nginx gofloor proxy" TESTS="udp udprt" UDP_SIZES="64 1400" BIN=$(BIN) ./test/bench/bench.sh
+	PATHS="direct nginx gofloor proxy" TESTS="udp udprt" UDP_SIZES="64 1400" RUNS=$(or $(RUNS),3) BIN=$(BIN) ./test/bench/bench.sh
 
 # What our rules cost the node's other traffic: loopback throughput, ping-pong
 # and new connections/s without and with 1, 100, 1000 and 10000 service ports,

@@ -574,7 +574,7 @@ if [ "$SMOKE" != 1 ] && [ "$PATHS" = "$DEFAULT_PATHS" ] && [ "$TESTS" = "tput128
     echo "Two settings, each with its own table: **pinned**, each proxy (this one, HAProxy, nginx, socat, the Go floors) on CPU $PROXY_CPUS, load generators and the backend on CPU $LOAD_CPUS;"
     echo "and **shared cores**, nothing pinned, as on a node where the proxy shares its cores with the pods it serves. Each cell is the median with the runs' spread (min–max)."
     echo "HAProxy (mode tcp, splice-auto, \`tune.pipesize 1048576\` as our pipes, \`nbthread\` the CPUs it may use: $pinned_ncpu pinned, $NCPU shared), nginx (stream module, TCP and UDP, \`worker_processes\` the same, \`reuseport\` on every listener) and socat listen behind the same kind of REDIRECT as this proxy;"
-    echo "kernel DNAT is what kube-proxy's iptables mode does. The latency run's tail rows: docs/benchmarks.md, \"The tail apart\"."
+    echo "kernel DNAT is what kube-proxy's iptables mode does. The latency run's tail rows are read in \"The tail apart\" above."
     for setting in $SETTINGS; do
       echo
       case $setting in pinned) echo "### Pinned" ;; shared) echo "### Shared cores" ;; esac
