@@ -36,7 +36,7 @@ func NodePodCIDRs(n *v1.Node) ([]netip.Prefix, error) {
 	}
 	out, err := ParseCIDRs(strings.Join(cidrs, ","))
 	if err != nil {
-		return nil, fmt.Errorf("Node %s: spec.podCIDRs: %w", n.Name, err)
+		return nil, fmt.Errorf("node %s: spec.podCIDRs: %w", n.Name, err)
 	}
 	return out, nil
 }

@@ -85,18 +85,6 @@ func isShardOf(name, chain string) bool {
 	return ok && len(rest) == 2 && strings.Trim(rest, "0123456789ABCDEF") == ""
 }
 
-// entryChains are the chains the built-in chains jump to, per table: they
-// exist whatever the Services.
-func entryChains(table string, f Features) []string {
-	if table == "nat" {
-		return natChains
-	}
-	if f.Conntrack {
-		return []string{ChainGuard, ChainSourceRanges}
-	}
-	return []string{ChainSourceRanges}
-}
-
 // deleteChainsInput renders an iptables-restore --noflush input that deletes
 // chains, per table, whether or not they exist: declaring a chain creates or
 // flushes it, after which -X can delete it (nothing may jump to it any more).

@@ -62,7 +62,7 @@ func nodePodCIDRs(ctx context.Context, client kubernetes.Interface, manifests, n
 			if cidrs, err = config.NodePodCIDRs(n); err == nil && len(cidrs) > 0 {
 				return cidrs, nil
 			} else if err == nil {
-				err = fmt.Errorf("Node %s has no spec.podCIDRs yet", node)
+				err = fmt.Errorf("node %s has no spec.podCIDRs yet", node)
 			}
 		}
 		if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {

@@ -28,7 +28,7 @@ func primaryAddrs(ctx context.Context, client kubernetes.Interface, node string,
 			if p := nodeAddrs(n); len(p) > 0 {
 				return p, nil
 			}
-			err = fmt.Errorf("Node %s lists no InternalIP or ExternalIP", node)
+			err = fmt.Errorf("node %s lists no InternalIP or ExternalIP", node)
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("--nodeport-addresses primary: %w", err)

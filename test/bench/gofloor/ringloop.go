@@ -57,7 +57,6 @@ type ringLoop struct {
 	routes  []route
 	raw     []unix.RawSockaddrInet4 // each route's backend, for connect
 	wake    int                     // an eventfd: stop writes it
-	wakeBuf [8]byte
 	stopped atomic.Bool
 	r       *ring
 	bufs    *buffers
