@@ -10,6 +10,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 // endLine is what the log line of one ended TCP connection or UDP flow
@@ -19,7 +20,7 @@ type endLine struct {
 	client      netip.AddrPort
 	origDst     string         // where the client was going; "" when unknown
 	endpoint    netip.AddrPort // invalid when none was picked
-	reason      Reason
+	reason      balance.Reason
 	up, down    int64 // bytes to the endpoint and back to the client
 	start       time.Time
 	cause       Cause

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -27,7 +28,7 @@ type connRecord struct {
 	mu          sync.Mutex     // guards the fields below, set while the connection lives
 	OrigDst     netip.AddrPort // where the client was going (SO_ORIGINAL_DST)
 	Endpoint    netip.AddrPort
-	Reason      Reason
+	Reason      balance.Reason
 	Attempt     int
 	DialLatency time.Duration
 	BackendSees netip.Addr // the source address the backend sees; invalid: the node's
@@ -98,14 +99,14 @@ func seesName(sees netip.Addr) string {
 
 // ConnInfo is one live connection, for the debug table.
 type ConnInfo struct {
-	ID          uint64        `json:"id"`
-	Service     string        `json:"service"`
-	Client      string        `json:"client"`
-	OrigDst     string        `json:"origDst"`
-	Endpoint    string        `json:"endpoint,omitempty"`
-	Reason      Reason        `json:"reason,omitempty"`
-	Attempts    int           `json:"attempts"`
-	DialLatency time.Duration `json:"dialLatencyNs"`
+	ID          uint64         `json:"id"`
+	Service     string         `json:"service"`
+	Client      string         `json:"client"`
+	OrigDst     string         `json:"origDst"`
+	Endpoint    string         `json:"endpoint,omitempty"`
+	Reason      balance.Reason `json:"reason,omitempty"`
+	Attempts    int            `json:"attempts"`
+	DialLatency time.Duration  `json:"dialLatencyNs"`
 	// BackendSees is the source address the backend sees: the client's,
 	// or "node" for the node's ("" before the dial succeeded).
 	BackendSees string        `json:"backendSees,omitempty"`
@@ -134,7 +135,7 @@ func (c *connRecord) info(now time.Time) ConnInfo {
 	return ci
 }
 
-func (c *connRecord) setBackend(ep netip.AddrPort, why Reason, attempt int) {
+func (c *connRecord) setBackend(ep netip.AddrPort, why balance.Reason, attempt int) {
 	c.mu.Lock()
 	c.Endpoint, c.Reason, c.Attempt = ep, why, attempt
 	c.mu.Unlock()

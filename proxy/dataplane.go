@@ -32,6 +32,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -271,7 +272,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 		d.budget.listeners.Add(1)
 	}
 	fe := &frontend{
-		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: NewBalancer(sp.Scheduler), m: newFEMetrics(key.Name.String(), sp.Protocol),
+		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: balance.New(sp.Scheduler), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(ln.port)),
 		nodePortErr: nodePortErr,
 		onNodePort:  onNodePort,

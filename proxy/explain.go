@@ -10,6 +10,7 @@ import (
 	"slices"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 // Address kinds a destination can be of a Service port.
@@ -81,7 +82,7 @@ type ExplainedEndpoint struct {
 	// Why says why it is or is not selected.
 	Why string `json:"why"`
 	// Health is its outlier, drain and connection state (selected only).
-	Health *EndpointHealth `json:"health,omitempty"`
+	Health *balance.EndpointHealth `json:"health,omitempty"`
 }
 
 // Explanation is what a listener does with a new connection from a client.
@@ -122,7 +123,7 @@ type Explanation struct {
 	// live listener's; "" offline).
 	BackendSees string `json:"backendSees,omitempty"`
 	// Next is what the balancer will pick for the client's next connection.
-	Next Prediction `json:"next"`
+	Next balance.Prediction `json:"next"`
 	// Live is false when the explanation comes from manifests, with no
 	// listener: the round-robin position is then unknown.
 	Live bool `json:"live"`
@@ -147,7 +148,7 @@ func ExplainPlanned(fe config.Frontend, as string, client netip.Addr, node, zone
 	return explain(fe, as, client, node, zone, nil, false)
 }
 
-func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal *EndpointBalancer, live bool) Explanation {
+func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal *balance.Balancer, live bool) Explanation {
 	sp := fe.Service
 	local := keyOf(fe).localOnly(sp)
 	localClient := as != "" && as != AsClusterIP && fe.ServesLocalClients()
@@ -162,8 +163,8 @@ func explain(fe config.Frontend, as string, client netip.Addr, node, zone string
 		mode = config.TopologyMode(sp.Endpoints, fe.Family, node, zone)
 	}
 	if bal == nil {
-		nb := NewBalancer(sp.Scheduler)
-		nb.Update(usable, sp.AffinityTimeout, OutlierConfig{}, sp.Scheduler)
+		nb := balance.New(sp.Scheduler)
+		nb.Update(usable, sp.AffinityTimeout, balance.OutlierConfig{}, sp.Scheduler)
 		bal = nb
 	}
 	x := Explanation{Service: sp.Name.String(), Protocol: fe.Protocol, Family: fe.Family, Kind: fe.Kind, As: as,
@@ -171,7 +172,7 @@ func explain(fe config.Frontend, as string, client netip.Addr, node, zone string
 		TrafficPolicy: "Cluster", Node: node, Zone: zone, Topology: mode, TrafficDistribution: sp.TrafficDistribution,
 		Scheduler: bal.Scheduler(), Live: live, LocalClient: localClient}
 	if x.Scheduler == "" {
-		x.Scheduler = SchedRoundRobin
+		x.Scheduler = balance.SchedRoundRobin
 	}
 	if local {
 		x.TrafficPolicy = "Local"
@@ -184,7 +185,7 @@ func explain(fe config.Frontend, as string, client netip.Addr, node, zone string
 	if sp.AffinityTimeout > 0 {
 		x.AffinityTimeout = sp.AffinityTimeout.String()
 	}
-	health := map[netip.AddrPort]EndpointHealth{}
+	health := map[netip.AddrPort]balance.EndpointHealth{}
 	for _, h := range bal.Health() {
 		health[h.Endpoint] = h
 	}
@@ -212,7 +213,7 @@ func explain(fe config.Frontend, as string, client netip.Addr, node, zone string
 	x.Next = bal.Predict(client.Unmap())
 	if !live {
 		x.Next.Position = nil
-		if (x.Scheduler == SchedRoundRobin || x.Scheduler == SchedLeastConn) && x.Next.Reason != ReasonAffinity && len(usable) > 1 {
+		if (x.Scheduler == balance.SchedRoundRobin || x.Scheduler == balance.SchedLeastConn) && x.Next.Reason != balance.ReasonAffinity && len(usable) > 1 {
 			// A new listener starts its rotation at a random place:
 			// any of them can be first.
 			x.Next.Endpoint, x.Next.Candidates = nil, usable

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 // sync makes listeners and rules match st and waits for the rules, on the
@@ -59,8 +60,8 @@ func (p *Proxier) status(fe config.Frontend) FrontendStatus {
 	return p.rec.statusLocked(fe)
 }
 
-func (p *Proxier) Affinities(fe config.Frontend) []Affinity { return p.status(fe).Affinities }
-func (p *Proxier) EndpointHealth(fe config.Frontend) []EndpointHealth {
+func (p *Proxier) Affinities(fe config.Frontend) []balance.Affinity { return p.status(fe).Affinities }
+func (p *Proxier) EndpointHealth(fe config.Frontend) []balance.EndpointHealth {
 	return p.status(fe).EndpointHealth
 }
 func (p *Proxier) Scheduler(fe config.Frontend) string { return p.status(fe).Scheduler }

@@ -15,6 +15,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 // One of two endpoints blackholed: after the first one or two connections
@@ -23,7 +24,7 @@ import (
 func TestOutlierBlackholedEndpoint(t *testing.T) {
 	h := startProxier(t, Config{
 		DialTimeouts: []time.Duration{250 * time.Millisecond, 5 * time.Second},
-		Outlier:      OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
+		Outlier:      balance.OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
 	})
 	dead := blackhole(t)
 	h.apply(svc("bh", config.TCP, tcpBackend(t, "good"), dead))
@@ -106,7 +107,7 @@ func TestOutlierEndpointComesBack(t *testing.T) {
 	const base = time.Second
 	h := startProxier(t, Config{
 		DialTimeouts: []time.Duration{time.Second, time.Second},
-		Outlier:      OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: base, MaxEjectionTime: time.Minute},
+		Outlier:      balance.OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: base, MaxEjectionTime: time.Minute},
 	})
 	dead := closedPort(t)
 	h.apply(svc("back", config.TCP, tcpBackend(t, "good"), dead))
@@ -142,7 +143,7 @@ func TestOutlierEndpointComesBack(t *testing.T) {
 func TestOutlierAnnotationOff(t *testing.T) {
 	h := startProxier(t, Config{
 		DialTimeouts: []time.Duration{time.Second, time.Second},
-		Outlier:      OutlierConfig{ConsecutiveFailures: 1, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
+		Outlier:      balance.OutlierConfig{ConsecutiveFailures: 1, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
 	})
 	sp := svc("noeject", config.TCP, tcpBackend(t, "good"), closedPort(t))
 	sp.OutlierDetection = "off"
@@ -153,7 +154,7 @@ func TestOutlierAnnotationOff(t *testing.T) {
 	waitFor(t, "6 lines", func() bool { return len(h.logs.Find("Connection closed")) == 6 })
 	retried := 0
 	for _, f := range h.logs.Find("Connection closed") {
-		if f["reason"] == string(ReasonRetry) {
+		if f["reason"] == string(balance.ReasonRetry) {
 			retried++
 		}
 	}
@@ -183,7 +184,7 @@ func deadUDPPort(t *testing.T) netip.AddrPort {
 // the dead one is ejected and counted.
 func TestUDPFailoverFromDeadEndpoint(t *testing.T) {
 	h := startProxier(t, Config{
-		Outlier:     OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
+		Outlier:     balance.OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
 		ConnLogMode: ConnLogErrors,
 	})
 	dead := deadUDPPort(t)

@@ -7,7 +7,7 @@ package proxy
 //	  → serve        per port of the plan, per key: the frontend (open:
 //	                 dataplane.go, for one that is missing), then
 //	  → serveAs      what the plan decided for it: settings, the balancer's
-//	                 endpoints and a predecessor's picks (balancer.go), UDP
+//	                 endpoints and a predecessor's picks (package balance), UDP
 //	                 flows off endpoints that left (udpflows.go), its port
 //	                 refusing while no endpoint serves (listen.go)
 //	  then removed frontends stop; out comes the ruleWrite (rulewriter.go)
@@ -25,6 +25,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -48,7 +49,7 @@ type frontend struct {
 	key         frontendKey
 	protocol    config.Protocol     // fixed: another protocol is another frontend
 	spec        *config.ServicePort // the sync goroutine's: connections never read it
-	bal         *EndpointBalancer
+	bal         *balance.Balancer
 	listen      netip.AddrPort
 	nodePortErr error      // the NodePort could not be taken
 	onNodePort  bool       // the listener sits on the NodePort itself
@@ -254,7 +255,7 @@ func (fe *frontend) serveAs(sp *config.ServicePort, ks keyServe) error {
 	fe.noLocal.Store(ks.noLocal)
 	fe.bal.Update(ks.eps, sp.AffinityTimeout, ks.outlier, sp.Scheduler)
 	if ks.picks != nil {
-		fe.bal.importState(*ks.picks)
+		fe.bal.ImportPicks(*ks.picks)
 	}
 	if fe.udp != nil && ks.serving != nil {
 		fe.udp.endFlowsOff(ks.serving)

@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
@@ -38,7 +39,7 @@ type pairState struct {
 	Client      netip.AddrPort `json:"client"`
 	OrigDst     netip.AddrPort `json:"origDst"`
 	Endpoint    netip.AddrPort `json:"endpoint"`
-	Reason      Reason         `json:"reason"`
+	Reason      balance.Reason `json:"reason"`
 	Attempt     int            `json:"attempt"`
 	BackendSees netip.Addr     `json:"backendSees"`
 	Start       time.Time      `json:"start"`
@@ -411,7 +412,7 @@ func (p *Proxier) adoptPair(byName map[string]*frontend, cs, bs handover.Socket)
 	c.setOrigDst(st.OrigDst)
 	c.setBackend(st.Endpoint, st.Reason, st.Attempt)
 	c.setDialed(0, st.BackendSees)
-	fe.bal.Adopted(st.Endpoint)
+	fe.bal.Transferred(st.Endpoint)
 	pr := c.setPair(client, backend)
 	fe.halves(c, pr)
 	for _, h := range []struct {

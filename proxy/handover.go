@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
@@ -152,7 +153,7 @@ func (p *Proxier) Lend(ctx context.Context) ([]handover.Socket, error) {
 }
 
 // Freeze stops syncing (changes queue) until Thaw or Release, and returns
-// the state that decides the frontends' future picks (balancer.go).
+// the state that decides the frontends' future picks (package balance).
 func (p *Proxier) Freeze(ctx context.Context) (json.RawMessage, error) {
 	var picks json.RawMessage
 	err := p.call(ctx, func() error {
@@ -234,10 +235,10 @@ func (r *reconciler) lend() ([]handover.Socket, error) {
 }
 
 // pickStates is every live frontend's pick state, by key.
-func (r *reconciler) pickStates() map[string]pickState {
-	out := make(map[string]pickState, len(r.frontends))
+func (r *reconciler) pickStates() map[string]balance.PickState {
+	out := make(map[string]balance.PickState, len(r.frontends))
 	for key, fe := range r.frontends {
-		out[key.String()] = fe.bal.exportState()
+		out[key.String()] = fe.bal.ExportPicks()
 	}
 	return out
 }

@@ -195,7 +195,7 @@ func (fe *frontend) keptKey() keptKey {
 	return keptKey{fe.key, roleRange}
 }
 
-// KeptPicks returns the frontends' pick states (balancer.go) that changed
+// KeptPicks returns the frontends' pick states (package balance) that changed
 // since its last call, by frontend, a frontend gone as JSON null: what a
 // keeper holds for the next worker after a crash. It runs on the sync
 // goroutine, so it is also the sign of life a keeper watches for.

@@ -33,7 +33,9 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/proxyproto"
 	"github.com/sirupsen/logrus"
 )
 
@@ -64,8 +66,8 @@ type reconciler struct {
 	// lines are the listeners opened and closed since the last log of them.
 	lines listenerLines
 	// inheritedPicks is a predecessor's pick state by frontend key, until
-	// the first sync gave it to the frontends (keyServe.picks; balancer.go).
-	inheritedPicks map[string]pickState
+	// the first sync gave it to the frontends (keyServe.picks; package balance).
+	inheritedPicks map[string]balance.PickState
 
 	mu sync.Mutex // guards the fields below: written by the sync goroutine, read by anyone
 	// frontends are the live listeners.
@@ -146,13 +148,13 @@ type keyServe struct {
 	eps     []netip.AddrPort
 	noLocal uint32
 	source  *sourcePolicy
-	outlier OutlierConfig
+	outlier balance.OutlierConfig
 	// serving are the endpoints a UDP frontend that stays keeps its flows
 	// to (nil: a new frontend, no flows yet).
 	serving map[netip.AddrPort]bool
 	// picks are a predecessor's pick state for this key, at the first sync
 	// after a handover (nil: none).
-	picks *pickState
+	picks *balance.PickState
 }
 
 // plan decides the sync of d: which ports it visits (the changed ones, or
@@ -449,11 +451,11 @@ func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
 	if prev == nil {
 		prev = &config.ServicePort{}
 	}
-	if sp.ProxyProtocol != prev.ProxyProtocol && !KnownProxyProtocol(sp.ProxyProtocol) {
+	if sp.ProxyProtocol != prev.ProxyProtocol && !proxyproto.Known(sp.ProxyProtocol) {
 		log.WithField("annotation", config.AnnotationProxyProtocol).WithField("value", sp.ProxyProtocol).
 			Warn("Unknown PROXY protocol version (want v1 or v2); no header is sent")
 	}
-	if sp.Scheduler != prev.Scheduler && !KnownScheduler(sp.Scheduler) {
+	if sp.Scheduler != prev.Scheduler && !balance.KnownScheduler(sp.Scheduler) {
 		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
 			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
 	}

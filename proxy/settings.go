@@ -8,6 +8,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
@@ -38,10 +39,10 @@ type Config struct {
 	// FileLimit is the descriptor limit the budget is derived from (budget.go);
 	// 0: the process's RLIMIT_NOFILE when New is called.
 	FileLimit int
-	// Outlier is passive outlier detection (outlier.go); the zero value
+	// Outlier is passive outlier detection (package balance); the zero value
 	// turns it off. A Service turns it off for itself with the annotation
 	// kube-userspace-proxy.io/outlier-detection: "off".
-	Outlier     OutlierConfig
+	Outlier     balance.OutlierConfig
 	UDPTimeout  time.Duration // DefaultUDPTimeout when 0
 	UDPMaxFlows int           // per frontend; DefaultUDPMaxFlows when 0
 
@@ -188,4 +189,12 @@ func debugEnabled(log logrus.FieldLogger) bool {
 		return l.IsLevelEnabled(logrus.DebugLevel)
 	}
 	return true
+}
+
+// outlierFor is the outlier detection of sp's frontends.
+func (c *Config) outlierFor(sp *config.ServicePort) balance.OutlierConfig {
+	if sp.OutlierDetection == "off" {
+		return balance.OutlierConfig{}
+	}
+	return c.Outlier
 }

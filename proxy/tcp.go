@@ -30,6 +30,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/proxyproto"
 )
 
 // DefaultDialTimeouts are the per-attempt dial timeouts of the classic
@@ -192,7 +193,7 @@ func (f *frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
 	if v == "" {
 		return nil
 	}
-	hdr := proxyHeader(v, c.Client, c.origDst())
+	hdr := proxyproto.Header(v, c.Client, c.origDst())
 	if hdr == nil {
 		return nil // unknown version: warned about at open
 	}

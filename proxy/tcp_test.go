@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 	"github.com/sirupsen/logrus"
 )
@@ -295,7 +296,7 @@ func TestTCPRetryPastDeadEndpoint(t *testing.T) {
 			waitFor(t, "logs", func() bool { return len(h.logs.Find("Connection closed")) == 4 })
 			retries := 0
 			for _, f := range h.logs.Find("Connection closed") {
-				if f["reason"] == string(ReasonRetry) {
+				if f["reason"] == string(balance.ReasonRetry) {
 					retries++
 					if f["attempts"] != 2 || f["endpoint"] != good.String() {
 						t.Errorf("retry line %v", f)

@@ -33,6 +33,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -59,7 +60,7 @@ type udpFlow struct {
 	client   netip.AddrPort
 	local    netip.Addr // where the client's datagrams arrived; replies leave from it
 	endpoint netip.AddrPort
-	reason   Reason
+	reason   balance.Reason
 	backend  *net.UDPConn
 	sees     netip.Addr    // the source address the backend sees; invalid: the node's
 	release  func()        // gives back backend's source NAT entry and port, once it is closed

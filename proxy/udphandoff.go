@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
@@ -33,7 +34,7 @@ type flowState struct {
 	Client   netip.AddrPort `json:"client"`
 	Local    netip.Addr     `json:"local"`
 	Endpoint netip.AddrPort `json:"endpoint"`
-	Reason   Reason         `json:"reason"`
+	Reason   balance.Reason `json:"reason"`
 	Sees     netip.Addr     `json:"sees,omitzero"`
 	Start    time.Time      `json:"start"`
 	LastSeen int64          `json:"lastSeen"`
@@ -187,7 +188,7 @@ func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) erro
 	fl.lastSeen.Store(st.LastSeen)
 	fl.up.Store(st.Up)
 	fl.down.Store(st.Down)
-	fe.bal.Adopted(st.Endpoint)
+	fe.bal.Transferred(st.Endpoint)
 	if in, ok := u.insert(fl); !ok {
 		c.Close()
 		fl.release()

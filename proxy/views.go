@@ -7,6 +7,7 @@ import (
 	"sort"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/sirupsen/logrus"
 )
 
@@ -40,9 +41,9 @@ func (r *reconciler) sortedLocked() []config.Frontend {
 // FrontendStatus is one frontend and the live state of its listener.
 type FrontendStatus struct {
 	config.Frontend
-	Scheduler      string           // the scheduler's name; empty without a listener
-	Affinities     []Affinity       // the session-affinity pins
-	EndpointHealth []EndpointHealth // the outlier state of every endpoint
+	Scheduler      string                   // the scheduler's name; empty without a listener
+	Affinities     []balance.Affinity       // the session-affinity pins
+	EndpointHealth []balance.EndpointHealth // the outlier state of every endpoint
 	// Topology is the hints in use (config's TopologyMode; none with
 	// traffic policy Local) for the node's Zone.
 	Topology, Zone string
@@ -115,7 +116,7 @@ func (r *reconciler) liveLocked(fe config.Frontend) *frontend {
 
 // balancerOf returns the balancer of the listener behind fe (nil when it is
 // gone) and the node and zone the view was synced for.
-func (r *reconciler) balancerOf(fe config.Frontend) (bal *EndpointBalancer, node, zone string) {
+func (r *reconciler) balancerOf(fe config.Frontend) (bal *balance.Balancer, node, zone string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if l := r.liveLocked(fe); l != nil {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 func writeConfig(t *testing.T, content string) string {
@@ -48,7 +49,7 @@ outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTim
 		o.parkIdleAfter != 250*time.Millisecond {
 		t.Fatalf("file values not applied: %+v", o)
 	}
-	if o.outlier != (proxy.OutlierConfig{ConsecutiveFailures: 3, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: time.Minute}) {
+	if o.outlier != (balance.OutlierConfig{ConsecutiveFailures: 3, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: time.Minute}) {
 		t.Fatalf("outlierDetection not applied: %+v", o.outlier)
 	}
 	if o.syncPeriod != 60*time.Second || o.nodeName() != "from-flag" {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 // endpointView is one endpoint of a service port, as the source gave it.
@@ -26,22 +27,22 @@ type endpointView struct {
 }
 
 type serviceView struct {
-	Service     string           `json:"service"`
-	Kind        config.Kind      `json:"kind"`
-	Family      int              `json:"family"`
-	Protocol    string           `json:"protocol"`
-	Listen      string           `json:"listen,omitempty"`
-	Error       string           `json:"error,omitempty"`
-	NodePortErr string           `json:"nodePortError,omitempty"`
-	Port        int              `json:"port"`
-	NodePort    int              `json:"nodePort,omitempty"`
-	ClusterIPs  []string         `json:"clusterIPs"`
-	ExternalIPs []string         `json:"externalIPs,omitempty"`
-	LBIPs       []string         `json:"loadBalancerIPs,omitempty"`
-	Endpoints   []endpointView   `json:"endpoints"`
-	Affinity    string           `json:"affinityTimeout,omitempty"`
-	Pins        []proxy.Affinity `json:"affinity,omitempty"`
-	UDPFlows    *int             `json:"udpFlows,omitempty"`
+	Service     string             `json:"service"`
+	Kind        config.Kind        `json:"kind"`
+	Family      int                `json:"family"`
+	Protocol    string             `json:"protocol"`
+	Listen      string             `json:"listen,omitempty"`
+	Error       string             `json:"error,omitempty"`
+	NodePortErr string             `json:"nodePortError,omitempty"`
+	Port        int                `json:"port"`
+	NodePort    int                `json:"nodePort,omitempty"`
+	ClusterIPs  []string           `json:"clusterIPs"`
+	ExternalIPs []string           `json:"externalIPs,omitempty"`
+	LBIPs       []string           `json:"loadBalancerIPs,omitempty"`
+	Endpoints   []endpointView     `json:"endpoints"`
+	Affinity    string             `json:"affinityTimeout,omitempty"`
+	Pins        []balance.Affinity `json:"affinity,omitempty"`
+	UDPFlows    *int               `json:"udpFlows,omitempty"`
 	// Refusing: no endpoint can serve, so connections are refused at
 	// connect (a TCP reset, a UDP port unreachable).
 	Refusing bool `json:"refusing,omitempty"`
@@ -56,7 +57,7 @@ type serviceView struct {
 	SourceRanges        []string `json:"loadBalancerSourceRanges,omitempty"`
 	// Health is the state of the endpoints this listener picks from:
 	// failures in a row, ejection, drain, connections open.
-	Health []proxy.EndpointHealth `json:"endpointHealth,omitempty"`
+	Health []balance.EndpointHealth `json:"endpointHealth,omitempty"`
 }
 
 // services maps each service port to its listener, addresses, endpoints

@@ -12,6 +12,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 // writeExplainText prints an answer for people, step by step.
@@ -136,11 +137,11 @@ func describeNext(say func(string, ...any), client string, x *proxy.Explanation)
 	switch {
 	case n.Endpoint != nil:
 		why := string(n.Reason)
-		if n.Position != nil && n.Reason != proxy.ReasonAffinity {
+		if n.Position != nil && n.Reason != balance.ReasonAffinity {
 			why += fmt.Sprintf(", rotation at index %d of the sorted endpoints", *n.Position)
 		}
 		say("The next connection from %s goes to %s (%s).", client, *n.Endpoint, why)
-	case len(n.Candidates) > 0 && x.Scheduler == proxy.SchedRandom:
+	case len(n.Candidates) > 0 && x.Scheduler == balance.SchedRandom:
 		say("The next connection goes to one of %d endpoints, at random: %s.", len(n.Candidates), joinAddrs(n.Candidates))
 	case len(n.Candidates) > 0:
 		say("The first connection goes to one of %s (%s): a new listener starts its rotation at a random endpoint, so that nodes do not all pick the same one first; the running daemon's explain (--server) knows which.",

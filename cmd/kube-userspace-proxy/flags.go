@@ -13,6 +13,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 )
 
 var errHelp = errors.New("help requested")
@@ -29,7 +30,7 @@ type options struct {
 	udpMaxFlows      int
 	tcpIdleTimeout   time.Duration
 	parkIdleAfter    time.Duration
-	outlier          proxy.OutlierConfig
+	outlier          balance.OutlierConfig
 	minSyncPeriod    time.Duration
 	syncPeriod       time.Duration
 	shutdownGrace    time.Duration
@@ -148,9 +149,9 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
 	fs.DurationVar(&o.parkIdleAfter, "park-idle-after", proxy.DefaultParkIdleAfter, "A direction of a proxied TCP connection with nothing to read for this long gives up its goroutine and waits in an epoll set (an idle connection then costs ~2-3 KiB instead of ~8; waking costs microseconds). 0: never.")
-	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", proxy.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
-	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", proxy.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
-	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", proxy.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
+	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", balance.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
+	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", balance.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
+	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", balance.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
 	fs.DurationVar(&o.minSyncPeriod, "min-sync-period", time.Second, "The minimum interval between syncs of listeners and rules under churn (changes meanwhile merge into one sync); a lone change, or two in a row such as a Service and its EndpointSlice, is synced at once.")
 	fs.DurationVar(&o.syncPeriod, "sync-period", 30*time.Second, "How often rules are checked and repaired even without changes.")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "On SIGTERM, how long open connections may drain before they are closed.")

@@ -1,4 +1,4 @@
-package proxy
+package balance
 
 import (
 	"net/netip"
@@ -25,7 +25,7 @@ const (
 	ReasonRandom     Reason = "random"
 )
 
-// EndpointBalancer chooses the endpoint for each new connection or UDP flow
+// Balancer chooses the endpoint for each new connection or UDP flow
 // of one frontend, safe for concurrent use. It cycles through the endpoints in rotation (not ejected); with
 // affinity a client IP keeps its endpoint until it has been idle for the
 // affinity timeout or its endpoint is ejected.
@@ -33,7 +33,7 @@ const (
 // Unlike the classic userspace proxier, the timeout is read at every Pick, so a
 // changed timeoutSeconds applies to existing pins whatever order the Service
 // and endpoint updates arrived in.
-type EndpointBalancer struct {
+type Balancer struct {
 	now func() time.Time // for tests; time.Now when nil
 
 	// snapshot is endpoints for Report, which takes no lock.
@@ -53,15 +53,15 @@ type pin struct {
 	lastUsed time.Time
 }
 
-// NewBalancer returns an empty balancer with the named scheduler (rr when
+// New returns an empty balancer with the named scheduler (rr when
 // the name is unknown); call Update to give it endpoints.
-func NewBalancer(scheduler string) *EndpointBalancer {
-	b := &EndpointBalancer{}
+func New(scheduler string) *Balancer {
+	b := &Balancer{}
 	b.sched, _ = newScheduler(scheduler)
 	return b
 }
 
-func (rr *EndpointBalancer) clock() time.Time {
+func (rr *Balancer) clock() time.Time {
 	if rr.now != nil {
 		return rr.now()
 	}
@@ -73,7 +73,7 @@ func (rr *EndpointBalancer) clock() time.Time {
 // health, drain and counts.
 // Pins to endpoints that are gone are dropped; the others survive an
 // endpoint change, and so does an endpoint's health.
-func (rr *EndpointBalancer) Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig, scheduler string) {
+func (rr *Balancer) Update(endpoints []netip.AddrPort, affinity time.Duration, outlier OutlierConfig, scheduler string) {
 	addrs := slices.Clone(endpoints)
 	sort.Slice(addrs, func(i, j int) bool { return addrs[i].Compare(addrs[j]) < 0 })
 	if outlier.enabled() {
@@ -125,7 +125,7 @@ func findEndpoint(eps []*endpoint, a netip.AddrPort) *endpoint {
 // the number of dials that already failed for this connection; a retry
 // bypasses session affinity and re-pins the client to what it returns.
 // ok is false when there is no endpoint.
-func (rr *EndpointBalancer) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reason, bool) {
+func (rr *Balancer) Pick(client netip.Addr, attempt int) (netip.AddrPort, Reason, bool) {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	n := len(rr.endpoints)
@@ -172,7 +172,7 @@ func (rr *EndpointBalancer) Pick(client netip.Addr, attempt int) (netip.AddrPort
 // ep from new picks for a while (outlier.go). It takes no lock. It
 // returns how long ep is now ejected for, and whether a success just
 // returned it from an ejection.
-func (rr *EndpointBalancer) Report(ep netip.AddrPort, failed bool) (time.Duration, bool) {
+func (rr *Balancer) Report(ep netip.AddrPort, failed bool) (time.Duration, bool) {
 	o := rr.outlier.Load()
 	eps := rr.snapshot.Load()
 	if o == nil || eps == nil {
@@ -188,7 +188,7 @@ func (rr *EndpointBalancer) Report(ep netip.AddrPort, failed bool) (time.Duratio
 // Done says that a connection or flow that Pick sent to ep has ended
 // (or its dial failed): the count of active connections, which lc and
 // the debug view use, goes down. It takes no lock.
-func (rr *EndpointBalancer) Done(ep netip.AddrPort) {
+func (rr *Balancer) Done(ep netip.AddrPort) {
 	if eps := rr.snapshot.Load(); eps != nil {
 		if e := findEndpoint(*eps, ep); e != nil {
 			e.active.Add(-1)
@@ -196,9 +196,9 @@ func (rr *EndpointBalancer) Done(ep netip.AddrPort) {
 	}
 }
 
-// Adopted counts a connection to ep that a predecessor picked (a
+// Transferred counts a connection to ep that a predecessor picked (a
 // handover), as Pick would have: Done takes it back.
-func (rr *EndpointBalancer) Adopted(ep netip.AddrPort) {
+func (rr *Balancer) Transferred(ep netip.AddrPort) {
 	if eps := rr.snapshot.Load(); eps != nil {
 		if e := findEndpoint(*eps, ep); e != nil {
 			e.active.Add(1)
@@ -208,7 +208,7 @@ func (rr *EndpointBalancer) Adopted(ep netip.AddrPort) {
 
 // SetDrained stops (or, with false, resumes) new picks of ep while its
 // connections go on; false when ep is not an endpoint of the balancer.
-func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {
+func (rr *Balancer) SetDrained(ep netip.AddrPort, drained bool) bool {
 	if eps := rr.snapshot.Load(); eps != nil {
 		if e := findEndpoint(*eps, ep); e != nil {
 			e.drained.Store(drained)
@@ -219,14 +219,14 @@ func (rr *EndpointBalancer) SetDrained(ep netip.AddrPort, drained bool) bool {
 }
 
 // Scheduler names how it chooses: rr, lc, sh or random.
-func (rr *EndpointBalancer) Scheduler() string {
+func (rr *Balancer) Scheduler() string {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	return rr.sched.name()
 }
 
 // Health returns every endpoint's outlier state, sorted by address.
-func (rr *EndpointBalancer) Health() []EndpointHealth {
+func (rr *Balancer) Health() []EndpointHealth {
 	eps := rr.snapshot.Load()
 	if eps == nil {
 		return nil
@@ -241,7 +241,7 @@ func (rr *EndpointBalancer) Health() []EndpointHealth {
 
 // sweepLocked drops expired pins at most once a minute, so that clients that
 // never come back do not grow the table forever.
-func (rr *EndpointBalancer) sweepLocked(now time.Time) {
+func (rr *Balancer) sweepLocked(now time.Time) {
 	if now.Before(rr.nextSweep) {
 		return
 	}
@@ -261,7 +261,7 @@ type Affinity struct {
 }
 
 // Affinities returns the live pins, sorted by client.
-func (rr *EndpointBalancer) Affinities() []Affinity {
+func (rr *Balancer) Affinities() []Affinity {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	now := rr.clock()
@@ -296,7 +296,7 @@ type Prediction struct {
 // Predict says what Pick would answer for a first attempt from client
 // now, changing nothing (explain).
 // It makes the same decisions as Pick, on copies.
-func (rr *EndpointBalancer) Predict(client netip.Addr) Prediction {
+func (rr *Balancer) Predict(client netip.Addr) Prediction {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	var pr Prediction
@@ -365,9 +365,9 @@ func anyOK(eps []*endpoint, in rotation) bool {
 // endpoint stays out for the rest of its ejection, a drain set by hand
 // holds, and round-robin goes on where it was.
 
-// pickState is one balancer's state. Times are wall-clock unix
+// PickState is one balancer's state. Times are wall-clock unix
 // nanoseconds: both daemons run on one machine.
-type pickState struct {
+type PickState struct {
 	Scheduler string          `json:"scheduler"`
 	Position  *int            `json:"position,omitempty"` // rr and lc
 	Endpoints []endpointState `json:"endpoints,omitempty"`
@@ -396,11 +396,11 @@ type positioned interface {
 
 func (r *roundRobin) setPosition(i int) { r.next = i }
 
-// exportState returns what decides rr's future picks.
-func (rr *EndpointBalancer) exportState() pickState {
+// ExportPicks returns what decides rr's future picks.
+func (rr *Balancer) ExportPicks() PickState {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
-	st := pickState{Scheduler: rr.sched.name()}
+	st := PickState{Scheduler: rr.sched.name()}
 	if p, ok := rr.sched.(positioned); ok {
 		pos := p.position()
 		st.Position = &pos
@@ -420,11 +420,11 @@ func (rr *EndpointBalancer) exportState() pickState {
 	return st
 }
 
-// importState applies st to rr, whose endpoints are set: what refers to an
+// ImportPicks applies st to rr, whose endpoints are set: what refers to an
 // endpoint rr does not have is dropped, the position kept only for the
 // same scheduler and only where it falls inside rr's endpoint list, pins
 // only with affinity on. It returns how many pins it kept.
-func (rr *EndpointBalancer) importState(st pickState) int {
+func (rr *Balancer) ImportPicks(st PickState) int {
 	rr.mu.Lock()
 	defer rr.mu.Unlock()
 	for _, es := range st.Endpoints {

@@ -1,4 +1,4 @@
-package proxy
+package balance
 
 import (
 	"net/netip"
@@ -19,9 +19,9 @@ type fakeClock struct{ t time.Time }
 func (c *fakeClock) now() time.Time          { return c.t }
 func (c *fakeClock) advance(d time.Duration) { c.t = c.t.Add(d) }
 
-func newTestRR() (*EndpointBalancer, *fakeClock) {
+func newTestRR() (*Balancer, *fakeClock) {
 	clk := &fakeClock{t: time.Unix(1000, 0)}
-	rr := NewBalancer(SchedRoundRobin)
+	rr := New(SchedRoundRobin)
 	rr.now = clk.now
 	return rr, clk
 }
@@ -95,13 +95,13 @@ func TestAffinityPinsAndExpires(t *testing.T) {
 func TestAffinityTimeoutChangeApplies(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
-		setup func(rr *EndpointBalancer)
+		setup func(rr *Balancer)
 	}{
-		{"endpoints first, then affinity", func(rr *EndpointBalancer) {
+		{"endpoints first, then affinity", func(rr *Balancer) {
 			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), 0, OutlierConfig{}, "")
 			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "")
 		}},
-		{"affinity first, then endpoints", func(rr *EndpointBalancer) {
+		{"affinity first, then endpoints", func(rr *Balancer) {
 			rr.Update(nil, time.Hour, OutlierConfig{}, "")
 			rr.Update(eps("10.0.0.1:80", "10.0.0.2:80"), time.Hour, OutlierConfig{}, "")
 		}},

@@ -1,4 +1,4 @@
-package proxy
+package balance
 
 // Passive outlier detection: the proxy sees every dial and every UDP error,
 // so it notices a dead endpoint long before readiness probes and the API
@@ -12,8 +12,6 @@ import (
 	"net/netip"
 	"sync/atomic"
 	"time"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // OutlierConfig is passive outlier detection (--outlier-*).
@@ -31,14 +29,6 @@ type OutlierConfig struct {
 // DefaultOutlier is the outlier detection of a daemon started without
 // --outlier-* flags. Envoy's base (30 s) and max (300 s) ejection times.
 var DefaultOutlier = OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: 30 * time.Second, MaxEjectionTime: 300 * time.Second}
-
-// outlierFor is the outlier detection of sp's frontends.
-func (c *Config) outlierFor(sp *config.ServicePort) OutlierConfig {
-	if sp.OutlierDetection == "off" {
-		return OutlierConfig{}
-	}
-	return c.Outlier
-}
 
 // enabled reports whether detection is on.
 func (o OutlierConfig) enabled() bool { return o.ConsecutiveFailures > 0 && o.BaseEjectionTime > 0 }

@@ -1,4 +1,4 @@
-package proxy
+package balance
 
 import (
 	"net/netip"
@@ -9,7 +9,7 @@ import (
 var testOutlier = OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: 25 * time.Second}
 
 // picks returns how often each endpoint is picked in n fresh picks.
-func picks(rr *EndpointBalancer, n int) map[netip.AddrPort]int {
+func picks(rr *Balancer, n int) map[netip.AddrPort]int {
 	out := map[netip.AddrPort]int{}
 	for i := 0; i < n; i++ {
 		ep, _, _ := rr.Pick(clientA, 0)

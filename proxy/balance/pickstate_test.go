@@ -1,4 +1,4 @@
-package proxy
+package balance
 
 import (
 	"encoding/json"
@@ -17,7 +17,7 @@ import (
 func TestPickStateCarriesOver(t *testing.T) {
 	outlier := OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Hour}
 	all := eps("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80", "10.0.0.4:80")
-	old := NewBalancer(SchedRoundRobin)
+	old := New(SchedRoundRobin)
 	old.Update(all, time.Hour, outlier, SchedRoundRobin)
 	pinned := netip.MustParseAddr("10.9.0.1")
 	pinnedTo, _, _ := old.Pick(pinned, 0)
@@ -36,23 +36,23 @@ func TestPickStateCarriesOver(t *testing.T) {
 		old.Pick(netip.AddrFrom4([4]byte{10, 9, 1, byte(i)}), 0)
 	}
 
-	b, err := json.Marshal(old.exportState())
+	b, err := json.Marshal(old.ExportPicks())
 	if err != nil {
 		t.Fatal(err)
 	}
-	var st pickState
+	var st PickState
 	if err := json.Unmarshal(b, &st); err != nil {
 		t.Fatal(err)
 	}
-	next := NewBalancer(SchedRoundRobin)
+	next := New(SchedRoundRobin)
 	next.Update(all, time.Hour, outlier, SchedRoundRobin)
-	if kept := next.importState(st); kept != 4 {
+	if kept := next.ImportPicks(st); kept != 4 {
 		t.Errorf("kept %d pins, want 4", kept)
 	}
 	if got, why, _ := next.Pick(pinned, 0); got != pinnedTo || why != ReasonAffinity {
 		t.Errorf("the pinned client got %v (%s), want %v by affinity", got, why, pinnedTo)
 	}
-	// Active counts come with the connections (Adopted), not with the state.
+	// Active counts come with the connections (Transferred), not with the state.
 	withoutActive := func(hs []EndpointHealth) []EndpointHealth {
 		for i := range hs {
 			hs[i].Active = 0
@@ -78,7 +78,7 @@ func TestPickStateCarriesOver(t *testing.T) {
 
 	// A successor whose endpoints changed meanwhile keeps what still
 	// applies and drops the rest; without affinity no pin is kept.
-	fewer := NewBalancer(SchedRoundRobin)
+	fewer := New(SchedRoundRobin)
 	fewer.Update([]netip.AddrPort{pinnedTo}, time.Hour, outlier, SchedRoundRobin)
 	toPinned := 0
 	for _, p := range st.Pins {
@@ -86,12 +86,12 @@ func TestPickStateCarriesOver(t *testing.T) {
 			toPinned++
 		}
 	}
-	if kept := fewer.importState(st); kept != toPinned {
+	if kept := fewer.ImportPicks(st); kept != toPinned {
 		t.Errorf("with one endpoint left, kept %d pins, want %d (those to it)", kept, toPinned)
 	}
-	noAffinity := NewBalancer(SchedRoundRobin)
+	noAffinity := New(SchedRoundRobin)
 	noAffinity.Update(all, 0, outlier, SchedRoundRobin)
-	if kept := noAffinity.importState(st); kept != 0 || len(noAffinity.Affinities()) != 0 {
+	if kept := noAffinity.ImportPicks(st); kept != 0 || len(noAffinity.Affinities()) != 0 {
 		t.Errorf("without affinity kept %d pins", kept)
 	}
 }

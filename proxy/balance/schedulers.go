@@ -1,4 +1,4 @@
-package proxy
+package balance
 
 // Schedulers: how a balancer chooses among the endpoints in rotation, per
 // Service (annotation kube-userspace-proxy.io/scheduler). The seed article

@@ -1,11 +1,13 @@
-package proxy
-
-// The PROXY protocol toward backends (haproxy.org/download/2.6/doc/proxy-protocol.txt):
+// Package proxyproto encodes the PROXY protocol header toward backends
+// (haproxy.org/download/2.6/doc/proxy-protocol.txt):
 // a header sent on the backend connection before any client byte, carrying
 // the client's address and the address the client connected to, so that a
 // backend that parses it (nginx, HAProxy, Envoy, Postgres poolers, mail
 // servers) sees the client instead of the node. Opt-in per Service with the
 // annotation kube-userspace-proxy.io/proxy-protocol: "v1" or "v2".
+//
+// It owns nothing and imports nothing of this project.
+package proxyproto
 
 import (
 	"encoding/binary"
@@ -15,23 +17,23 @@ import (
 
 // PROXY protocol versions, as the annotation gives them.
 const (
-	ProxyProtocolV1 = "v1"
-	ProxyProtocolV2 = "v2"
+	V1 = "v1"
+	V2 = "v2"
 )
 
 // v2Signature starts every version 2 header.
 var v2Signature = []byte("\r\n\r\n\x00\r\nQUIT\n")
 
-// proxyHeader returns the header of version (v1 or v2) for a connection from
+// Header returns the header of version (v1 or v2) for a connection from
 // src to dst (the original destination), or nil for another version. When
 // the two addresses are not of one family (never, for a redirected
 // connection), v1 says UNKNOWN and v2 LOCAL, as the specification asks.
-func proxyHeader(version string, src, dst netip.AddrPort) []byte {
+func Header(version string, src, dst netip.AddrPort) []byte {
 	src = netip.AddrPortFrom(src.Addr().Unmap(), src.Port())
 	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
 	same := src.Addr().Is4() == dst.Addr().Is4() && src.IsValid() && dst.IsValid()
 	switch version {
-	case ProxyProtocolV1:
+	case V1:
 		if !same {
 			return []byte("PROXY UNKNOWN\r\n")
 		}
@@ -40,7 +42,7 @@ func proxyHeader(version string, src, dst netip.AddrPort) []byte {
 			proto = "TCP6"
 		}
 		return fmt.Appendf(nil, "PROXY %s %s %s %d %d\r\n", proto, src.Addr(), dst.Addr(), src.Port(), dst.Port())
-	case ProxyProtocolV2:
+	case V2:
 		h := append([]byte(nil), v2Signature...)
 		if !same {
 			return append(h, 0x20, 0x00, 0, 0) // version 2, LOCAL; no address
@@ -61,7 +63,7 @@ func proxyHeader(version string, src, dst netip.AddrPort) []byte {
 	return nil
 }
 
-// KnownProxyProtocol reports whether v is "", v1 or v2.
-func KnownProxyProtocol(v string) bool {
-	return v == "" || v == ProxyProtocolV1 || v == ProxyProtocolV2
+// Known reports whether v is "", v1 or v2.
+func Known(v string) bool {
+	return v == "" || v == V1 || v == V2
 }
