@@ -90,7 +90,7 @@ type PortRange struct {
 var DefaultPortRange = PortRange{Base: 45000, Size: 15000}
 
 // ParsePortRange parses "begin-end", "begin+offset" or a single port; "" and
-// "0-0" mean the kernel's own range (see portAllocator).
+// "0-0" mean the kernel's own range (see package proxy/ports).
 func ParsePortRange(s string) (PortRange, error) {
 	s = strings.TrimSpace(s)
 	if s == "" || s == "0-0" || s == "0" {

@@ -2,7 +2,7 @@ package proxy
 
 // The dataplane owns what every frontend's connections share:
 //
-//	alloc    the proxy ports of the listeners (listen.go)
+//	alloc    the proxy ports of the listeners (package ports)
 //	acc      the one accept loop of every TCP listener (sock.Acceptor)
 //	workers  the goroutines that dial and copy upstream (workers.go)
 //	copiers  the goroutines that copy downstream
@@ -34,11 +34,12 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
 type dataplane struct {
 	cfg     *Config
-	alloc   portAllocator
+	alloc   *ports.Allocator
 	conns   connTable
 	budget  *descriptorBudget
 	workers workers
@@ -99,9 +100,9 @@ type dataplane struct {
 func newDataplane(cfg *Config) *dataplane {
 	d := &dataplane{
 		cfg: cfg,
-		alloc: portAllocator{r: cfg.PortRange, warn: func(err error) {
+		alloc: ports.New(cfg.PortRange, func(err error) {
 			cfg.log().WithError(err).Warn("Cannot read the kernel's local port range; listeners take a port from bind(0), slow beyond ~7000 listeners")
-		}},
+		}),
 		budget:  newDescriptorBudget(cfg.FileLimit),
 		workers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
 		copiers: workers{maxIdle: workerMaxIdle, maxParked: workerMaxParked},
@@ -253,13 +254,17 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 	}
 	onNodePort := ln.port != 0
 	if inh, ok := d.inherit(key, roleRange, sp.Protocol, bind); ok && ln.port == 0 {
-		ln, release = inh, d.alloc.adopt(sp.Protocol, bind, inh.port)
+		ln, release = inh, d.alloc.Hold(ports.SpaceOf(sp.Protocol, bind), inh.port)
 	} else {
 		inh.close()
 	}
 	if ln.port == 0 {
 		var err error
-		if ln, release, err = d.alloc.listen(sp.Protocol, bind, key.String()); err != nil {
+		release, err = d.alloc.Take(ports.SpaceOf(sp.Protocol, bind), key.String(), func(port int) (err error) {
+			ln, err = listenOn(sp.Protocol, netip.AddrPortFrom(bind, uint16(port)))
+			return err
+		})
+		if err != nil {
 			if sock.IsFileLimit(err) {
 				d.budget.ranOut()
 			}

@@ -9,7 +9,7 @@ package proxy
 //	  → serveAs      what the plan decided for it: settings, the balancer's
 //	                 endpoints and a predecessor's picks (package balance), UDP
 //	                 flows off endpoints that left (udpflows.go), its port
-//	                 refusing while no endpoint serves (listen.go)
+//	                 refusing while no endpoint serves (listener.go)
 //	  then removed frontends stop; out comes the ruleWrite (rulewriter.go)
 //	written          once the rule writer is done: replaced frontends stop,
 //	                 closed ones give their ports back
@@ -246,7 +246,7 @@ func (r *reconciler) open(key frontendKey, sp *config.ServicePort, node string) 
 // serveAs has fe serve sp as the plan decided (ks): its settings, its
 // balancer's endpoints (and a predecessor's picks, once they are set), its
 // UDP flows off endpoints that left, the listener it was opened with
-// served, and its port refusing while no endpoint can serve (listen.go),
+// served, and its port refusing while no endpoint can serve (listener.go),
 // in that order: the balancer holds the endpoints before a listener that
 // was opened, or refused, accepts.
 func (fe *frontend) serveAs(sp *config.ServicePort, ks keyServe) error {

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
 // A sync that visits only the ports a State names as changed ends where a
@@ -22,8 +23,8 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 	// each other's ports while a frontend without endpoints refuses.
 	inc, full := benchProxier(t), benchProxier(t)
 	base := freePorts(t, 200)
-	inc.dp.alloc.r = config.PortRange{Base: base, Size: 100}
-	full.dp.alloc.r = config.PortRange{Base: base + 100, Size: 100}
+	inc.dp.alloc = ports.New(config.PortRange{Base: base, Size: 100}, nil)
+	full.dp.alloc = ports.New(config.PortRange{Base: base + 100, Size: 100}, nil)
 	defer inc.shutdownSynced(0)
 	defer full.shutdownSynced(0)
 	r := rand.New(rand.NewPCG(3, 4))

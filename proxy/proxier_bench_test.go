@@ -10,6 +10,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // BenchmarkSyncOneAddedAt10k is the proxier's part of "one Service added at
@@ -88,7 +89,7 @@ func BenchmarkSyncOneChangedAt10k(b *testing.B) {
 // benchProxier is a Proxier on loopback without rules and without Run
 // (tests call sync), logging nowhere.
 func benchProxier(tb testing.TB) *Proxier {
-	if _, err := RaiseFileLimit(); err != nil {
+	if _, err := kernel.RaiseFileLimit(); err != nil {
 		tb.Skip(err)
 	}
 	log := logrus.New()

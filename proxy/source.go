@@ -18,7 +18,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
 	"slices"
 	"strings"
 
@@ -26,6 +25,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // BackendSource is --backend-source-address.
@@ -272,14 +272,14 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 		if fam == 6 {
 			sysctl = "bridge-nf-call-ip6tables"
 		}
-		v, err := os.ReadFile("/proc/sys/net/bridge/" + sysctl)
-		if err == nil && strings.TrimSpace(string(v)) == "1" {
+		v, err := kernel.ProcSys.Read("net.bridge." + sysctl)
+		if err == nil && v == "1" {
 			c.bridged[familyIndex(fam)] = true
 			cfg.Kernel.Present(config.PieceBridgeNetfilter)
 			continue
 		}
 		if err == nil {
-			err = fmt.Errorf("net.bridge.%s is %s", sysctl, strings.TrimSpace(string(v)))
+			err = fmt.Errorf("net.bridge.%s is %s", sysctl, v)
 		}
 		cfg.Kernel.Lacks(config.PieceBridgeNetfilter, fmt.Sprintf("IPv%d pods calling a pod on this node's bridge show it the node's address: "+
 			"net.bridge.%s is not 1 (br_netfilter), so its reply would bypass conntrack; other clients keep theirs", fam, sysctl), err)

@@ -15,6 +15,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
 func TestUpdateDeleteUpdate(t *testing.T) {
@@ -156,8 +157,8 @@ func TestPortRangeReleasedAndReused(t *testing.T) {
 	// The range is full: a second service cannot be served...
 	h.apply(svc("one", config.TCP, a), svc("two", config.TCP, a))
 	for _, fe := range h.p.Frontends() {
-		if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ErrPortsExhausted) {
-			t.Fatalf("service two: err %v, want ErrPortsExhausted", fe.Err)
+		if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ports.ErrExhausted) {
+			t.Fatalf("service two: err %v, want ports.ErrExhausted", fe.Err)
 		}
 	}
 	// ...until the first one goes and gives its port back.
@@ -195,7 +196,7 @@ func TestPortHeldUntilRulesSyncedWithoutIt(t *testing.T) {
 	for range 2 {
 		h.apply(svc("two", config.TCP, a))
 		for _, fe := range h.p.Frontends() {
-			if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ErrPortsExhausted) {
+			if fe.Service.Name.Name == "two" && !errors.Is(fe.Err, ports.ErrExhausted) {
 				t.Fatalf("service two got a port (err %v) while the rules may still point one's traffic at it", fe.Err)
 			}
 		}
@@ -449,7 +450,7 @@ func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
 		return false
 	})
 	for _, fe := range h.p.Frontends() {
-		if fe.Service.Name.Name == "three" && !errors.Is(fe.Err, ErrPortsExhausted) {
+		if fe.Service.Name.Name == "three" && !errors.Is(fe.Err, ports.ErrExhausted) {
 			t.Fatalf("three got a port (err %v) before a write without one was done", fe.Err)
 		}
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -13,6 +12,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // conntrackSettings are kube-proxy's conntrack sysctls (its --conntrack-*
@@ -31,7 +31,7 @@ type conntrackSettings struct {
 
 // Where the settings live; tests point these at copies.
 var (
-	conntrackSysctlDir    = "/proc/sys/net/netfilter"
+	conntrackSysctls      = kernel.ProcSys
 	conntrackHashsizePath = "/sys/module/nf_conntrack/parameters/hashsize"
 )
 
@@ -90,8 +90,7 @@ func (c conntrackSettings) apply(log logrus.FieldLogger, report *config.KernelRe
 
 func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger, refused func(*logrus.Entry, error, string)) {
 	entry := log.WithFields(logrus.Fields{"sysctl": "net.netfilter.nf_conntrack_max", "value": want})
-	p := filepath.Join(conntrackSysctlDir, "nf_conntrack_max")
-	fi, err := os.Stat(p)
+	fi, err := os.Stat(conntrackSysctls.Path("net.netfilter.nf_conntrack_max"))
 	if err != nil {
 		refused(entry, err, "Cannot read the conntrack table size (is nf_conntrack loaded?)")
 		return
@@ -100,7 +99,7 @@ func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger, refused fu
 		entry.Info("The conntrack table size is host-wide and read-only in this network namespace: left to the host")
 		return
 	}
-	cur, err := readSysctl(p)
+	cur, err := conntrackSysctls.ReadInt("net.netfilter.nf_conntrack_max")
 	if err != nil || cur >= want {
 		return // kube-proxy only raises it
 	}
@@ -109,14 +108,15 @@ func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger, refused fu
 		return
 	}
 	entry.Info("Raised the conntrack table size")
-	if hs, err := readSysctl(conntrackHashsizePath); err == nil && hs < want/4 {
+	if hs, err := readInt(conntrackHashsizePath); err == nil && hs < want/4 {
 		if err := os.WriteFile(conntrackHashsizePath, []byte(strconv.Itoa(want/4)), 0o640); err != nil {
 			refused(entry, err, "Cannot raise the conntrack hash table (nf_conntrack hashsize)")
 		}
 	}
 }
 
-func readSysctl(p string) (int, error) {
+// readInt reads a file holding one integer (a module parameter).
+func readInt(p string) (int, error) {
 	data, err := os.ReadFile(p)
 	if err != nil {
 		return 0, err
@@ -124,18 +124,11 @@ func readSysctl(p string) (int, error) {
 	return strconv.Atoi(strings.TrimSpace(string(data)))
 }
 
-// setSysctl writes value when the kernel holds another one.
+// setSysctl writes net.netfilter.name when the kernel holds another value.
 func setSysctl(name string, value int) (bool, error) {
-	p := filepath.Join(conntrackSysctlDir, name)
-	cur, err := readSysctl(p)
-	if errors.Is(err, os.ErrNotExist) {
-		return false, fmt.Errorf("%s is missing (is nf_conntrack loaded?)", p)
+	changed, err := conntrackSysctls.SetInt("net.netfilter."+name, value)
+	if errors.Is(err, kernel.ErrNoSysctl) {
+		return false, fmt.Errorf("%w (is nf_conntrack loaded?)", err)
 	}
-	if err == nil && cur == value {
-		return false, nil
-	}
-	if err := os.WriteFile(p, []byte(strconv.Itoa(value)), 0o644); err != nil {
-		return false, err
-	}
-	return true, nil
+	return changed, err
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // A copy of the sysctls with the kernel's defaults; ro names files the
@@ -18,7 +19,11 @@ import (
 // network namespace).
 func fakeSysctls(t *testing.T, ro ...string) string {
 	t.Helper()
-	dir := t.TempDir()
+	sysctls := kernel.Sysctls{Root: t.TempDir()}
+	dir := filepath.Dir(sysctls.Path("net.netfilter.nf_conntrack_max"))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	for name, v := range map[string]string{
 		"nf_conntrack_max": "65536", "nf_conntrack_tcp_timeout_established": "432000",
 		"nf_conntrack_tcp_timeout_close_wait": "60", "nf_conntrack_tcp_be_liberal": "0",
@@ -37,9 +42,9 @@ func fakeSysctls(t *testing.T, ro ...string) string {
 	if err := os.WriteFile(hs, []byte("16384\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	oldDir, oldHS := conntrackSysctlDir, conntrackHashsizePath
-	conntrackSysctlDir, conntrackHashsizePath = dir, hs
-	t.Cleanup(func() { conntrackSysctlDir, conntrackHashsizePath = oldDir, oldHS })
+	oldSysctls, oldHS := conntrackSysctls, conntrackHashsizePath
+	conntrackSysctls, conntrackHashsizePath = sysctls, hs
+	t.Cleanup(func() { conntrackSysctls, conntrackHashsizePath = oldSysctls, oldHS })
 	return dir
 }
 

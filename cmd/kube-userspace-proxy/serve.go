@@ -25,6 +25,8 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
 // serve runs the daemon until ctx ends.
@@ -168,7 +170,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 // finds them set and writes nothing. A refusal here is an error: this
 // container exists to make these settings.
 func setSysctls(o *options, log *logrus.Logger) error {
-	if _, err := proxy.ReservePorts(o.portRange); err != nil {
+	if _, err := ports.Reserve(o.portRange); err != nil {
 		return fmt.Errorf("reserving the proxy port range %s in net.ipv4.ip_local_reserved_ports: %w", o.portRange, err)
 	}
 	log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
@@ -179,7 +181,7 @@ func setSysctls(o *options, log *logrus.Logger) error {
 // cleanup removes what the daemon put on the node (--cleanup).
 func cleanup(o *options, log *logrus.Logger) error {
 	err := iptables.Cleanup(log)
-	if changed, rerr := proxy.UnreservePorts(o.portRange); rerr != nil {
+	if changed, rerr := ports.Unreserve(o.portRange); rerr != nil {
 		log.WithError(rerr).Warn("Cannot take the proxy port range out of ip_local_reserved_ports")
 	} else if changed {
 		log.WithField("range", o.portRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
@@ -265,7 +267,7 @@ func setUpProcess(o *options, log *logrus.Logger) {
 	if err := os.WriteFile("/proc/self/oom_score_adj", []byte(strconv.Itoa(o.oomScoreAdj)), 0o644); err != nil {
 		log.WithError(err).WithField("oomScoreAdj", o.oomScoreAdj).Warn("Cannot set the daemon's oom_score_adj (lowering it needs CAP_SYS_RESOURCE)")
 	}
-	if limit, err := proxy.RaiseFileLimit(); err != nil {
+	if limit, err := kernel.RaiseFileLimit(); err != nil {
 		log.WithError(err).Warn("Cannot raise the open-file limit")
 	} else {
 		log.WithField("limit", limit).Debug("Open-file limit")
@@ -323,7 +325,7 @@ func prepareNode(o *options, r *iptables.Rules, report *config.KernelReport, log
 	}
 	// Only once iptables is known to work: a daemon that cannot start
 	// leaves the node's settings alone.
-	if changed, err := proxy.ReservePorts(o.portRange); err != nil {
+	if changed, err := ports.Reserve(o.portRange); err != nil {
 		report.Lacks(config.PieceReservedPorts, "the proxy port range "+o.portRange.String()+" is not reserved (net.ipv4.ip_local_reserved_ports): "+
 			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped", err)
 	} else {
@@ -346,8 +348,8 @@ func checkEphemeralOverlap(r config.PortRange, name string) error {
 	if r.Size == 0 {
 		return nil // the kernel's own choice: no range of ours
 	}
-	ephemeral, unreserved, err := proxy.UnreservedEphemeral(r)
-	if err != nil || !unreserved || proxy.CanReservePorts() {
+	ephemeral, unreserved, err := ports.UnreservedEphemeral(r)
+	if err != nil || !unreserved || ports.CanReserve() {
 		return nil
 	}
 	return fmt.Errorf("%s %s overlaps the kernel's ephemeral port range %s (net.ipv4.ip_local_port_range), its ports there are not in "+

@@ -1,72 +1,189 @@
-package proxy
+// Package ports hands out the listeners' ports: from the proxy port range,
+// or from the kernel's local port range minus its reserved ports when no
+// range is set, each Service port's preferred one first; and it reserves the
+// range in the kernel so that no other socket of the node takes its ports.
+//
+// It owns which ports our sockets hold; the caller owns the sockets (it
+// binds them in the callback Take gives each port to). It imports config's
+// plain data and the kernel layer's sysctls.
+package ports
 
 import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"net"
 	"net/netip"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
-// portAllocator hands out ports from a PortRange: the key's preferred port
-// (a hash of its name), else the next free one after it, wrapping.
+// Allocator hands out ports from a PortRange: the key's preferred port (a
+// hash of its name), else the next free one after it, wrapping.
 //
 // With no range configured it scans the kernel's own range
 // (ip_local_port_range, minus ip_local_reserved_ports) instead of binding
-// port 0: the kernel's search for a free port walks its bind table and costs
-// 1–1.6 ms per listener once ~7000 ports are taken (15 µs for a named port),
-// which made 10k ClusterIP services take seconds to open.
-type portAllocator struct {
-	r    config.PortRange
-	mu   sync.Mutex
+// port 0: the kernel's search for a free port walks its bind table, which
+// grows with every listener (docs/benchmarks.md, rule programming).
+type Allocator struct {
+	r       config.PortRange
+	sysctls kernel.Sysctls
+	warn    func(error) // told once when the kernel's range cannot be read
+
+	mu   sync.Mutex // guards the fields below
 	used map[usedPort]bool
 	// The kernel's range and reserved ports, read at first use when r is
 	// empty; kernel stays nil when they could not be read (port 0 then).
 	kernel       *config.PortRange
 	kernelResv   map[int]bool
 	kernelLoaded bool
-	warn         func(error) // told once when the kernel's range cannot be read
 }
 
-// usedPort is a port taken by one of our sockets: TCP and UDP, IPv4 and IPv6
-// (v6-only sockets) are separate port spaces.
+// Space is a port space: TCP and UDP, IPv4 and IPv6 (our IPv6 sockets are
+// v6-only) are separate.
+type Space struct {
+	UDP, IPv6 bool
+}
+
+// SpaceOf is the space of a socket of proto bound to ip.
+func SpaceOf(proto config.Protocol, ip netip.Addr) Space {
+	return Space{UDP: proto == config.UDP, IPv6: ip.Is6() && !ip.Is4In6()}
+}
+
+// usedPort is a port of a space taken by one of our sockets.
 type usedPort struct {
-	proto config.Protocol
-	is6   bool
+	space Space
 	port  int
 }
 
-// Where the kernel keeps its ephemeral port range (per network namespace).
-var (
-	localPortRangeFile    = "/proc/sys/net/ipv4/ip_local_port_range"
-	localReservedPortFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+// New returns an allocator of r (the kernel's local port range when r is
+// empty). warn is told, once, when the kernel's range cannot be read.
+func New(r config.PortRange, warn func(error)) *Allocator {
+	return &Allocator{r: r, warn: warn}
+}
+
+// NewIn is New reading the kernel's settings from sysctls (tests).
+func NewIn(r config.PortRange, sysctls kernel.Sysctls, warn func(error)) *Allocator {
+	return &Allocator{r: r, sysctls: sysctls, warn: warn}
+}
+
+// Range is the allocator's configured range (empty: the kernel's).
+func (a *Allocator) Range() config.PortRange { return a.r }
+
+// ErrExhausted is returned when every port of the configured range is taken.
+var ErrExhausted = errors.New("no free port left in the proxy port range")
+
+// Take gives bind ports of space s, the one key prefers first (see
+// Preferred), until bind succeeds or fails otherwise than with EADDRINUSE
+// (another process holds that port). With no range and the kernel's
+// unreadable it calls bind(0) once. release gives the port back; call it
+// once the socket is closed.
+func (a *Allocator) Take(s Space, key string, bind func(port int) error) (release func(), err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	r, reserved := a.r, map[int]bool(nil)
+	if r.Size == 0 {
+		if !a.kernelLoaded {
+			a.kernelLoaded = true
+			kr, resv, err := kernelRange(a.sysctls)
+			switch {
+			case err == nil:
+				a.kernel, a.kernelResv = &kr, resv
+			case a.warn != nil:
+				a.warn(err)
+			}
+		}
+		if a.kernel == nil {
+			return func() {}, bind(0)
+		}
+		r, reserved = *a.kernel, a.kernelResv
+	}
+	if a.used == nil {
+		a.used = make(map[usedPort]bool)
+	}
+	// From the key's preferred port upwards: the same Services opened in
+	// the same order (a bulk sync opens them sorted) get the same ports,
+	// so that a restart finds its rules installed as it wants them.
+	pref := Preferred(r, key) - r.Base
+	for i := 0; i < r.Size; i++ {
+		p := r.Base + (pref+i)%r.Size
+		u := usedPort{s, p}
+		if a.used[u] || reserved[p] {
+			continue
+		}
+		err := bind(p)
+		if errors.Is(err, syscall.EADDRINUSE) {
+			continue // another process holds it; the port was never ours
+		}
+		if err != nil {
+			return nil, err
+		}
+		a.used[u] = true
+		return func() { a.release(u) }, nil
+	}
+	if a.r.Size == 0 {
+		return nil, fmt.Errorf("no free port left in the kernel's local port range %s", r)
+	}
+	return nil, ErrExhausted
+}
+
+// Hold marks port taken, for a socket this process did not bind (one a
+// predecessor lent), and returns its release.
+func (a *Allocator) Hold(s Space, port int) (release func()) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.used == nil {
+		a.used = make(map[usedPort]bool)
+	}
+	u := usedPort{s, port}
+	a.used[u] = true
+	return func() { a.release(u) }
+}
+
+func (a *Allocator) release(u usedPort) {
+	a.mu.Lock()
+	delete(a.used, u)
+	a.mu.Unlock()
+}
+
+// Preferred is the port of r that a listener named key tries first: the
+// same after a restart and after a quick remove and re-add, so that the
+// conntrack entries of UDP clients that keep their source port still point
+// at it, and a rule sync after a restart changes nothing.
+func Preferred(r config.PortRange, key string) int {
+	h := fnv.New32a()
+	h.Write([]byte(key))
+	return r.Base + int(h.Sum32()%uint32(r.Size))
+}
+
+// The kernel's ephemeral port range and its reserved ports (per network
+// namespace).
+const (
+	localPortRange    = "net.ipv4.ip_local_port_range"
+	localReservedPort = "net.ipv4.ip_local_reserved_ports"
 )
 
-// loadKernelRange reads the kernel's local port range and reserved ports.
-func loadKernelRange() (config.PortRange, map[int]bool, error) {
-	b, err := os.ReadFile(localPortRangeFile)
+// kernelRange reads the kernel's local port range and reserved ports.
+func kernelRange(sysctls kernel.Sysctls) (config.PortRange, map[int]bool, error) {
+	v, err := sysctls.Read(localPortRange)
 	if err != nil {
 		return config.PortRange{}, nil, err
 	}
-	f := strings.Fields(string(b))
+	f := strings.Fields(v)
 	if len(f) != 2 {
-		return config.PortRange{}, nil, fmt.Errorf("%s: unexpected %q", localPortRangeFile, b)
+		return config.PortRange{}, nil, fmt.Errorf("%s: unexpected %q", localPortRange, v)
 	}
 	r, err := config.ParsePortRange(f[0] + "-" + f[1])
 	if err != nil || r.Size == 0 {
-		return config.PortRange{}, nil, fmt.Errorf("%s: %q: %v", localPortRangeFile, b, err)
+		return config.PortRange{}, nil, fmt.Errorf("%s: %q: %v", localPortRange, v, err)
 	}
 	resv := map[int]bool{}
-	if b, err := os.ReadFile(localReservedPortFile); err == nil {
-		if resv, err = parseReserved(b); err != nil {
+	if v, err := sysctls.Read(localReservedPort); err == nil {
+		if resv, err = parseReserved(v); err != nil {
 			return config.PortRange{}, nil, err
 		}
 	}
@@ -77,7 +194,11 @@ func loadKernelRange() (config.PortRange, map[int]bool, error) {
 // ephemeral range (returned) are not in ip_local_reserved_ports: the node's
 // own outgoing connections may then take them from the listeners.
 func UnreservedEphemeral(r config.PortRange) (ephemeral config.PortRange, unreserved bool, err error) {
-	ephemeral, resv, err := loadKernelRange()
+	return unreservedEphemeral(kernel.ProcSys, r)
+}
+
+func unreservedEphemeral(sysctls kernel.Sysctls, r config.PortRange) (ephemeral config.PortRange, unreserved bool, err error) {
+	ephemeral, resv, err := kernelRange(sysctls)
 	if err != nil {
 		return ephemeral, false, err
 	}
@@ -89,22 +210,20 @@ func UnreservedEphemeral(r config.PortRange) (ephemeral config.PortRange, unrese
 	return ephemeral, false, nil
 }
 
-// CanReservePorts reports whether ip_local_reserved_ports may be written
-// here (not in a container with a read-only /proc/sys, say).
-func CanReservePorts() bool {
-	return sock.Writable(localReservedPortFile)
-}
+// CanReserve reports whether ip_local_reserved_ports may be written here
+// (not in a container with a read-only /proc/sys, say).
+func CanReserve() bool { return kernel.ProcSys.Writable(localReservedPort) }
 
 // parseReserved reads ip_local_reserved_ports' list ("a-b,c").
-func parseReserved(b []byte) (map[int]bool, error) {
+func parseReserved(v string) (map[int]bool, error) {
 	resv := map[int]bool{}
-	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
+	for _, part := range strings.Split(strings.TrimSpace(v), ",") {
 		if part == "" {
 			continue
 		}
 		pr, err := config.ParsePortRange(part)
 		if err != nil {
-			return nil, fmt.Errorf("%s: %w", localReservedPortFile, err)
+			return nil, fmt.Errorf("%s: %w", localReservedPort, err)
 		}
 		for p := pr.Base; p < pr.Base+pr.Size; p++ {
 			resv[p] = true
@@ -113,110 +232,24 @@ func parseReserved(b []byte) (map[int]bool, error) {
 	return resv, nil
 }
 
-// ErrPortsExhausted is returned when every port of --proxy-port-range is taken.
-var ErrPortsExhausted = errors.New("no free port left in --proxy-port-range")
+// Reserve adds r to the kernel's ip_local_reserved_ports (of this network
+// namespace), so that no outgoing connection or bind(0) of the node takes a
+// port of the range: the proxy ports are guarded by one rule for the whole
+// range, which must not catch anybody else's sockets. Ports already bound
+// are not affected. It reports whether the list changed.
+func Reserve(r config.PortRange) (bool, error) { return editReserved(kernel.ProcSys, r, true) }
 
-// listen opens a listener (TCP) or packet socket (UDP) on ip with a port from
-// the range (the kernel's local port range when empty): the one key names
-// first (see preferredPort), else the next free one. release gives the port
-// back; it must be called once the socket is closed.
-func (a *portAllocator) listen(proto config.Protocol, ip netip.Addr, key string) (ln listener, release func(), err error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	r, reserved := a.r, map[int]bool(nil)
-	if r.Size == 0 {
-		if !a.kernelLoaded {
-			a.kernelLoaded = true
-			kr, resv, err := loadKernelRange()
-			switch {
-			case err == nil:
-				a.kernel, a.kernelResv = &kr, resv
-			case a.warn != nil:
-				a.warn(err)
-			}
-		}
-		if a.kernel == nil {
-			ln, err = listenOn(proto, netip.AddrPortFrom(ip, 0))
-			return ln, func() {}, err
-		}
-		r, reserved = *a.kernel, a.kernelResv
-	}
-	if a.used == nil {
-		a.used = make(map[usedPort]bool)
-	}
-	// From the key's preferred port upwards: the same Services opened in
-	// the same order (a bulk sync opens them sorted) get the same ports,
-	// so that a restart finds its rules installed as it wants them.
-	pref := preferredPort(r, key) - r.Base
-	for i := 0; i < r.Size; i++ {
-		p := r.Base + (pref+i)%r.Size
-		u := usedPort{proto, ip.Is6() && !ip.Is4In6(), p}
-		if a.used[u] || reserved[p] {
-			continue
-		}
-		ln, err = listenOn(proto, netip.AddrPortFrom(ip, uint16(p)))
-		if errors.Is(err, syscall.EADDRINUSE) {
-			continue // another process holds it; the port was never ours
-		}
-		if err != nil {
-			return listener{}, nil, err
-		}
-		a.used[u] = true
-		return ln, func() { a.release(u) }, nil
-	}
-	if a.r.Size == 0 {
-		return listener{}, nil, fmt.Errorf("no free port left in the kernel's local port range %s", r)
-	}
-	return listener{}, nil, ErrPortsExhausted
-}
-
-// adopt marks port, of a socket a predecessor handed over, taken and
-// returns its release.
-func (a *portAllocator) adopt(proto config.Protocol, ip netip.Addr, port int) (release func()) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.used == nil {
-		a.used = make(map[usedPort]bool)
-	}
-	u := usedPort{proto, ip.Is6() && !ip.Is4In6(), port}
-	a.used[u] = true
-	return func() { a.release(u) }
-}
-
-// preferredPort is the port of r that a listener named key tries first: the
-// same after a restart and after a quick remove and re-add, so that the
-// conntrack entries of UDP clients that keep their source port still point at
-// it, and a rule sync after a restart changes nothing.
-func preferredPort(r config.PortRange, key string) int {
-	h := fnv.New32a()
-	h.Write([]byte(key))
-	return r.Base + int(h.Sum32()%uint32(r.Size))
-}
-
-func (a *portAllocator) release(u usedPort) {
-	a.mu.Lock()
-	delete(a.used, u)
-	a.mu.Unlock()
-}
-
-// ReservePorts adds r to the kernel's ip_local_reserved_ports (of this
-// network namespace), so that no outgoing connection or bind(0) of the node
-// takes a port of the range: the proxy ports are guarded by one rule for the
-// whole range, which must not catch anybody else's sockets. Ports already
-// bound are not affected. It reports whether the list changed.
-func ReservePorts(r config.PortRange) (bool, error) { return editReserved(r, true) }
-
-// UnreservePorts takes r out of ip_local_reserved_ports (--cleanup).
-func UnreservePorts(r config.PortRange) (bool, error) { return editReserved(r, false) }
+// Unreserve takes r out of ip_local_reserved_ports.
+func Unreserve(r config.PortRange) (bool, error) { return editReserved(kernel.ProcSys, r, false) }
 
 // editReserved sets (or clears) r in ip_local_reserved_ports and reports
 // whether the list changed.
-func editReserved(r config.PortRange, reserve bool) (bool, error) {
-	b, err := os.ReadFile(localReservedPortFile)
+func editReserved(sysctls kernel.Sysctls, r config.PortRange, reserve bool) (bool, error) {
+	v, err := sysctls.Read(localReservedPort)
 	if err != nil {
 		return false, fmt.Errorf("reading reserved ports: %w", err)
 	}
-	resv, err := parseReserved(b)
+	resv, err := parseReserved(v)
 	if err != nil {
 		return false, err
 	}
@@ -231,8 +264,8 @@ func editReserved(r config.PortRange, reserve bool) (bool, error) {
 	if after == "" {
 		after = "\n" // an empty write is refused; a newline clears the list
 	}
-	if err := os.WriteFile(localReservedPortFile, []byte(after), 0o644); err != nil {
-		return false, fmt.Errorf("writing %s: %w", localReservedPortFile, err)
+	if _, err := sysctls.Set(localReservedPort, after); err != nil {
+		return false, fmt.Errorf("writing reserved ports: %w", err)
 	}
 	return true, nil
 }
@@ -256,104 +289,4 @@ func formatReserved(resv map[int]bool) string {
 		p = q
 	}
 	return strings.Join(parts, ",")
-}
-
-// listener is a socket a frontend serves on: a TCP listener or a UDP
-// frontend socket, and its port.
-type listener struct {
-	tcp  *sock.Listener
-	udp  *net.UDPConn // from sock.ListenUDP
-	port int          // 0: none was opened
-}
-
-// close closes the socket.
-func (l listener) close() {
-	if l.tcp != nil {
-		l.tcp.Close()
-	}
-	if l.udp != nil {
-		l.udp.Close()
-	}
-}
-
-// listenOn opens a listener of proto on ap.
-func listenOn(proto config.Protocol, ap netip.AddrPort) (listener, error) {
-	switch proto {
-	case config.TCP:
-		ln, err := sock.ListenTCP(ap)
-		if err != nil {
-			return listener{}, fmt.Errorf("listen tcp %s: %w", ap, err)
-		}
-		return listener{tcp: ln, port: int(ln.Addr().Port())}, nil
-	case config.UDP:
-		c, err := sock.ListenUDP(ap)
-		if err != nil {
-			return listener{}, fmt.Errorf("listen udp %s: %w", ap, err)
-		}
-		return listener{udp: c, port: c.LocalAddr().(*net.UDPAddr).Port}, nil
-	}
-	return listener{}, fmt.Errorf("unknown protocol %q", proto)
-}
-
-// RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit and returns
-// it: every proxied TCP connection holds two sockets, and the default soft
-// limit of 1024 would cap the proxy at a few hundred connections.
-func RaiseFileLimit() (uint64, error) { return sock.RaiseFileLimit() }
-
-// refuseIf has fe's port refuse connections while no endpoint can serve it
-// (refuse), and its listener accept again once one can. Refusing, the
-// listener is closed and a socket that refuses holds its port
-// (sock.RefusePort): a TCP SYN gets a reset, a UDP datagram an ICMP port
-// unreachable, from the first packet and whatever address the rules
-// redirected from, at no cost per packet, as kube-proxy's REJECT does.
-// Established connections go on. Without a socket on the port the kernel
-// would answer the same, but another process could take the port meanwhile.
-func (fe *frontend) refuseIf(refuse bool) error {
-	if refuse == (fe.refusing != nil) {
-		return nil
-	}
-	if refuse && fe.dp.letGo != nil && (fe.tcp != nil || fe.udp != nil) && fe.opened.port == 0 {
-		fe.dp.letGo([]keptKey{fe.keptKey()}) // the keeper's duplicate would keep the port listening
-	}
-	fe.clearPort()
-	if !refuse {
-		var ln listener
-		err := fe.dp.bindAnew(func() (err error) {
-			ln, err = listenOn(fe.protocol, fe.listen)
-			return err
-		})
-		if err != nil {
-			return err
-		}
-		return fe.dp.serve(fe, ln)
-	}
-	var h *sock.Hold
-	err := fe.dp.bindAnew(func() (err error) {
-		h, err = sock.RefusePort(fe.protocol == config.UDP, fe.listen)
-		return err
-	})
-	if err != nil {
-		return fmt.Errorf("holding %s while no endpoint serves: %w", fe.listen, err)
-	}
-	fe.refusing = h
-	fe.refused.Store(true)
-	return nil
-}
-
-// clearPort closes what is on fe's port: the listener it was opened with
-// and does not serve yet, the socket that refuses for it, or its listener.
-func (fe *frontend) clearPort() {
-	switch {
-	case fe.opened.port != 0:
-		fe.opened.close()
-		fe.opened = listener{}
-	case fe.refusing != nil:
-		fe.refusing.Close()
-		fe.refusing = nil
-		fe.refused.Store(false)
-	case fe.tcp != nil:
-		fe.tcp.ln.Close()
-	case fe.udp != nil:
-		fe.udp.close()
-	}
 }

@@ -1,7 +1,8 @@
-package proxy
+package ports
 
 import (
 	"errors"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -10,28 +11,73 @@ import (
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
+
+var loopback = netip.MustParseAddr("127.0.0.1")
+
+// testSocket is a socket bound through Take, as the proxy binds its
+// listeners.
+type testSocket struct {
+	port  int
+	close func()
+}
+
+// listen binds a TCP listener or UDP socket on loopback with a port a
+// gives key.
+func listen(a *Allocator, proto config.Protocol, key string) (testSocket, func(), error) {
+	var sk testSocket
+	release, err := a.Take(SpaceOf(proto, loopback), key, func(port int) error {
+		addr := netip.AddrPortFrom(loopback, uint16(port))
+		if proto == config.UDP {
+			c, err := net.ListenUDP("udp4", net.UDPAddrFromAddrPort(addr))
+			if err != nil {
+				return err
+			}
+			sk = testSocket{port: c.LocalAddr().(*net.UDPAddr).Port, close: func() { c.Close() }}
+			return nil
+		}
+		ln, err := net.ListenTCP("tcp4", net.TCPAddrFromAddrPort(addr))
+		if err != nil {
+			return err
+		}
+		sk = testSocket{port: ln.Addr().(*net.TCPAddr).Port, close: func() { ln.Close() }}
+		return nil
+	})
+	return sk, release, err
+}
+
+// sysctlDir is a copy of the two port settings under a directory of its own.
+func sysctlDir(t *testing.T, portRange, reserved string) kernel.Sysctls {
+	t.Helper()
+	s := kernel.Sysctls{Root: t.TempDir()}
+	if err := os.MkdirAll(filepath.Dir(s.Path(localPortRange)), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if portRange != "" {
+		os.WriteFile(s.Path(localPortRange), []byte(portRange), 0o644)
+	}
+	if reserved != "" {
+		os.WriteFile(s.Path(localReservedPort), []byte(reserved), 0o644)
+	}
+	return s
+}
 
 // With no --proxy-port-range the allocator picks from the kernel's local
 // port range itself, skipping the reserved ports, as the kernel would.
 func TestKernelRangeAllocation(t *testing.T) {
-	dir := t.TempDir()
-	rangeFile, resvFile := filepath.Join(dir, "range"), filepath.Join(dir, "reserved")
-	base := int(closedPort(t).Port()) &^ 63
+	base := int(testutil.ClosedPort(t).Port()) &^ 63
 	if base < 1024 {
 		base = 40000
 	}
 	// 64 ports, of which all but base+5 … base+8 are reserved.
-	os.WriteFile(rangeFile, []byte(strconv.Itoa(base)+"\t"+strconv.Itoa(base+63)+"\n"), 0o644)
-	os.WriteFile(resvFile, []byte(strconv.Itoa(base)+"-"+strconv.Itoa(base+4)+","+strconv.Itoa(base+9)+"-"+strconv.Itoa(base+63)+"\n"), 0o644)
-	defer func(r, v string) { localPortRangeFile, localReservedPortFile = r, v }(localPortRangeFile, localReservedPortFile)
-	localPortRangeFile, localReservedPortFile = rangeFile, resvFile
-
-	var a portAllocator
+	sysctls := sysctlDir(t, strconv.Itoa(base)+"\t"+strconv.Itoa(base+63)+"\n",
+		strconv.Itoa(base)+"-"+strconv.Itoa(base+4)+","+strconv.Itoa(base+9)+"-"+strconv.Itoa(base+63)+"\n")
+	a := NewIn(config.PortRange{}, sysctls, nil)
 	seen := map[int]bool{}
 	for i := 0; i < 4; i++ {
-		ln, release, err := a.listen(config.TCP, loopback, "")
+		ln, release, err := listen(a, config.TCP, "")
 		if err != nil {
 			// Another process may hold one of the four ports.
 			t.Logf("listener %d: %v", i, err)
@@ -46,19 +92,17 @@ func TestKernelRangeAllocation(t *testing.T) {
 	if len(seen) == 0 {
 		t.Fatal("no listener opened")
 	}
-	if _, _, err := a.listen(config.TCP, loopback, ""); err == nil {
+	if _, _, err := listen(a, config.TCP, ""); err == nil {
 		t.Fatal("a fifth listener opened: reserved ports were used")
 	}
 }
 
 // When the kernel's range cannot be read, the kernel chooses (port 0).
 func TestKernelRangeUnreadable(t *testing.T) {
-	defer func(r string) { localPortRangeFile = r }(localPortRangeFile)
-	localPortRangeFile = filepath.Join(t.TempDir(), "missing")
 	var warned []error
-	a := portAllocator{warn: func(err error) { warned = append(warned, err) }}
+	a := NewIn(config.PortRange{}, sysctlDir(t, "", ""), func(err error) { warned = append(warned, err) })
 	for i := 0; i < 2; i++ {
-		ln, release, err := a.listen(config.TCP, loopback, "")
+		ln, release, err := listen(a, config.TCP, "")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -74,11 +118,10 @@ func TestKernelRangeUnreadable(t *testing.T) {
 }
 
 func TestLoadKernelRangeRejectsGarbage(t *testing.T) {
-	defer func(r string) { localPortRangeFile = r }(localPortRangeFile)
-	localPortRangeFile = filepath.Join(t.TempDir(), "range")
+	sysctls := sysctlDir(t, "", "")
 	for _, bad := range []string{"", "32768", "x y", "60999 32768"} {
-		os.WriteFile(localPortRangeFile, []byte(bad), 0o644)
-		if _, _, err := loadKernelRange(); err == nil {
+		os.WriteFile(sysctls.Path(localPortRange), []byte(bad), 0o644)
+		if _, _, err := kernelRange(sysctls); err == nil {
 			t.Errorf("%q: no error", bad)
 		}
 	}
@@ -87,29 +130,27 @@ func TestLoadKernelRangeRejectsGarbage(t *testing.T) {
 // The proxy port range is merged into the kernel's reserved list and taken
 // out again; the list keeps the kernel's "a-b,c" form and other entries.
 func TestReservePorts(t *testing.T) {
-	file := filepath.Join(t.TempDir(), "reserved")
-	defer func(v string) { localReservedPortFile = v }(localReservedPortFile)
-	localReservedPortFile = file
-	os.WriteFile(file, []byte("1000-1005,2000\n"), 0o644)
+	sysctls := sysctlDir(t, "", "1000-1005,2000\n")
+	file := sysctls.Path(localReservedPort)
 	read := func() string { b, _ := os.ReadFile(file); return string(b) }
 
-	if changed, err := ReservePorts(config.PortRange{Base: 1003, Size: 8}); err != nil || !changed {
+	if changed, err := editReserved(sysctls, config.PortRange{Base: 1003, Size: 8}, true); err != nil || !changed {
 		t.Fatalf("reserve: changed %v, %v", changed, err)
 	}
 	if got := read(); got != "1000-1010,2000" {
 		t.Fatalf("after reserving 1003-1010: %q", got)
 	}
-	if changed, err := ReservePorts(config.PortRange{Base: 1003, Size: 8}); err != nil || changed {
+	if changed, err := editReserved(sysctls, config.PortRange{Base: 1003, Size: 8}, true); err != nil || changed {
 		t.Fatalf("reserving again: changed %v, %v", changed, err)
 	}
-	if changed, err := UnreservePorts(config.PortRange{Base: 1003, Size: 8}); err != nil || !changed {
+	if changed, err := editReserved(sysctls, config.PortRange{Base: 1003, Size: 8}, false); err != nil || !changed {
 		t.Fatalf("unreserve: changed %v, %v", changed, err)
 	}
 	if got := read(); got != "1000-1002,2000" {
 		t.Fatalf("after unreserving 1003-1010: %q", got)
 	}
 	os.WriteFile(file, []byte("not-a-range\n"), 0o644)
-	if _, err := ReservePorts(config.PortRange{Base: 1003, Size: 8}); err == nil {
+	if _, err := editReserved(sysctls, config.PortRange{Base: 1003, Size: 8}, true); err == nil {
 		t.Fatal("a garbled list was overwritten")
 	}
 }
@@ -117,14 +158,14 @@ func TestReservePorts(t *testing.T) {
 // TCP and UDP are separate port spaces: a one-port range serves one TCP and
 // one UDP listener, and a second TCP listener finds the range exhausted.
 func TestPortRangePerProtocol(t *testing.T) {
-	p := int(closedPort(t).Port())
-	a := portAllocator{r: config.PortRange{Base: p, Size: 1}}
-	tl, trel, err := a.listen(config.TCP, loopback, "")
+	p := int(testutil.ClosedPort(t).Port())
+	a := New(config.PortRange{Base: p, Size: 1}, nil)
+	tl, trel, err := listen(a, config.TCP, "")
 	if err != nil {
 		t.Skipf("port %d taken meanwhile: %v", p, err)
 	}
 	defer func() { tl.close(); trel() }()
-	ul, urel, err := a.listen(config.UDP, loopback, "")
+	ul, urel, err := listen(a, config.UDP, "")
 	if err != nil {
 		t.Fatalf("UDP listener on the range's only port: %v", err)
 	}
@@ -132,8 +173,8 @@ func TestPortRangePerProtocol(t *testing.T) {
 	if tl.port != p || ul.port != p {
 		t.Fatalf("ports %d/%d, want %d for both", tl.port, ul.port, p)
 	}
-	if _, _, err := a.listen(config.TCP, loopback, ""); !errors.Is(err, ErrPortsExhausted) {
-		t.Fatalf("second TCP listener: %v, want ErrPortsExhausted", err)
+	if _, _, err := listen(a, config.TCP, ""); !errors.Is(err, ErrExhausted) {
+		t.Fatalf("second TCP listener: %v, want ErrExhausted", err)
 	}
 }
 
@@ -141,21 +182,21 @@ func TestPortRangePerProtocol(t *testing.T) {
 // restart, a Service removed and re-added) while the port is free, and
 // another listener whose preferred port is taken gets another one.
 func TestPreferredPortIsStable(t *testing.T) {
-	base := int(closedPort(t).Port()) &^ 1023
+	base := int(testutil.ClosedPort(t).Port()) &^ 1023
 	if base < 1024 || base+1024 > 65535 {
 		base = 40000
 	}
-	a := portAllocator{r: config.PortRange{Base: base, Size: 1024}}
+	a := New(config.PortRange{Base: base, Size: 1024}, nil)
 	open := func(key string) (int, func()) {
 		t.Helper()
-		ln, release, err := a.listen(config.UDP, loopback, key)
+		ln, release, err := listen(a, config.UDP, key)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return ln.port, func() { ln.close(); release() }
 	}
 	first, closeFirst := open("ns/dns/all/4")
-	if want := preferredPort(a.r, "ns/dns/all/4"); first != want {
+	if want := Preferred(a.Range(), "ns/dns/all/4"); first != want {
 		t.Skipf("preferred port %d taken by another process (got %d)", want, first)
 	}
 	closeFirst()
@@ -176,7 +217,7 @@ func TestPreferredPortIsStable(t *testing.T) {
 // a restart that opens its Services sorted finds its old ports (and the
 // rules that point at them). A collision takes the next free port.
 func TestPortsRepeatAcrossRestarts(t *testing.T) {
-	base := int(closedPort(t).Port()) &^ 63
+	base := int(testutil.ClosedPort(t).Port()) &^ 63
 	if base < 1024 || base+64 > 65535 {
 		base = 40000
 	}
@@ -186,11 +227,11 @@ func TestPortsRepeatAcrossRestarts(t *testing.T) {
 		keys[i] = "ns/svc-" + strconv.Itoa(i) + "/all/4"
 	}
 	run := func() []int {
-		a := portAllocator{r: r}
+		a := New(r, nil)
 		var ports []int
 		var closers []func()
 		for _, k := range keys {
-			ln, release, err := a.listen(config.TCP, loopback, k)
+			ln, release, err := listen(a, config.TCP, k)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -208,7 +249,7 @@ func TestPortsRepeatAcrossRestarts(t *testing.T) {
 		if first[i] != second[i] {
 			t.Errorf("%s: port %d, then %d after a restart", keys[i], first[i], second[i])
 		}
-		if pref := preferredPort(r, keys[i]); first[i] != pref {
+		if pref := Preferred(r, keys[i]); first[i] != pref {
 			collided++
 			// The next free one after its preferred port, wrapping.
 			for p := pref; p != first[i]; p = r.Base + (p-r.Base+1)%r.Size {
@@ -226,7 +267,7 @@ func TestPortsRepeatAcrossRestarts(t *testing.T) {
 
 // heldElsewhere says whether another process holds TCP port p on loopback.
 func heldElsewhere(p int) bool {
-	ln, err := sock.ListenTCP(netip.AddrPortFrom(loopback, uint16(p)))
+	ln, err := net.ListenTCP("tcp4", net.TCPAddrFromAddrPort(netip.AddrPortFrom(loopback, uint16(p))))
 	if err != nil {
 		return true
 	}

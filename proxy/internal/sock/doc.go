@@ -48,7 +48,7 @@
 //     of the range until its Close.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,
-//     a UDP port unreachable) and RaiseFileLimit.
+//     a UDP port unreachable).
 //
 // # Ownership
 //

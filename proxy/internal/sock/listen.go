@@ -6,12 +6,11 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"golang.org/x/sys/unix"
 )
 
@@ -189,11 +188,7 @@ var dialOptions, keepAliveOptions = connOptions[:1], connOptions[1:]
 
 // listenBacklog is the kernel's somaxconn, as Go's net package uses.
 var listenBacklog = sync.OnceValue(func() int {
-	b, err := os.ReadFile("/proc/sys/net/core/somaxconn")
-	if err != nil {
-		return unix.SOMAXCONN
-	}
-	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	n, err := kernel.ProcSys.ReadInt("net.core.somaxconn")
 	if err != nil || n <= 0 {
 		return unix.SOMAXCONN
 	}
@@ -268,30 +263,6 @@ func (h *Hold) Close() {
 		unix.Close(h.fd)
 		h.fd = -1
 	}
-}
-
-// Writable reports whether this process may write the file at path
-// (access(2), W_OK): a /proc/sys file is not writable in a container
-// whose /proc/sys is read-only, whatever its mode says.
-func Writable(path string) bool {
-	return unix.Access(path, unix.W_OK) == nil
-}
-
-// RaiseFileLimit sets the soft RLIMIT_NOFILE to the hard limit and returns
-// it: every proxied TCP connection holds two sockets, and the default soft
-// limit of 1024 would cap the proxy at a few hundred connections.
-func RaiseFileLimit() (uint64, error) {
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		return 0, fmt.Errorf("getrlimit: %w", err)
-	}
-	if lim.Cur < lim.Max {
-		lim.Cur = lim.Max
-		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-			return 0, fmt.Errorf("setrlimit NOFILE %d: %w", lim.Max, err)
-		}
-	}
-	return lim.Cur, nil
 }
 
 // FileLimit is the process's soft RLIMIT_NOFILE (1024 when it cannot be read).
