@@ -12,19 +12,12 @@ package iptables
 // netlink instead of an exec.
 
 import (
-	"bytes"
-	"encoding/binary"
-	"errors"
-	"fmt"
 	"net/netip"
-	"syscall"
 
 	"github.com/sirupsen/logrus"
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netlink/nl"
-	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // udpTarget is a UDP address clients send to: a service address and port, or
@@ -182,151 +175,35 @@ func listenerPorts(targets map[udpTarget]uint16) map[netip.AddrPort]map[uint16]b
 	return out
 }
 
-// match says whether an entry whose original direction is proto to dst,
-// and whose replies come from port redirect (the listener a REDIRECT sent
-// it to; 0: not known), is one to delete.
-func (f *udpFilter) match(proto uint8, dst netip.AddrPort, redirect uint16) bool {
-	if proto != unix.IPPROTO_UDP || !(f.ports[dst.Port()] || f.addrs[dst]) {
+// match says whether e, an entry of a UDP datagram, is one to delete:
+// sent to one of the filter's addresses or ports, and not redirected to
+// the listener its address has now (e.ReplyPort, the listener a REDIRECT
+// sent it to; 0: not known).
+func (f *udpFilter) match(e kernel.UDPEntry) bool {
+	if !(f.ports[e.Dst.Port()] || f.addrs[e.Dst]) {
 		return false
 	}
-	if f.current == nil || redirect == 0 {
+	if f.current == nil || e.ReplyPort == 0 {
 		return true
 	}
-	nodePort := netip.AddrPortFrom(netip.Addr{}, dst.Port())
-	return !f.current[dst][redirect] && !f.current[nodePort][redirect]
+	nodePort := netip.AddrPortFrom(netip.Addr{}, e.Dst.Port())
+	return !f.current[e.Dst][e.ReplyPort] && !f.current[nodePort][e.ReplyPort]
 }
 
-// Conntrack netlink attributes the netlink package does not name
-// (linux/netfilter/nfnetlink_conntrack.h).
-const (
-	ctaFilter            = 25     // CTA_FILTER (Linux 5.8)
-	ctaFilterOrigFlags   = 1      // CTA_FILTER_ORIG_FLAGS
-	ctaFilterFlagProtoNo = 1 << 3 // CTA_FILTER_F_CTA_PROTO_NUM
-)
-
-// deleteConntrack deletes the entries of family fam that filter matches.
+// deleteConntrack deletes the UDP entries of family fam that filter
+// matches, in one dump (kernel.Conntrack.DeleteUDP).
 func deleteConntrack(fam int, filter *udpFilter) (uint, error) {
 	deleted, _, err := deleteUDPConntrack(fam, filter)
 	return deleted, err
 }
 
-// deleteUDPConntrack deletes the entries of family fam that filter matches,
-// in one dump of the table's UDP entries; read is how many entries the dump
-// returned. The kernel filters the dump by protocol (CTA_FILTER, Linux 5.8;
-// an older kernel ignores it and returns every entry, which match then
-// skips): a node's table is mostly TCP, hundreds of thousands of entries on
-// a busy one, and parsing all of them into the netlink package's flows cost
-// a start with 100 000 TCP entries 1.04 s of CPU and 84 MiB of RSS (now
-// 0.07 s and 30 MiB). The dump is read a message at a time and only the
-// matches are kept, to be deleted after it (deleting while dumping can
-// interrupt the dump).
+// deleteUDPConntrack is deleteConntrack that also says how many entries
+// the dump read.
 func deleteUDPConntrack(fam int, filter *udpFilter) (deleted, read uint, err error) {
-	family := uint8(unix.AF_INET)
-	if fam == 6 {
-		family = unix.AF_INET6
+	ct, err := kernel.OpenConntrack(1)
+	if err != nil {
+		return 0, 0, err
 	}
-	header := &nl.Nfgenmsg{NfgenFamily: family, Version: nl.NFNETLINK_V0}
-	dump := nl.NewNetlinkRequest(int(netlink.ConntrackTable)<<8|nl.IPCTNL_MSG_CT_GET, unix.NLM_F_DUMP)
-	dump.AddData(header)
-	orig := nl.NewRtAttr(unix.NLA_F_NESTED|nl.CTA_TUPLE_ORIG, nil)
-	orig.AddRtAttr(unix.NLA_F_NESTED|nl.CTA_TUPLE_PROTO, nil).AddRtAttr(nl.CTA_PROTO_NUM, nl.Uint8Attr(unix.IPPROTO_UDP))
-	dump.AddData(orig)
-	only := nl.NewRtAttr(unix.NLA_F_NESTED|ctaFilter, nil)
-	only.AddRtAttr(ctaFilterOrigFlags, nl.Uint32Attr(ctaFilterFlagProtoNo))
-	dump.AddData(only)
-
-	var stale [][]byte // the matching entries' attributes, as the kernel sent them
-	err = dump.ExecuteIter(unix.NETLINK_NETFILTER, 0, func(msg []byte) bool {
-		if len(msg) < nl.SizeofNfgenmsg {
-			return true
-		}
-		read++
-		attrs := msg[nl.SizeofNfgenmsg:]
-		if proto, dst, ok := origDestination(attrs); ok && filter.match(proto, dst, replySourcePort(attrs)) {
-			stale = append(stale, bytes.Clone(attrs))
-		}
-		return true
-	})
-	if err != nil && !errors.Is(err, nl.ErrDumpInterrupted) {
-		return 0, read, fmt.Errorf("dump conntrack: %w", err)
-	}
-	// An interrupted dump (the table changed under it) still deletes what
-	// it saw; the error is returned too.
-	for _, attrs := range stale {
-		del := nl.NewNetlinkRequest(int(netlink.ConntrackTable)<<8|nl.IPCTNL_MSG_CT_DELETE, unix.NLM_F_ACK)
-		del.AddData(header)
-		del.AddRawData(attrs)
-		switch _, derr := del.Execute(unix.NETLINK_NETFILTER, 0); {
-		case derr == nil, errors.Is(derr, syscall.ENOENT): // ENOENT: it expired since the dump
-			deleted++
-		default:
-			err = errors.Join(err, fmt.Errorf("delete conntrack entry: %w", derr))
-		}
-	}
-	return deleted, read, err
-}
-
-// origDestination reads an entry's protocol and original destination from
-// its netlink attributes (CTA_TUPLE_ORIG: CTA_TUPLE_IP, CTA_TUPLE_PROTO).
-func origDestination(attrs []byte) (proto uint8, dst netip.AddrPort, ok bool) {
-	tuple, found := nestedAttr(attrs, nl.CTA_TUPLE_ORIG)
-	if !found {
-		return 0, dst, false
-	}
-	var addr netip.Addr
-	var port uint16
-	if ip, found := nestedAttr(tuple, nl.CTA_TUPLE_IP); found {
-		for _, typ := range []uint16{nl.CTA_IP_V4_DST, nl.CTA_IP_V6_DST} {
-			if v, found := nestedAttr(ip, typ); found {
-				addr, _ = netip.AddrFromSlice(v)
-			}
-		}
-	}
-	if p, found := nestedAttr(tuple, nl.CTA_TUPLE_PROTO); found {
-		if v, found := nestedAttr(p, nl.CTA_PROTO_NUM); found && len(v) == 1 {
-			proto = v[0]
-		}
-		if v, found := nestedAttr(p, nl.CTA_PROTO_DST_PORT); found && len(v) == 2 {
-			port = binary.BigEndian.Uint16(v)
-		}
-	}
-	if !addr.IsValid() || proto == 0 {
-		return 0, dst, false
-	}
-	return proto, netip.AddrPortFrom(addr.Unmap(), port), true
-}
-
-// replySourcePort reads the source port of an entry's reply direction
-// (CTA_TUPLE_REPLY): for a REDIRECTed datagram, the listener's port; 0 when
-// the entry has none.
-func replySourcePort(attrs []byte) uint16 {
-	tuple, found := nestedAttr(attrs, nl.CTA_TUPLE_REPLY)
-	if !found {
-		return 0
-	}
-	p, found := nestedAttr(tuple, nl.CTA_TUPLE_PROTO)
-	if !found {
-		return 0
-	}
-	if v, found := nestedAttr(p, nl.CTA_PROTO_SRC_PORT); found && len(v) == 2 {
-		return binary.BigEndian.Uint16(v)
-	}
-	return 0
-}
-
-// nestedAttr returns the value of the first attribute of type typ in attrs
-// (the nested and byte-order flags ignored).
-func nestedAttr(attrs []byte, typ uint16) ([]byte, bool) {
-	for len(attrs) >= unix.SizeofNlAttr {
-		l := int(binary.NativeEndian.Uint16(attrs[0:2]))
-		t := binary.NativeEndian.Uint16(attrs[2:4]) &^ (unix.NLA_F_NESTED | unix.NLA_F_NET_BYTEORDER)
-		if l < unix.SizeofNlAttr || l > len(attrs) {
-			return nil, false // malformed: stop
-		}
-		if t == typ {
-			return attrs[unix.SizeofNlAttr:l], true
-		}
-		attrs = attrs[min((l+unix.NLA_ALIGNTO-1)&^(unix.NLA_ALIGNTO-1), len(attrs)):]
-	}
-	return nil, false
+	defer ct.Close()
+	return ct.DeleteUDP(fam, filter.match)
 }

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"runtime"
 	"slices"
+	"strconv"
 	"testing"
 
 	"github.com/sirupsen/logrus"
@@ -18,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
@@ -54,9 +56,9 @@ func TestConntrackDeletesWhatChanged(t *testing.T) {
 	}
 	// ... but for the entries already redirected to today's listeners.
 	first := (*got)[0]
-	if first.match(unix.IPPROTO_UDP, netip.MustParseAddrPort("10.96.0.10:53"), 45001) ||
-		first.match(unix.IPPROTO_UDP, netip.MustParseAddrPort("192.168.1.7:30053"), 45002) ||
-		!first.match(unix.IPPROTO_UDP, netip.MustParseAddrPort("10.96.0.10:53"), 45002) {
+	if first.match(kernel.UDPEntry{Dst: netip.MustParseAddrPort("10.96.0.10:53"), ReplyPort: 45001}) ||
+		first.match(kernel.UDPEntry{Dst: netip.MustParseAddrPort("192.168.1.7:30053"), ReplyPort: 45002}) ||
+		!first.match(kernel.UDPEntry{Dst: netip.MustParseAddrPort("10.96.0.10:53"), ReplyPort: 45002}) {
 		t.Fatalf("first sync's filter spares %v, want the entries redirected to 45001 (dns) and 45002 (stats' NodePort)", first.current)
 	}
 	// Nothing changed: nothing deleted.
@@ -112,21 +114,18 @@ func (h *countHook) Fire(*logrus.Entry) error {
 func TestUDPFilterMatches(t *testing.T) {
 	f := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{30053: true}}
 	cases := []struct {
-		proto    uint8
 		dst      string
 		redirect uint16
 		want     bool
 	}{
-		{unix.IPPROTO_UDP, "10.96.0.10:53", 45001, true},
-		{unix.IPPROTO_TCP, "10.96.0.10:53", 45001, false},
-		{unix.IPPROTO_UDP, "10.96.0.10:54", 45001, false},
-		{unix.IPPROTO_UDP, "192.168.1.7:30053", 45002, true},
-		{unix.IPPROTO_TCP, "192.168.1.7:30053", 45002, false},
-		{unix.IPPROTO_UDP, "10.96.0.11:53", 45001, false},
+		{"10.96.0.10:53", 45001, true},
+		{"10.96.0.10:54", 45001, false},
+		{"192.168.1.7:30053", 45002, true},
+		{"10.96.0.11:53", 45001, false},
 	}
 	for _, tc := range cases {
-		if got := f.match(tc.proto, netip.MustParseAddrPort(tc.dst), tc.redirect); got != tc.want {
-			t.Errorf("proto %d to %s: %v, want %v", tc.proto, tc.dst, got, tc.want)
+		if got := f.match(kernel.UDPEntry{Dst: netip.MustParseAddrPort(tc.dst), ReplyPort: tc.redirect}); got != tc.want {
+			t.Errorf("to %s: %v, want %v", tc.dst, got, tc.want)
 		}
 	}
 	// The first sync's filter spares what is redirected to today's
@@ -150,7 +149,7 @@ func TestUDPFilterMatches(t *testing.T) {
 		{"192.168.1.8:30053", 45003, true},
 		{"10.96.0.10:53", 45009, true}, // another address's listener
 	} {
-		if got := f.match(unix.IPPROTO_UDP, netip.MustParseAddrPort(tc.dst), tc.redirect); got != tc.want {
+		if got := f.match(kernel.UDPEntry{Dst: netip.MustParseAddrPort(tc.dst), ReplyPort: tc.redirect}); got != tc.want {
 			t.Errorf("first sync: to %s redirected to %d: %v, want %v", tc.dst, tc.redirect, got, tc.want)
 		}
 	}
@@ -288,4 +287,65 @@ func inNamespace(ns netns.NsHandle, fn func() error) error {
 		errc <- fn()
 	}()
 	return <-errc
+}
+
+// BenchmarkUDPConntrackCleanup is one cleanup (a dump of the UDP entries,
+// the matches deleted) in a namespace whose table holds
+// KUP_BENCH_CT_TCP TCP entries (default 100 000) and 100 stale UDP ones,
+// created again before each run: the cost of a rule change's cleanup on a
+// busy node. docs/benchmarks-history.md (2026-12-07) has its figures.
+func BenchmarkUDPConntrackCleanup(b *testing.B) {
+	testutil.RequireRoot(b, "it creates a network namespace")
+	tcpEntries := 100000
+	if v, err := strconv.Atoi(os.Getenv("KUP_BENCH_CT_TCP")); err == nil {
+		tcpEntries = v
+	}
+	name := fmt.Sprintf("kupctb%d", os.Getpid())
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		b.Fatalf("ip netns add: %v: %s", err, out)
+	}
+	b.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
+	ns, err := netns.GetFromName(name)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_NETFILTER)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer h.Close()
+	create := func(proto uint8, src, dst netip.AddrPort) {
+		fl := &netlink.ConntrackFlow{FamilyType: unix.AF_INET, TimeOut: 3000}
+		fl.Forward = netlink.IPTuple{SrcIP: src.Addr().AsSlice(), DstIP: dst.Addr().AsSlice(), SrcPort: src.Port(), DstPort: dst.Port(), Protocol: proto}
+		fl.Reverse = netlink.IPTuple{SrcIP: dst.Addr().AsSlice(), DstIP: src.Addr().AsSlice(), SrcPort: dst.Port(), DstPort: src.Port(), Protocol: proto}
+		if proto == unix.IPPROTO_TCP {
+			fl.ProtoInfo = &netlink.ProtoInfoTCP{State: nl.TCP_CONNTRACK_ESTABLISHED}
+		}
+		if err := h.ConntrackCreate(netlink.ConntrackTable, unix.AF_INET, fl); err != nil {
+			b.Fatalf("create entry: %v", err)
+		}
+	}
+	for i := 0; i < tcpEntries; i++ {
+		create(unix.IPPROTO_TCP, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), uint16(1024+i%60000)), netip.MustParseAddrPort("10.96.0.10:80"))
+	}
+	filter := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{}}
+	b.ResetTimer()
+	for range b.N {
+		b.StopTimer()
+		for i := 0; i < 100; i++ {
+			create(unix.IPPROTO_UDP, netip.AddrPortFrom(netip.MustParseAddr("10.2.0.1"), uint16(40000+i)), netip.MustParseAddrPort("10.96.0.10:53"))
+		}
+		b.StartTimer()
+		err := inNamespace(ns, func() error {
+			deleted, _, err := deleteUDPConntrack(4, filter)
+			if err == nil && deleted != 100 {
+				err = fmt.Errorf("deleted %d entries, want 100", deleted)
+			}
+			return err
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
 }

@@ -34,6 +34,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
@@ -74,7 +75,7 @@ type dataplane struct {
 	connLogLimit, unredirectedTCP, unredirectedUDP *connLogLimit
 	// conntrack answers the UDP guard (udp.go, Config.GuardAtAccept): nil
 	// without the guard or without conntrack netlink.
-	conntrack *sock.Conntrack
+	conntrack *kernel.Conntrack
 	// letGo has the keeper close its duplicates of sockets whose ports
 	// are bound anew (keeper.go); nil without a keeper. Set before start.
 	// letGoUntil is until when a bind that finds such a port in use tries
@@ -124,7 +125,7 @@ func newDataplane(cfg *Config) *dataplane {
 	}
 	d.clientNAT.Store(openClientNAT(cfg, runtime.GOMAXPROCS(0)))
 	if cfg.GuardAtAccept {
-		if ct, err := sock.OpenConntrack(runtime.GOMAXPROCS(0)); err != nil {
+		if ct, err := kernel.OpenConntrack(runtime.GOMAXPROCS(0)); err != nil {
 			cfg.log().WithError(err).Warn("UDP proxy ports unguarded: the guard's conntrack netlink sockets could not be opened")
 		} else {
 			d.conntrack = ct

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
@@ -218,8 +219,8 @@ func TestDialFromClientThroughConntrack(t *testing.T) {
 		}
 		for i := range 10 {
 			testutil.WaitFor(t, "the entry from port 40000 in TIME_WAIT", 10*time.Second, 2*time.Millisecond, func() bool {
-				state, err := nat.tcpState(ctaTupleReply, ep, from40000)
-				return errors.Is(err, syscall.ENOENT) || state == tcpConntrackTimeWait
+				state, err := nat.tcpState(kernel.Reply, ep, from40000)
+				return errors.Is(err, syscall.ENOENT) || state == 7 // TCP_CONNTRACK_TIME_WAIT
 			})
 			d := l.dialFrom(t, ep, Source{Client: client, Port: 40000, NAT: nat})
 			if p := <-peers; d.Sees != client || p != from40000 {
@@ -598,10 +599,10 @@ func TestConntrackOriginalDst(t *testing.T) {
 			t.Fatalf("%s: %v: %s", strings.Join(c, " "), err, out)
 		}
 	}
-	var ct *Conntrack
+	var ct *kernel.Conntrack
 	in(t, l.node, func() {
 		var err error
-		if ct, err = OpenConntrack(1); err != nil {
+		if ct, err = kernel.OpenConntrack(1); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -630,7 +631,7 @@ func TestConntrackOriginalDst(t *testing.T) {
 			})
 			_ = ln.SetReadDeadline(time.Now().Add(5 * time.Second))
 			var buf [16]byte
-			if _, from, err := ln.ReadFromUDPAddrPort(buf[:]); err != nil || unmapPort(from) != peer {
+			if _, from, err := ln.ReadFromUDPAddrPort(buf[:]); err != nil || netip.AddrPortFrom(from.Addr().Unmap(), from.Port()) != peer {
 				t.Fatalf("to %v: read %v from %v, want from %v", to, err, from, peer)
 			}
 			got, found, err := ct.UDPOriginalDst(local, peer)
@@ -642,32 +643,6 @@ func TestConntrackOriginalDst(t *testing.T) {
 		stranger := netip.AddrPortFrom(netip.MustParseAddr(map[bool]string{true: "10.0.2.9", false: "fd00:2::9"}[local.Addr().Is4()]), 9)
 		if _, found, err := ct.UDPOriginalDst(local, stranger); found || err != nil {
 			t.Errorf("UDPOriginalDst of a flow that never was: found %v, %v", found, err)
-		}
-	}
-}
-
-// What the UDP guard pays per new flow on a kernel without the conntrack
-// match: one UDPOriginalDst, a netlink round trip (in a network namespace
-// of its own; the entry does not exist, which costs the kernel the same
-// hash lookup as one that does).
-func BenchmarkConntrackUDPOriginalDst(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root: a network namespace of its own")
-	}
-	runtime.LockOSThread() // never unlocked: the thread ends with the benchmark
-	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-		b.Fatal(err)
-	}
-	ct, err := OpenConntrack(1)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ct.Close()
-	local, peer := netip.MustParseAddrPort("192.0.2.1:53"), netip.MustParseAddrPort("192.0.2.2:40000")
-	b.ReportAllocs()
-	for b.Loop() {
-		if _, found, err := ct.UDPOriginalDst(local, peer); err != nil || found {
-			b.Fatal(found, err)
 		}
 	}
 }

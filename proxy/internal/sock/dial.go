@@ -11,6 +11,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"golang.org/x/sys/unix"
 )
 
@@ -215,12 +216,12 @@ func bindSource(fd int, ep netip.AddrPort, src Source, proto uint8) (boundSource
 		// port, so an entry from this one's is a closed flow's; but UDP
 		// has no TIME_WAIT, and its entry from the client's port is
 		// another flow's, live.
-		if err := src.NAT.dropEarlier(proto, local, ep); errors.Is(err, errEntryLive) {
+		if err := src.NAT.dropEarlier(proto, local, ep); errors.Is(err, kernel.ErrEntryLive) {
 			return boundSource{putPort: putPort}, fmt.Errorf("%w: %s to %s", errPortLive, local, ep)
 		} else if err != nil {
 			return boundSource{putPort: putPort}, fmt.Errorf("conntrack source NAT to %s: %w", as, err)
 		}
-		if as.Port() != 0 && (proto != unix.IPPROTO_TCP || src.NAT.deleteIfOver(ctaTupleReply, ep, as) != nil) {
+		if as.Port() != 0 && (proto != unix.IPPROTO_TCP || src.NAT.deleteIfOver(kernel.Reply, ep, as) != nil) {
 			as = netip.AddrPortFrom(client, 0)
 		}
 		err = src.NAT.claim(proto, local, ep, as)

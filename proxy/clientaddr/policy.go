@@ -290,7 +290,7 @@ func openClientNAT(cfg *Config, sockets int) *clientNAT {
 // ProbeConntrackNetlink asks conntrack netlink for an entry that does not
 // exist: nil where the kernel answers (nf_conntrack_netlink), else why not.
 func ProbeConntrackNetlink() error {
-	ct, err := sock.OpenConntrack(1)
+	ct, err := kernel.OpenConntrack(1)
 	if err != nil {
 		return err
 	}
