@@ -9,8 +9,8 @@ package proxy
 //	parker   the epoll set where idle connections wait without a goroutine
 //	conns    every live TCP connection (conns.go)
 //	budget   the descriptor budget of connections, flows and listeners (budget.go)
-//	clientNAT  the conntrack source NAT that shows backends their clients (source.go)
-//	nodeAddrs  the node's own addresses, whose clients bind theirs (links.go)
+//	source   whose address backends see, and the conntrack source NAT that
+//	         shows them their clients (package clientaddr)
 //
 // A frontend borrows these and never reaches past them: everything live on
 // the data path (listeners, TCP pairs, UDP flows, the balancers' affinity
@@ -33,6 +33,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
@@ -52,12 +53,10 @@ type dataplane struct {
 	// ctx ends when the daemon shuts down: dials and UDP read loops
 	// stop with it. Set by start, before any frontend opens.
 	ctx context.Context
-	// clientNAT sets the client's address on backend connections
-	// (source.go); set by start, nil when off or unavailable.
-	clientNAT atomic.Pointer[clientNAT]
-	// nodeAddrs are the node's own addresses, whose clients bind theirs
-	// on a dial (source.go, links.go).
-	nodeAddrs nodeAddrs
+	// source decides whose address each dial's backend sees, and holds
+	// the source NAT that shows backends their clients (package
+	// clientaddr); closed by the task start adds.
+	source *clientaddr.Chooser
 	// inherited are the sockets a predecessor handed over (handover.go);
 	// nil without one. Set before start.
 	inherited *inherited
@@ -117,13 +116,22 @@ func newDataplane(cfg *Config) *dataplane {
 	// does not (no nf_conntrack_netlink: the socket may open and every
 	// request fail) the start line says so, as conntrack-netlink
 	// (ProbeConntrackNetlink, asked by cmd), not once per user.
-	if cfg.GuardAtAccept || cfg.BackendSource != BackendSourceNode {
-		if err := ProbeConntrackNetlink(); err != nil {
+	source := clientaddr.Options{Mode: cfg.BackendSource, LocalTraffic: cfg.LocalTraffic, Serves: cfg.serves, PortRange: cfg.PortRange,
+		OpenNAT: true, Sockets: runtime.GOMAXPROCS(0), Kernel: cfg.Kernel, Log: cfg.log()}
+	if cfg.GuardAtAccept || cfg.BackendSource != clientaddr.Node {
+		if err := kernel.ProbeConntrack(); err != nil {
 			cfg.log().WithError(err).Debug("No conntrack netlink: backends see the node's address, and UDP proxy ports are unguarded")
+			source.OpenNAT = false
+			d.source = clientaddr.New(source)
 			return d
 		}
 	}
-	d.clientNAT.Store(openClientNAT(cfg, runtime.GOMAXPROCS(0)))
+	d.source = clientaddr.New(source)
+	for _, fam := range []int{4, 6} {
+		if d.source.Available(fam) {
+			clientAddressAvailable.WithLabelValues(familyNames([]int{fam})...).Set(1)
+		}
+	}
 	if cfg.GuardAtAccept {
 		if ct, err := kernel.OpenConntrack(runtime.GOMAXPROCS(0)); err != nil {
 			cfg.log().WithError(err).Warn("UDP proxy ports unguarded: the guard's conntrack netlink sockets could not be opened")
@@ -172,13 +180,10 @@ func (d *dataplane) start(ctx context.Context) {
 			}))
 		}
 	}
-	if nat := d.clientNAT.Load(); nat != nil {
-		d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
-			<-ctx.Done() // after the connections drained: no dial uses it
-			d.clientNAT.Store(nil)
-			nat.nat.Close()
-		}))
-	}
+	d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
+		<-ctx.Done() // after the connections drained: no dial uses it
+		d.source.Close()
+	}))
 	if ct := d.conntrack; ct != nil {
 		d.tasks = append(d.tasks, startTask(func(ctx context.Context) {
 			<-ctx.Done() // after the read loops stopped
@@ -362,5 +367,23 @@ func (d *dataplane) bindAnew(bind func() error) error {
 			return err
 		}
 		time.Sleep(2 * time.Millisecond) // the keeper's close, in another process: polled until letGoUntil
+	}
+}
+
+// countSource counts whose address the backend of client's connection saw, and says at debug
+// level why it was not the client's when it should have been.
+func (f *frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
+	switch {
+	case wanted && !dialed.Sees.IsValid():
+		backendSources.WithLabelValues("fallback").Inc()
+		err := dialed.SourceErr
+		if err == nil {
+			err = errors.New("the source NAT is not available for this client and endpoint (see the start log)")
+		}
+		f.debug(logrus.Fields{"client": client, "endpoint": ep}, err, "Backend sees the node's address, not the client's")
+	case dialed.Sees.IsValid():
+		backendSources.WithLabelValues("client").Inc()
+	default:
+		backendSources.WithLabelValues("node").Inc()
 	}
 }

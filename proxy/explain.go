@@ -11,6 +11,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 )
 
 // Address kinds a destination can be of a Service port.
@@ -137,7 +138,7 @@ func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Expl
 	bal, node, zone := p.rec.balancerOf(fe)
 	x := explain(fe, as, client, node, zone, bal, bal != nil)
 	if fe.Protocol == config.TCP && client.IsValid() {
-		x.BackendSees = p.backendSees(fe, as, client)
+		x.BackendSees = p.dp.source.Describe(clientaddr.NewPolicy(p.cfg.BackendSource, keyOf(fe).Kind, fe.Service), fe.Protocol == config.UDP, as == AsClusterIP, client)
 	}
 	return x
 }

@@ -26,6 +26,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
@@ -59,9 +60,9 @@ type frontend struct {
 	// proxyProto is the PROXY protocol version of the spec (a string),
 	// read by connection goroutines while the sync goroutine may change it.
 	proxyProto atomic.Value
-	// sourcePolicy decides whose address the backends see (source.go);
+	// sourcePolicy decides whose address the backends see (package clientaddr);
 	// replaced by the sync goroutine, read by connection goroutines.
-	sourcePolicy atomic.Pointer[sourcePolicy]
+	sourcePolicy atomic.Pointer[clientaddr.Policy]
 
 	m *feMetrics
 	// opened is the listener dataplane.open made, until the first serveAs
@@ -332,4 +333,11 @@ func (r *reconciler) closeAll() {
 		r.lines.closed = append(r.lines.closed, fe)
 	}
 	r.lines.flush(r.cfg.log())
+}
+
+// source is the Source of a dial to ep for a connection from client to
+// dst (invalid: not known, a UDP flow's), and whether the client's address
+// is wanted (a Source that cannot give it is a fallback).
+func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
+	return f.dp.source.Source(f.sourcePolicy.Load(), client, dst, ep)
 }

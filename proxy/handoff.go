@@ -403,7 +403,7 @@ func (p *Proxier) adoptPair(byName map[string]*frontend, cs, bs handover.Socket)
 		client.Close()
 		return err
 	}
-	backend.AdoptSourcePort(p.dp.clientNAT.Load().forFamily(st.Endpoint.Addr().Unmap()))
+	backend.AdoptSourcePort(p.dp.source.NATFor(st.Endpoint.Addr().Unmap()))
 	p.dp.budget.admitTCP() // counted even over the budget: it is open already
 	c := p.dp.conns.add(fe, st.Client)
 	c.Start = st.Start

@@ -25,9 +25,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/time/rate"
-
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
 )
 
 // Proxier turns States into listeners and rules.
@@ -120,8 +119,8 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		defer sender.Wait()
 		sender.Go(func() { p.sendKept(writerCtx) })
 	}
-	t := newSyncTimers(&p.cfg)
-	defer t.stop()
+	t := syncrunner.New(p.cfg.MinSyncPeriod, p.cfg.SyncPeriod)
+	defer t.Stop()
 	for {
 		verify := false
 		select {
@@ -132,7 +131,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			fn()
 			continue
 		case <-p.kick:
-		case <-t.period.C:
+		case <-t.Period():
 			if p.frozen {
 				continue
 			}
@@ -144,7 +143,7 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 		case w := <-p.writer.written:
 			p.rec.written(w)
 			if w.err != nil {
-				t.retry.Reset(t.retryIn)
+				t.RetryWrite()
 			} else if !p.servingShut {
 				p.servingShut = true
 				if p.dp.inherited != nil {
@@ -155,23 +154,20 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 				close(p.serving)
 			}
 			continue
-		case <-t.retry.C:
+		case <-t.Retry():
 			verify = true
-		case <-t.reopen.C:
+		case <-t.Reopen():
 		}
 		if p.frozen {
 			continue // a handover is under way: the changes wait (Thaw)
 		}
-		// A token bucket, as kube-proxy's BoundedFrequencyRunner: a lone
-		// change, or a Service and then its slice, syncs at once; under
-		// churn syncs come at most once per --min-sync-period on average,
-		// and the changes that arrive meanwhile merge into the next one.
-		if err := t.limiter.Wait(ctx); err != nil {
+		// The changes that arrive while it waits merge into this sync.
+		if err := t.Wait(ctx); err != nil {
 			p.shutdown(ctx, grace)
 			return
 		}
 		if p.syncPending(verify) {
-			t.failing(p.rec.failing > 0)
+			t.Failing(p.rec.failing > 0)
 		}
 	}
 }
@@ -243,58 +239,6 @@ func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
 	}
 	p.dp.conns.drain(grace)
 	p.dp.stop()
-}
-
-// syncTimers are the sync goroutine's clocks.
-type syncTimers struct {
-	period  *time.Ticker // the periodic check (or verifying sync) of the rules
-	retry   *time.Timer  // after a failed rule write
-	retryIn time.Duration
-	// reopen tries again listeners or NodePorts that could not be opened:
-	// soon, then less often while they fail.
-	reopen             *time.Timer
-	reopenIn, reopenAt time.Duration // the next wait, and the first
-	periodLen          time.Duration
-	limiter            *rate.Limiter
-}
-
-// syncBurst is how many syncs may follow each other without waiting for
-// --min-sync-period: two, so that a Service and then its EndpointSlice (two
-// events, two States) are both served at once.
-const syncBurst = 2
-
-func newSyncTimers(cfg *Config) *syncTimers {
-	minPeriod, period := cfg.MinSyncPeriod, cfg.SyncPeriod
-	if period <= 0 {
-		period = 30 * time.Second
-	}
-	limit := rate.Inf
-	if minPeriod > 0 {
-		limit = rate.Every(minPeriod)
-	}
-	t := &syncTimers{period: time.NewTicker(period), retry: time.NewTimer(time.Hour), reopen: time.NewTimer(time.Hour),
-		retryIn: max(minPeriod, time.Second), reopenAt: max(minPeriod, time.Second), periodLen: period,
-		limiter: rate.NewLimiter(limit, syncBurst)}
-	t.retry.Stop()
-	t.reopen.Stop()
-	t.reopenIn = t.reopenAt
-	return t
-}
-
-// failing arms the reopen timer after a sync that left frontends failing.
-func (t *syncTimers) failing(some bool) {
-	if !some {
-		t.reopenIn = t.reopenAt
-		return
-	}
-	t.reopen.Reset(t.reopenIn)
-	t.reopenIn = min(2*t.reopenIn, t.periodLen)
-}
-
-func (t *syncTimers) stop() {
-	t.period.Stop()
-	t.retry.Stop()
-	t.reopen.Stop()
 }
 
 // Quiet reports whether no sync or rule write has been under way for at

@@ -34,6 +34,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/proxyproto"
 	"github.com/sirupsen/logrus"
@@ -147,7 +148,7 @@ type keyServe struct {
 	update  bool
 	eps     []netip.AddrPort
 	noLocal uint32
-	source  *sourcePolicy
+	source  *clientaddr.Policy
 	outlier balance.OutlierConfig
 	// serving are the endpoints a UDP frontend that stays keeps its flows
 	// to (nil: a new frontend, no flows yet).
@@ -327,7 +328,7 @@ func (p *syncPlan) decide(r *reconciler, ports []*config.ServicePort) []portServ
 			if ks.update {
 				ks.eps = config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), p.st.Node, p.st.Zone)
 				ks.noLocal = noLocalPolicies(key, sp, len(ks.eps), p.st.Node, p.st.Zone)
-				ks.source = newSourcePolicy(r.cfg, key, sp)
+				ks.source = clientaddr.NewPolicy(r.cfg.BackendSource, key.Kind, sp)
 				ks.outlier = r.cfg.outlierFor(sp)
 				var prev *config.ServicePort // nil: a new listener
 				if fe != nil && !p.closing[key] && !slices.Contains(p.retake, key) {
@@ -459,7 +460,7 @@ func warnAnnotations(log logrus.FieldLogger, prev, sp *config.ServicePort) {
 		log.WithField("annotation", config.AnnotationScheduler).WithField("value", sp.Scheduler).
 			Warn("Unknown scheduler (want rr, lc, sh or random); using rr")
 	}
-	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(BackendSourceAuto) && v != string(BackendSourceNode) {
+	if v := sp.BackendSource; v != prev.BackendSource && v != "" && v != string(clientaddr.Auto) && v != string(clientaddr.Node) {
 		log.WithField("annotation", config.AnnotationBackendSource).WithField("value", v).
 			Warn("Unknown value (want \"auto\" or \"node\"); using auto")
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
@@ -56,8 +57,8 @@ type Config struct {
 	SyncPeriod    time.Duration // rules are re-checked this often; 30 s when 0
 
 	// BackendSource is --backend-source-address: whose address backends
-	// see (source.go); "" is auto.
-	BackendSource BackendSource
+	// see (package clientaddr); "" is auto.
+	BackendSource clientaddr.Mode
 	// LocalTraffic is --detect-local-mode and its values: the pods of this
 	// node, whose own address their backends see.
 	LocalTraffic config.LocalTraffic

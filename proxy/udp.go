@@ -7,7 +7,7 @@ package proxy
 //	    host that no rule redirected is dropped first where the kernel has
 //	    no conntrack match: unredirected asks conntrack once; then balancer
 //	    pick, connected socket to the endpoint from the address the backend
-//	    should see, source.go and sock.DialUDPFrom; the least recently used
+//	    should see (package clientaddr) and sock.DialUDPFrom; the least recently used
 //	    flow is evicted when the table is full)
 //	  → the datagram is written to the endpoint
 //	replies copies the endpoint's datagrams back to the client, sent from

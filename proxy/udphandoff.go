@@ -181,7 +181,7 @@ func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) erro
 		c.Close()
 		return err
 	}
-	nat := p.dp.clientNAT.Load().forFamily(st.Client.Addr().Unmap())
+	nat := p.dp.source.NATFor(st.Client.Addr().Unmap())
 	fl := &udpFlow{client: st.Client, local: st.Local, endpoint: st.Endpoint, reason: st.Reason, backend: c, out: out,
 		sees: st.Sees, start: st.Start}
 	fl.release = sock.AdoptUDPFrom(c, st.Endpoint, nat, st.Sees)

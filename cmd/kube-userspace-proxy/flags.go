@@ -14,6 +14,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 )
 
 var errHelp = errors.New("help requested")
@@ -51,7 +52,7 @@ type options struct {
 	metricsAddr      string
 	profiling        bool
 	connLog          string
-	backendSource    proxy.BackendSource
+	backendSource    clientaddr.Mode
 	rawBackendSource string
 	connLogRate      float64
 	schedPolicy      string
@@ -275,7 +276,7 @@ func (o *options) check(raw *rawFlags) error {
 		}
 		o.nodePortCIDRs = append(o.nodePortCIDRs, pfx.Masked())
 	}
-	if o.backendSource, err = proxy.ParseBackendSource(o.rawBackendSource); err != nil {
+	if o.backendSource, err = clientaddr.ParseMode(o.rawBackendSource); err != nil {
 		return fmt.Errorf("%s: %w", o.name("backend-source-address"), err)
 	}
 	if err := o.checkLocal(raw); err != nil {

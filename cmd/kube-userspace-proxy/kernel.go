@@ -13,7 +13,8 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 var kernelPieceAvailable = prometheus.NewGaugeVec(prometheus.GaugeOpts{
@@ -25,10 +26,10 @@ var kernelPieceAvailable = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 // what its absence costs with these flags: the UDP entries the rules left
 // stale, the client's address on backend connections, the UDP guard.
 func probeConntrackNetlink(o *options, ipt *iptables.Rules, guard bool, report *config.KernelReport) {
-	if ipt == nil && o.backendSource == proxy.BackendSourceNode {
+	if ipt == nil && o.backendSource == clientaddr.Node {
 		return // nothing would use it
 	}
-	err := proxy.ProbeConntrackNetlink()
+	err := kernel.ProbeConntrack()
 	if err == nil {
 		report.Present(config.PieceConntrackNL)
 		return
@@ -37,7 +38,7 @@ func probeConntrackNetlink(o *options, ipt *iptables.Rules, guard bool, report *
 		report.Lacks(config.PieceConntrackNL, "a UDP client that keeps one source port reaches the listener a Service had before a change "+
 			"until its conntrack entry expires (nf_conntrack_udp_timeout of quiet)", err)
 	}
-	if o.backendSource != proxy.BackendSourceNode {
+	if o.backendSource != clientaddr.Node {
 		report.Lacks(config.PieceConntrackNL, "backends see the node's address, not their clients'", err)
 	}
 	if guard {

@@ -1,4 +1,4 @@
-package proxy
+package clientaddr
 
 import (
 	"net/netip"

@@ -366,3 +366,14 @@ func udpEntry(attrs []byte) (UDPEntry, bool) {
 	}
 	return e, true
 }
+
+// ProbeConntrack asks conntrack netlink for an entry that does not exist:
+// nil where the kernel answers (nf_conntrack_netlink), else why not.
+func ProbeConntrack() error {
+	ct, err := OpenConntrack(1)
+	if err != nil {
+		return err
+	}
+	defer ct.Close()
+	return ct.Probe()
+}

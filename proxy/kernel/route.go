@@ -93,8 +93,12 @@ type Link struct {
 
 // Links are the node's interfaces that have a connected prefix (an
 // address with a mask shorter than its length), each said to be a bridge
-// or not.
+// or not (its link kind, from the route netlink family).
 func Links() ([]Link, error) {
+	bridges, err := bridgeIndexes()
+	if err != nil {
+		return nil, err
+	}
 	ifs, err := net.Interfaces()
 	if err != nil {
 		return nil, err
@@ -105,7 +109,7 @@ func Links() ([]Link, error) {
 		if err != nil {
 			continue
 		}
-		l := Link{Name: ifc.Name}
+		l := Link{Name: ifc.Name, Bridge: bridges[ifc.Index]}
 		for _, a := range addrs {
 			if ipn, ok := a.(*net.IPNet); ok {
 				if p, err := netip.ParsePrefix(ipn.String()); err == nil && p.Bits() < p.Addr().BitLen() {
@@ -114,12 +118,38 @@ func Links() ([]Link, error) {
 			}
 		}
 		if len(l.Prefixes) > 0 {
-			_, err := os.Stat("/sys/class/net/" + ifc.Name + "/bridge")
-			l.Bridge = err == nil
 			links = append(links, l)
 		}
 	}
 	return links, nil
+}
+
+// sizeofIfInfomsg is struct ifinfomsg's size: family, pad, type, index,
+// flags, change.
+const sizeofIfInfomsg = 16
+
+// bridgeIndexes are the indexes of the links whose kind is bridge.
+func bridgeIndexes() (map[int]bool, error) {
+	pool, err := OpenPool(unix.NETLINK_ROUTE, 1)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	bridges := map[int]bool{}
+	req := NewMessage(unix.RTM_GETLINK, unix.NLM_F_DUMP, make([]byte, sizeofIfInfomsg)...)
+	err = pool.Do(req, func(msg []byte) {
+		if binary.NativeEndian.Uint16(msg[4:]) != unix.RTM_NEWLINK || len(msg) < unix.SizeofNlMsghdr+sizeofIfInfomsg {
+			return
+		}
+		ifi := msg[unix.SizeofNlMsghdr:]
+		if string(Attr(ifi[sizeofIfInfomsg:], unix.IFLA_LINKINFO, unix.IFLA_INFO_KIND)) == "bridge\x00" {
+			bridges[int(int32(binary.NativeEndian.Uint32(ifi[4:])))] = true
+		}
+	})
+	if err != nil {
+		return nil, os.NewSyscallError("netlink link dump", err)
+	}
+	return bridges, nil
 }
 
 // Addrs are the addresses of the node's interfaces (IPv4-mapped ones
