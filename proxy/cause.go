@@ -19,7 +19,7 @@ const (
 	CauseEvicted                    // UDP: the flow table was full
 	CauseEndpointError              // UDP: the endpoint's socket failed (an ICMP error, say)
 	CauseEndpointGone               // UDP: the endpoint left the Service or stopped serving
-	CauseHandedOver                 // TCP: it goes on in the successor daemon (a handover)
+	CauseTransferred                // it goes on in the successor daemon (a handover)
 	CauseNotRedirected              // TCP: another host reached a proxy port directly (Config.GuardAtAccept)
 )
 
@@ -36,7 +36,7 @@ var causeNames = [...]string{
 	CauseEvicted:       "evicted",
 	CauseEndpointError: "endpoint error",
 	CauseEndpointGone:  "endpoint gone",
-	CauseHandedOver:    "handed over",
+	CauseTransferred:   "transferred",
 	CauseNotRedirected: "not redirected",
 }
 
@@ -53,7 +53,7 @@ func (c Cause) String() string {
 // query's flow always ends so).
 func (c Cause) Normal(protocol config.Protocol) bool {
 	switch c {
-	case CauseClientClosed, CauseBackendClosed, CauseHandedOver:
+	case CauseClientClosed, CauseBackendClosed, CauseTransferred:
 		return true
 	case CauseIdleTimeout:
 		return protocol == config.UDP

@@ -57,14 +57,14 @@ type dataplane struct {
 	// the source NAT that shows backends their clients (package
 	// clientaddr); closed by the task start adds.
 	source *clientaddr.Chooser
-	// inherited are the sockets a predecessor handed over (handover.go);
+	// inherited are the sockets a predecessor lent (handover.go);
 	// nil without one. Set before start.
 	inherited *inherited
-	// handoffSink takes the pairs stopped for a successor (handoff.go);
-	// nil when no handoff is under way.
-	handoffSink atomic.Pointer[func(*handedPair) bool]
+	// transferSink takes the pairs stopped for a successor (transfer.go);
+	// nil when no transfer is under way.
+	transferSink atomic.Pointer[func(*detachedPair) bool]
 	// udpGate holds the UDP read loops of a successor until the
-	// predecessor's flows are in their tables (udphandoff.go); nil without
+	// predecessor's flows are in their tables (transfer_udp.go); nil without
 	// a predecessor. Set before start, closed once by openUDPGate.
 	udpGate chan struct{}
 	openUDP sync.Once
@@ -85,11 +85,11 @@ type dataplane struct {
 	// logged (Unix ns): one a minute says it without flooding the log.
 	noLocalPortWarned atomic.Int64
 
-	mu  sync.Mutex     // guards acc and handedFlows
+	mu  sync.Mutex     // guards acc and detachedFlows
 	acc *sock.Acceptor // made for the first TCP listener, closed by closeListeners
-	// handedFlows are the UDP flows detached at a Release, until HandOff
-	// sends them (udphandoff.go).
-	handedFlows []handedFlow
+	// detachedFlows are the UDP flows detached at a Release, until Transfer
+	// sends them (transfer_udp.go).
+	detachedFlows []detachedFlow
 
 	tasks []*task // stopped by stop, last started first
 }
@@ -295,7 +295,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 	return fe, nil
 }
 
-// inherit takes the socket a predecessor handed over for key's role, if
+// inherit takes the socket a predecessor lent for key's role, if
 // any (see inherited.take).
 func (d *dataplane) inherit(key frontendKey, role string, proto config.Protocol, bind netip.Addr) (listener, bool) {
 	if d.inherited == nil {

@@ -2,7 +2,7 @@ package proxy
 
 // The Proxier's side of a handover (package handover): a running daemon
 // lends its frontends' sockets, freezes and then releases them; its
-// successor adopts them, so that each frontend serves on the very socket,
+// successor inherits them, so that each frontend serves on the very socket,
 // and port, the rules already redirect to.
 //
 // Who owns what: the sync goroutine runs every step (Lend, Freeze, Thaw,
@@ -37,7 +37,7 @@ const (
 // socketName is a frontend socket's name in a handover.
 func socketName(key frontendKey, role string) string { return "frontend " + key.String() + " " + role }
 
-// inherited are the sockets a predecessor handed over, by name, until a
+// inherited are the sockets a predecessor lent, by name, until a
 // frontend takes one.
 type inherited struct {
 	mu    sync.Mutex
@@ -90,12 +90,12 @@ func (in *inherited) closeRest() int {
 	return n
 }
 
-// Adopt gives the Proxier the sockets a predecessor handed over (before
+// Inherit gives the Proxier the sockets a predecessor lent (before
 // Run); freeze is called once, just before the first sync, to stop the
 // predecessor from changing anything from then on; it returns the
 // predecessor's pick state (Freeze), which that sync applies. Sockets whose name is
 // not a frontend's are left out (the caller's).
-func (p *Proxier) Adopt(socks []handover.Socket, freeze func() (json.RawMessage, error)) {
+func (p *Proxier) Inherit(socks []handover.Socket, freeze func() (json.RawMessage, error)) {
 	in := &inherited{socks: make(map[string]handover.Socket)}
 	for _, s := range socks {
 		if strings.HasPrefix(s.Name, "frontend ") {
@@ -105,7 +105,7 @@ func (p *Proxier) Adopt(socks []handover.Socket, freeze func() (json.RawMessage,
 	p.dp.inherited = in
 	p.dp.udpGate = make(chan struct{})
 	// A hard bound on the UDP pause should the predecessor never send
-	// its flows (FlowsAdopted).
+	// its flows (FlowsTransferred).
 	time.AfterFunc(udpGateLimit, p.dp.openUDPGate)
 	p.freeze = freeze
 }
@@ -118,8 +118,8 @@ const udpGateLimit = 10 * time.Second
 // frontend serves.
 func (p *Proxier) Serving() <-chan struct{} { return p.serving }
 
-// ErrHandedOver is the error of calls after a Release.
-var ErrHandedOver = errors.New("handed over to a successor")
+// ErrReleased is the error of calls after a Release.
+var ErrReleased = errors.New("released to a successor")
 
 // call runs fn on the sync goroutine and waits for it.
 func (p *Proxier) call(ctx context.Context, fn func() error) error {
@@ -142,8 +142,8 @@ func (p *Proxier) call(ctx context.Context, fn func() error) error {
 func (p *Proxier) Lend(ctx context.Context) ([]handover.Socket, error) {
 	var socks []handover.Socket
 	err := p.call(ctx, func() error {
-		if p.handedOver {
-			return ErrHandedOver
+		if p.released.Load() {
+			return ErrReleased
 		}
 		var err error
 		socks, err = p.rec.lend()
@@ -157,8 +157,8 @@ func (p *Proxier) Lend(ctx context.Context) ([]handover.Socket, error) {
 func (p *Proxier) Freeze(ctx context.Context) (json.RawMessage, error) {
 	var picks json.RawMessage
 	err := p.call(ctx, func() error {
-		if p.handedOver {
-			return ErrHandedOver
+		if p.released.Load() {
+			return ErrReleased
 		}
 		p.frozen = true
 		var err error
@@ -174,7 +174,7 @@ func (p *Proxier) Freeze(ctx context.Context) (json.RawMessage, error) {
 // listeners this daemon does not have.
 func (p *Proxier) Thaw() {
 	_ = p.call(context.Background(), func() error {
-		if !p.handedOver {
+		if !p.released.Load() {
 			p.frozen = false
 			p.syncPending(true)
 		}
@@ -187,10 +187,10 @@ func (p *Proxier) Thaw() {
 // Established connections go on until they end or the daemon stops.
 func (p *Proxier) Release(ctx context.Context) error {
 	return p.call(ctx, func() error {
-		p.handedOver, p.frozen = true, true
+		p.frozen = true
 		p.released.Store(true)
 		p.stopWriter()
-		for _, w := range p.writer.stop(ErrHandedOver) {
+		for _, w := range p.writer.stop(ErrReleased) {
 			p.rec.written(w)
 		}
 		p.rec.detachUDPFlows()
@@ -200,9 +200,9 @@ func (p *Proxier) Release(ctx context.Context) error {
 	})
 }
 
-// HandedOver reports whether Release was called: the daemon serves
+// Released reports whether Release was called: the daemon serves
 // nothing new.
-func (p *Proxier) HandedOver() bool { return p.released.Load() }
+func (p *Proxier) Released() bool { return p.released.Load() }
 
 // lend returns duplicates of the frontends' listening sockets.
 func (r *reconciler) lend() ([]handover.Socket, error) {

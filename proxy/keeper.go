@@ -202,8 +202,8 @@ func (fe *frontend) keptKey() keptKey {
 func (p *Proxier) KeptPicks(ctx context.Context) (map[string]json.RawMessage, error) {
 	var out map[string]json.RawMessage
 	err := p.call(ctx, func() error {
-		if p.handedOver {
-			return ErrHandedOver
+		if p.released.Load() {
+			return ErrReleased
 		}
 		if p.keeping == nil {
 			return nil

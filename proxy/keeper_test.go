@@ -104,7 +104,7 @@ func TestKeeperToldOfOpenedAndClosedSockets(t *testing.T) {
 	}
 }
 
-// A listener handed over with connections already waiting in its backlog
+// A listener inherited with connections already waiting in its backlog
 // (a keeper's after a crash, where clients went on connecting while no
 // process served) is not served before its frontend's balancer holds the
 // endpoints: a connection accepted earlier would be reset as having none.
@@ -133,7 +133,7 @@ func TestAdoptedListenerServesWhatWaited(t *testing.T) {
 	sp := svc("web", config.TCP, a)
 	key := frontendKey{sp.Name, config.KindAll, 4}
 	h := startProxier(t, Config{}, func(p *Proxier) {
-		p.Adopt([]handover.Socket{{Name: socketName(key, roleRange), Proto: "tcp", Addr: ln.Addr().String(), File: f}},
+		p.Inherit([]handover.Socket{{Name: socketName(key, roleRange), Proto: "tcp", Addr: ln.Addr().String(), File: f}},
 			func() (json.RawMessage, error) { return nil, nil })
 	})
 	var fe *frontend
@@ -141,7 +141,7 @@ func TestAdoptedListenerServesWhatWaited(t *testing.T) {
 		t.Fatal(err)
 	}
 	if fe.listen != ln.Addr() {
-		t.Fatalf("opened on %s, want the adopted %s", fe.listen, ln.Addr())
+		t.Fatalf("opened on %s, want the inherited %s", fe.listen, ln.Addr())
 	}
 	// Opened, not serving: a connection that waited is neither answered
 	// nor reset.

@@ -44,8 +44,7 @@ type Proxier struct {
 
 	// The sync goroutine's.
 	frozen      bool                            // a handover is under way: no syncs
-	handedOver  bool                            // Release was called: nothing is served any more
-	freeze      func() (json.RawMessage, error) // called before the first sync (Adopt): the predecessor's pick state
+	freeze      func() (json.RawMessage, error) // called before the first sync (Inherit): the predecessor's pick state
 	servingShut bool                            // serving is closed
 	stopWriter  context.CancelFunc
 
@@ -226,7 +225,7 @@ func (p *Proxier) syncPending(verify bool) bool {
 // the draining connections: on Linux 6.18 with nf_tables, deleting the
 // last REDIRECT rule stops the NAT of flows already redirected.
 func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
-	if !p.handedOver { // else Release did this
+	if !p.released.Load() { // else Release did this
 		for _, w := range p.writer.stop(ctx.Err()) {
 			p.rec.written(w)
 		}

@@ -114,7 +114,7 @@ type ruleWriter struct {
 	queued   *ruleWrite // submitted since the write under way began, merged
 	writing  *ruleWrite
 	checking bool
-	left     []*ruleWrite // not handed over when the writer stopped
+	left     []*ruleWrite // not given to the writer goroutine when it stopped
 	// The outcome of the last write, for health.
 	lastErr     error
 	lastUpdated time.Time     // the end of the last successful write

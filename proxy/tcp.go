@@ -233,7 +233,7 @@ type tcpPair struct {
 	ended           atomic.Int32  // copies whose sock.Copy returned for good
 	finished        atomic.Int32  // copies done with the sockets
 	up, down        halfCopy
-	detach          detachState // a handoff to a successor (handoff.go)
+	detach          detachState // a transfer to a successor (transfer.go)
 }
 
 // end records why the pair ends, unless a cause was set before, and wakes
@@ -354,7 +354,7 @@ func (h *halfCopy) ended(err error) {
 // ends now, a reset passed on, or it would wait for the other peer to
 // close; the reset, not the FIN, ended the pair. Otherwise the pair was
 // ended (by the other direction's end, the idle watch or shutdown), or a
-// handover detached it (handoff.go): the watch goes on in the successor.
+// handover detached it (transfer.go): the watch goes on in the successor.
 func (h *halfCopy) watchPeerReset() {
 	pr := h.pr
 	h.halfClosed()

@@ -1,6 +1,6 @@
 package proxy
 
-// Live TCP connections handed to a successor (after Release): each pair's
+// Live TCP connections transferred to a successor (after Release): each pair's
 // two copies are detached (sock.Conn.Detach) and stop at their next pause,
 // when everything they read has been written on; the pair's two sockets
 // then go to the successor with what its record says, and the successor
@@ -13,7 +13,7 @@ package proxy
 // up by a peer that does not read stays until it pauses.
 //
 // Who owns what: a pair being detached is its copies' until both stopped;
-// then handOff gives it to the dataplane's sink (HandOff's loop), which
+// then transferPair gives it to the dataplane's sink (Transfer's loop), which
 // sends it and closes this process's descriptors, or gives it back to its
 // copies when the successor is gone.
 
@@ -33,25 +33,39 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
-// pairState is what a successor needs of a handed-over connection.
-type pairState struct {
+// connState is what a successor needs of a transferred TCP connection
+// or UDP flow: one record for both, the fields of the other protocol left
+// zero. It is the wire format between releases: fields are added, never
+// renamed.
+type connState struct {
 	Frontend    string         `json:"frontend"` // frontendKey.String()
 	Client      netip.AddrPort `json:"client"`
-	OrigDst     netip.AddrPort `json:"origDst"`
 	Endpoint    netip.AddrPort `json:"endpoint"`
 	Reason      balance.Reason `json:"reason"`
-	Attempt     int            `json:"attempt"`
-	BackendSees netip.Addr     `json:"backendSees"`
+	BackendSees netip.Addr     `json:"backendSees,omitzero"` // invalid: the node's address
 	Start       time.Time      `json:"start"`
 	Up          int64          `json:"up"`
 	Down        int64          `json:"down"`
-	// UpClosed and DownClosed: the direction's source sent its FIN,
-	// passed on; the successor watches that peer for a reset.
-	UpClosed   bool `json:"upClosed,omitempty"`
-	DownClosed bool `json:"downClosed,omitempty"`
+
+	// A TCP connection's: where the client was going, the dial attempt
+	// that reached the endpoint, and each direction whose source sent
+	// its FIN, passed on (the successor watches that peer for a reset).
+	OrigDst    netip.AddrPort `json:"origDst,omitzero"`
+	Attempt    int            `json:"attempt,omitempty"`
+	UpClosed   bool           `json:"upClosed,omitempty"`
+	DownClosed bool           `json:"downClosed,omitempty"`
+
+	// A UDP flow's: the address its datagrams arrived on, when the
+	// client last sent (Unix ns).
+	Local    netip.Addr `json:"local,omitzero"`
+	LastSeen int64      `json:"lastSeen,omitempty"`
+	// FlowSees is BackendSees under the name a UDP flow's record gave it
+	// before the two records were one: written for, and read from, a
+	// daemon of that release (drop it in the release after).
+	FlowSees netip.Addr `json:"sees,omitzero"`
 }
 
-// detachState is a pair's handoff under way.
+// detachState is a pair's detach for a transfer, under way.
 type detachState struct {
 	mu        sync.Mutex
 	requested bool
@@ -59,10 +73,10 @@ type detachState struct {
 	stopped   int  // directions whose Copy (or reset watch) returned ErrDetached
 }
 
-// handedPair is a pair whose copies both stopped, ready to go.
-type handedPair struct {
+// detachedPair is a pair whose copies both stopped, ready to go.
+type detachedPair struct {
 	c     *connRecord
-	state pairState
+	state connState
 }
 
 // requestDetach has both directions stop at their next pause: a copy
@@ -116,7 +130,7 @@ func (h *halfCopy) stopped() {
 	both := pr.detach.stopped == 2
 	pr.detach.mu.Unlock()
 	if both {
-		h.f.handOff(h.c, pr)
+		h.f.transferPair(h.c, pr)
 	}
 }
 
@@ -162,50 +176,51 @@ func (pr *tcpPair) resumeDetached(f *frontend) {
 	f.dp.copiers.Go(up)
 }
 
-// handOff gives a stopped pair to the dataplane's sink, or back to its
+// transferPair gives a stopped pair to the dataplane's sink, or back to its
 // directions when there is none.
-func (f *frontend) handOff(c *connRecord, pr *tcpPair) {
+func (f *frontend) transferPair(c *connRecord, pr *tcpPair) {
 	st := c.state()
 	pr.detach.mu.Lock()
 	st.UpClosed, st.DownClosed = pr.up.closed, pr.down.closed
 	pr.detach.mu.Unlock()
-	sink := f.dp.handoffSink.Load()
-	if sink == nil || !(*sink)(&handedPair{c: c, state: st}) {
+	sink := f.dp.transferSink.Load()
+	if sink == nil || !(*sink)(&detachedPair{c: c, state: st}) {
 		pr.resumeDetached(f)
 	}
 }
 
 // state is what a successor needs of c.
-func (c *connRecord) state() pairState {
+func (c *connRecord) state() connState {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return pairState{Frontend: c.fe.key.String(), Client: c.Client, OrigDst: c.OrigDst, Endpoint: c.Endpoint,
+	return connState{Frontend: c.fe.key.String(), Client: c.Client, OrigDst: c.OrigDst, Endpoint: c.Endpoint,
 		Reason: c.Reason, Attempt: c.Attempt, BackendSees: c.BackendSees, Start: c.Start, Up: c.up.Load(), Down: c.down.Load()}
 }
 
 // pairsPerBatch bounds one message of pairs (two descriptors each).
 const pairsPerBatch = 90
 
-// HandOff hands every live TCP connection to the successor through send,
+// Transfer sends every live UDP flow and TCP connection to the successor
+// through send,
 // after Release, until none is left (nil) or ctx ends (the ones left
 // drain here). A connection ends in this process without a byte lost:
-// handed over whole, or not at all.
-func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) error) error {
+// transferred whole, or not at all.
+func (p *Proxier) Transfer(ctx context.Context, send func([]handover.Socket) error) error {
 	if !p.released.Load() {
-		return errors.New("HandOff before Release")
+		return errors.New("Transfer before Release")
 	}
 	// The UDP flows first: the successor reads its UDP sockets once it
 	// has them.
 	if n, err := p.sendFlows(send); err != nil {
 		return err
 	} else if n > 0 {
-		p.cfg.log().WithField("flows", n).Info("UDP flows handed over")
+		p.cfg.log().WithField("flows", n).Info("UDP flows transferred")
 	}
 	sink := newPairSink(4 * pairsPerBatch)
 	put := sink.put
-	p.dp.handoffSink.Store(&put)
+	p.dp.transferSink.Store(&put)
 	defer func() {
-		p.dp.handoffSink.Store(nil)
+		p.dp.transferSink.Store(nil)
 		sink.stop()
 	}()
 
@@ -222,7 +237,7 @@ func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) erro
 		case <-ctx.Done():
 			return ctx.Err()
 		case hp := <-sink.ready:
-			batch := []*handedPair{hp}
+			batch := []*detachedPair{hp}
 			for more := true; more && len(batch) < pairsPerBatch; {
 				select {
 				case hp := <-sink.ready:
@@ -239,29 +254,29 @@ func (p *Proxier) HandOff(ctx context.Context, send func([]handover.Socket) erro
 		case <-tick.C:
 		}
 		if p.dp.conns.count() == 0 {
-			p.cfg.log().WithField("connections", handed).Info("Every connection handed over")
+			p.cfg.log().WithField("connections", handed).Info("Every connection transferred")
 			return nil
 		}
 	}
 }
 
-// pairSink is where stopped pairs wait for HandOff's loop. A pair waits
+// pairSink is where stopped pairs wait for Transfer's loop. A pair waits
 // (on its copier, which blocks no one else) for room in ready; once the
 // sink stops, every pair waiting or arriving goes back to its copies.
 type pairSink struct {
-	ready   chan *handedPair
+	ready   chan *detachedPair
 	stopc   chan struct{}
 	mu      sync.RWMutex // held for reading by put: stop waits for them
 	stopped bool
 }
 
 func newPairSink(room int) *pairSink {
-	return &pairSink{ready: make(chan *handedPair, room), stopc: make(chan struct{})}
+	return &pairSink{ready: make(chan *detachedPair, room), stopc: make(chan struct{})}
 }
 
-// put offers hp to HandOff's loop; false: the sink stopped, hp is its
+// put offers hp to Transfer's loop; false: the sink stopped, hp is its
 // copies' again.
-func (s *pairSink) put(hp *handedPair) bool {
+func (s *pairSink) put(hp *detachedPair) bool {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	if s.stopped {
@@ -293,7 +308,7 @@ func (s *pairSink) stop() {
 
 // sendPairs sends batch and closes this process's descriptors of it; when
 // send fails the pairs go back to their copies.
-func sendPairs(batch []*handedPair, send func([]handover.Socket) error) error {
+func sendPairs(batch []*detachedPair, send func([]handover.Socket) error) error {
 	socks, err := pairSockets(batch)
 	if err == nil {
 		err = send(socks)
@@ -308,14 +323,14 @@ func sendPairs(batch []*handedPair, send func([]handover.Socket) error) error {
 		return err
 	}
 	for _, hp := range batch {
-		hp.c.handedOver()
+		hp.c.transferred()
 	}
 	return nil
 }
 
 // pairSockets are the sockets of batch: client then backend, the state on
 // the client's.
-func pairSockets(batch []*handedPair) ([]handover.Socket, error) {
+func pairSockets(batch []*detachedPair) ([]handover.Socket, error) {
 	socks := make([]handover.Socket, 0, 2*len(batch))
 	for _, hp := range batch {
 		meta, err := json.Marshal(hp.state)
@@ -336,14 +351,14 @@ func pairSockets(batch []*handedPair) ([]handover.Socket, error) {
 	return socks, nil
 }
 
-// handedOver ends c here: its sockets are the successor's now (closing
+// transferred ends c here: its sockets are the successor's now (closing
 // ours sends nothing), its record says so.
-func (c *connRecord) handedOver() {
+func (c *connRecord) transferred() {
 	pr, f := &c.pair, c.fe
 	pr.client.Close()
 	pr.backend.Close()
 	f.bal.Done(c.endpoint())
-	c.finish(f, pr.up.n, pr.down.n, CauseHandedOver)
+	c.finish(f, pr.up.n, pr.down.n, CauseTransferred)
 	f.dp.conns.remove(c)
 }
 
@@ -353,40 +368,40 @@ func (c *connRecord) isPaired() bool {
 	return c.paired
 }
 
-// AdoptConns takes connections a predecessor handed over (UDP flows and
-// pairs of sockets, as HandOff sends them) and copies them on. A connection of a
+// TakeTransfer takes connections a predecessor transferred (UDP flows and
+// pairs of sockets, as Transfer sends them) and copies them on. A connection of a
 // Service this daemon does not serve is closed.
-func (p *Proxier) AdoptConns(socks []handover.Socket) (adopted int, err error) {
+func (p *Proxier) TakeTransfer(socks []handover.Socket) (taken int, err error) {
 	var errs []string
 	byName := p.rec.frontendsByName()
 	var pairs []handover.Socket
 	for _, s := range socks {
 		if s.Name != udpFlowName {
 			pairs = append(pairs, s)
-		} else if err := p.adoptFlow(byName, s); err != nil {
+		} else if err := p.takeFlow(byName, s); err != nil {
 			errs = append(errs, err.Error())
 		} else {
-			adopted++
+			taken++
 		}
 	}
 	for i := 0; i+1 < len(pairs); i += 2 {
-		if err := p.adoptPair(byName, pairs[i], pairs[i+1]); err != nil {
+		if err := p.takePair(byName, pairs[i], pairs[i+1]); err != nil {
 			errs = append(errs, err.Error())
 			continue
 		}
-		adopted++
+		taken++
 	}
 	for _, s := range socks {
 		s.File.Close()
 	}
 	if len(errs) > 0 {
-		return adopted, fmt.Errorf("%d connections not adopted: %s", len(errs), strings.Join(errs, "; "))
+		return taken, fmt.Errorf("%d connections not taken: %s", len(errs), strings.Join(errs, "; "))
 	}
-	return adopted, nil
+	return taken, nil
 }
 
-func (p *Proxier) adoptPair(byName map[string]*frontend, cs, bs handover.Socket) error {
-	var st pairState
+func (p *Proxier) takePair(byName map[string]*frontend, cs, bs handover.Socket) error {
+	var st connState
 	if err := json.Unmarshal(cs.Meta, &st); err != nil {
 		return fmt.Errorf("connection state: %w", err)
 	}
@@ -403,7 +418,7 @@ func (p *Proxier) adoptPair(byName map[string]*frontend, cs, bs handover.Socket)
 		client.Close()
 		return err
 	}
-	backend.AdoptSourcePort(p.dp.source.NATFor(st.Endpoint.Addr().Unmap()))
+	backend.HoldSourcePort(p.dp.source.NATFor(st.Endpoint.Addr().Unmap()))
 	p.dp.budget.admitTCP() // counted even over the budget: it is open already
 	c := p.dp.conns.add(fe, st.Client)
 	c.Start = st.Start

@@ -1,9 +1,9 @@
 package proxy
 
-// UDP flows handed to a successor. At Release each UDP server stops its
+// UDP flows transferred to a successor. At Release each UDP server stops its
 // read loop and detaches its flows: a flow's reply goroutine stops at its
 // next read, leaving the socket to its endpoint open and what the endpoint
-// sends meanwhile queued in it. HandOff sends those sockets first, one
+// sends meanwhile queued in it. Transfer sends those sockets first, one
 // batch (empty when there are none), with what the flow table knows of
 // each (client, the address its datagrams arrived on, endpoint, the
 // address the backend sees). The successor puts each flow in its table
@@ -12,42 +12,26 @@ package proxy
 // and its conntrack source NAT, and loses nothing.
 //
 // Who owns what: a detached flow is its reply goroutine's until that
-// exits (fl.stopped); then the dataplane's (handedFlows) until HandOff
-// sent it and closed this process's socket. In the successor an adopted
+// exits (fl.stopped); then the dataplane's (detachedFlows) until Transfer
+// sent it and closed this process's socket. In the successor a taken
 // flow is its UDP server's, as one it opened.
 
 import (
 	"encoding/json"
 	"fmt"
-	"net/netip"
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
-// flowState is what a successor needs of a handed-over UDP flow.
-type flowState struct {
-	Frontend string         `json:"frontend"`
-	Client   netip.AddrPort `json:"client"`
-	Local    netip.Addr     `json:"local"`
-	Endpoint netip.AddrPort `json:"endpoint"`
-	Reason   balance.Reason `json:"reason"`
-	Sees     netip.Addr     `json:"sees,omitzero"`
-	Start    time.Time      `json:"start"`
-	LastSeen int64          `json:"lastSeen"`
-	Up       int64          `json:"up"`
-	Down     int64          `json:"down"`
-}
-
-// udpFlowName is a handed-over UDP flow's socket name.
+// udpFlowName is a transferred UDP flow's socket name.
 const udpFlowName = "udp flow"
 
 // detachFlows stops the read loop and takes every flow out of the table,
 // its reply goroutine stopped and its socket open: the flows that can be
-// handed over (one that ended meanwhile is not).
+// transferred (one that ended meanwhile is not).
 func (u *udpServer) detachFlows() []*udpFlow {
 	u.stopReading()
 	u.flows.mu.Lock()
@@ -67,31 +51,31 @@ func (u *udpServer) detachFlows() []*udpFlow {
 	out := all[:0]
 	for _, fl := range all {
 		<-fl.stopped
-		if fl.handable {
+		if fl.transferable {
 			out = append(out, fl)
 		}
 	}
 	return out
 }
 
-// detachUDPFlows detaches every UDP server's flows for HandOff.
+// detachUDPFlows detaches every UDP server's flows for Transfer.
 func (r *reconciler) detachUDPFlows() {
-	var flows []handedFlow
+	var flows []detachedFlow
 	for _, fe := range r.frontends {
 		if fe.udp == nil || fe.udp.sk == nil {
 			continue
 		}
 		for _, fl := range fe.udp.detachFlows() {
-			flows = append(flows, handedFlow{u: fe.udp, fl: fl})
+			flows = append(flows, detachedFlow{u: fe.udp, fl: fl})
 		}
 	}
 	r.dp.mu.Lock()
-	r.dp.handedFlows = flows
+	r.dp.detachedFlows = flows
 	r.dp.mu.Unlock()
 }
 
-// handedFlow is a detached flow and its server.
-type handedFlow struct {
+// detachedFlow is a detached flow and its server.
+type detachedFlow struct {
 	u  *udpServer
 	fl *udpFlow
 }
@@ -101,11 +85,11 @@ type handedFlow struct {
 // here. A flow that cannot be sent ends here, as at a shutdown.
 func (p *Proxier) sendFlows(send func([]handover.Socket) error) (int, error) {
 	p.dp.mu.Lock()
-	flows := p.dp.handedFlows
-	p.dp.handedFlows = nil
+	flows := p.dp.detachedFlows
+	p.dp.detachedFlows = nil
 	p.dp.mu.Unlock()
 	socks := make([]handover.Socket, 0, len(flows))
-	var sent []handedFlow
+	var sent []detachedFlow
 	for _, hf := range flows {
 		s, err := hf.socket()
 		if err != nil {
@@ -123,7 +107,7 @@ func (p *Proxier) sendFlows(send func([]handover.Socket) error) (int, error) {
 		if err != nil {
 			hf.end(CauseShutdown, true)
 		} else {
-			hf.end(CauseHandedOver, false)
+			hf.end(CauseTransferred, false)
 		}
 	}
 	if err != nil {
@@ -133,10 +117,10 @@ func (p *Proxier) sendFlows(send func([]handover.Socket) error) (int, error) {
 }
 
 // socket is hf's flow socket (a duplicate) and state, for the successor.
-func (hf handedFlow) socket() (handover.Socket, error) {
+func (hf detachedFlow) socket() (handover.Socket, error) {
 	fl := hf.fl
-	meta, err := json.Marshal(flowState{Frontend: hf.u.key.String(), Client: fl.client, Local: fl.local, Endpoint: fl.endpoint,
-		Reason: fl.reason, Sees: fl.sees, Start: fl.start, LastSeen: fl.lastSeen.Load(), Up: fl.up.Load(), Down: fl.down.Load()})
+	meta, err := json.Marshal(connState{Frontend: hf.u.key.String(), Client: fl.client, Local: fl.local, Endpoint: fl.endpoint,
+		Reason: fl.reason, BackendSees: fl.sees, FlowSees: fl.sees, Start: fl.start, LastSeen: fl.lastSeen.Load(), Up: fl.up.Load(), Down: fl.down.Load()})
 	if err != nil {
 		return handover.Socket{}, err
 	}
@@ -149,7 +133,7 @@ func (hf handedFlow) socket() (handover.Socket, error) {
 
 // end ends a detached flow here: its socket closed, its source NAT given
 // back unless the successor has it, its line in the connection log.
-func (hf handedFlow) end(cause Cause, release bool) {
+func (hf detachedFlow) end(cause Cause, release bool) {
 	fl, u := hf.fl, hf.u
 	fl.cause.CompareAndSwap(uint32(causeNone), uint32(cause))
 	fl.backend.Close()
@@ -160,12 +144,15 @@ func (hf handedFlow) end(cause Cause, release bool) {
 		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load()), backendSees: seesName(fl.sees)})
 }
 
-// adoptFlow puts a flow a predecessor handed over in its frontend's table
+// takeFlow puts a flow a predecessor transferred in its frontend's table
 // and starts its reply goroutine.
-func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) error {
-	var st flowState
+func (p *Proxier) takeFlow(byName map[string]*frontend, s handover.Socket) error {
+	var st connState
 	if err := json.Unmarshal(s.Meta, &st); err != nil {
 		return fmt.Errorf("UDP flow state: %w", err)
+	}
+	if !st.BackendSees.IsValid() {
+		st.BackendSees = st.FlowSees // a predecessor of the release before
 	}
 	fe := byName[st.Frontend]
 	if fe == nil || fe.udp == nil {
@@ -183,8 +170,8 @@ func (p *Proxier) adoptFlow(byName map[string]*frontend, s handover.Socket) erro
 	}
 	nat := p.dp.source.NATFor(st.Client.Addr().Unmap())
 	fl := &udpFlow{client: st.Client, local: st.Local, endpoint: st.Endpoint, reason: st.Reason, backend: c, out: out,
-		sees: st.Sees, start: st.Start}
-	fl.release = sock.AdoptUDPFrom(c, st.Endpoint, nat, st.Sees)
+		sees: st.BackendSees, start: st.Start}
+	fl.release = sock.HoldUDPFrom(c, st.Endpoint, nat, st.BackendSees)
 	fl.lastSeen.Store(st.LastSeen)
 	fl.up.Store(st.Up)
 	fl.down.Store(st.Down)
@@ -209,6 +196,6 @@ func (d *dataplane) openUDPGate() {
 	}
 }
 
-// FlowsAdopted says the predecessor's UDP flows are in (or will not come):
+// FlowsTransferred says the predecessor's UDP flows are in (or will not come):
 // the UDP frontends read their sockets from now on.
-func (p *Proxier) FlowsAdopted() { p.dp.openUDPGate() }
+func (p *Proxier) FlowsTransferred() { p.dp.openUDPGate() }

@@ -15,7 +15,7 @@ package proxy
 //	the REDIRECT, until the flow has been idle for the UDP timeout; then
 //	the flow's source NAT entry and port are given back (fl.release).
 //
-// At a handover the flow leaves whole instead (udphandoff.go): replies
+// At a handover the flow leaves whole instead (transfer_udp.go): replies
 // stops at its next read and the socket, NAT and all, goes to the
 // successor, whose own replies goroutine carries on.
 
@@ -74,12 +74,12 @@ type udpFlow struct {
 
 	failovers int // endpoints of this client's exchange that failed before this flow's
 
-	// A handover (udphandoff.go): detached asks the reply goroutine to stop
-	// at its next read, leaving the socket open; it sets handable when it
+	// A handover (transfer_udp.go): detached asks the reply goroutine to stop
+	// at its next read, leaving the socket open; it sets transferable when it
 	// did so, then closes stopped, as it does whenever it exits.
-	detached atomic.Bool
-	handable bool
-	stopped  chan struct{}
+	detached     atomic.Bool
+	transferable bool
+	stopped      chan struct{}
 
 	lastMu sync.Mutex // guards last
 	last   []byte     // the last datagram sent to the endpoint, if small: re-sent after a failover
@@ -402,7 +402,7 @@ func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
 	defer u.flows.wg.Done()
 	defer u.bal.Done(fl.endpoint)
 	defer func() {
-		if !fl.handable {
+		if !fl.transferable {
 			fl.release() // its socket is closed by then: every way out of the loop but a detach closes it
 		}
 	}()
@@ -430,7 +430,7 @@ func (u *udpServer) replies(fl *udpFlow, backend *net.UDPConn) {
 	for serr == nil {
 		if !armed {
 			if fl.detached.Load() {
-				fl.handable = true // for a successor: the socket stays open
+				fl.transferable = true // for a successor: the socket stays open
 				return
 			}
 			last := time.Unix(0, fl.lastSeen.Load())

@@ -22,7 +22,7 @@ import (
 
 // A daemon started beside a running one takes its sockets over (package
 // handover): the HTTP listeners here, the frontends' in the Proxier
-// (proxy.Proxier.Adopt). Once it serves it tells the predecessor, which
+// (proxy.Proxier.Inherit). Once it serves it tells the predecessor, which
 // stops serving, and opens the handover socket for its own successor.
 
 // The HTTP listeners' names in a handover.
@@ -116,10 +116,10 @@ func (p *predecessor) listener(name, addr string) net.Listener {
 	return nil
 }
 
-// adopt hands the frontends' sockets to the Proxier (the HTTP listeners
+// inherit hands the frontends' sockets to the Proxier (the HTTP listeners
 // are startHTTP's, through listener), which freezes the
 // predecessor just before its first sync.
-func (p *predecessor) adopt(ctx context.Context, px *proxy.Proxier) {
+func (p *predecessor) inherit(ctx context.Context, px *proxy.Proxier) {
 	if p == nil {
 		return
 	}
@@ -130,7 +130,7 @@ func (p *predecessor) adopt(ctx context.Context, px *proxy.Proxier) {
 			rest = append(rest, s)
 		}
 	}
-	px.Adopt(rest, func() (json.RawMessage, error) { return p.Freeze(ctx) })
+	px.Inherit(rest, func() (json.RawMessage, error) { return p.Freeze(ctx) })
 }
 
 // close ends the exchange and closes what nobody took.
@@ -147,27 +147,27 @@ func (p *predecessor) close() {
 	p.Close()
 }
 
-// adoptConns takes the predecessor's UDP flows (its first batch, after
+// takeTransfer takes the predecessor's UDP flows (its first batch, after
 // which the UDP frontends read their sockets) and live connections until
 // it has none left.
-func adoptConns(ctx context.Context, pred *predecessor, p *proxy.Proxier, log logrus.FieldLogger) {
-	defer p.FlowsAdopted()
+func takeTransfer(ctx context.Context, pred *predecessor, p *proxy.Proxier, log logrus.FieldLogger) {
+	defer p.FlowsTransferred()
 	start := time.Now()
 	total := 0
-	err := pred.Conns(ctx, func(socks []handover.Socket) {
-		n, err := p.AdoptConns(socks)
-		p.FlowsAdopted()
+	err := pred.Transfer(ctx, func(socks []handover.Socket) {
+		n, err := p.TakeTransfer(socks)
+		p.FlowsTransferred()
 		total += n
 		if err != nil {
-			log.WithError(err).Warn("Connections the predecessor handed over were closed")
+			log.WithError(err).Warn("Connections the predecessor transferred were closed")
 		}
 	})
 	l := log.WithFields(logrus.Fields{"connections": total, "took": time.Since(start).Round(time.Millisecond).String()})
 	if err != nil {
-		l.WithError(err).Warn("The predecessor stopped handing over connections; the rest drain in it")
+		l.WithError(err).Warn("The predecessor stopped transferring connections; the rest drain in it")
 		return
 	}
-	l.Info("Adopted the predecessor's connections")
+	l.Info("Took the predecessor's connections")
 }
 
 // keeperLink is the link to the keeper that runs this daemon (kube-userspace-proxy
@@ -216,8 +216,8 @@ func (g *giver) Lend(ctx context.Context) ([]handover.Socket, error) {
 	return socks, nil
 }
 
-func (g *giver) HandOff(ctx context.Context, send func([]handover.Socket) error) error {
-	return g.p.HandOff(ctx, send)
+func (g *giver) Transfer(ctx context.Context, send func([]handover.Socket) error) error {
+	return g.p.Transfer(ctx, send)
 }
 
 func (g *giver) Freeze(ctx context.Context) (json.RawMessage, error) { return g.p.Freeze(ctx) }
@@ -230,7 +230,7 @@ func (g *giver) Release(successor int) {
 	if g.keeper != nil {
 		// Our end is no crash now: the keeper lets the sockets go and
 		// ends with us.
-		if err := g.keeper.HandedOver(); err != nil {
+		if err := g.keeper.Released(); err != nil {
 			g.log.WithError(err).Warn("Cannot tell the keeper that a successor took over")
 		}
 	}
@@ -254,18 +254,18 @@ func serveHandovers(ctx context.Context, path string, profile handover.Profile, 
 				log.WithError(err).Warn("Cannot tell the keeper that this daemon serves")
 			}
 		}
-		var adopting sync.WaitGroup
-		defer adopting.Wait()
+		var taking sync.WaitGroup
+		defer taking.Wait()
 		if pred != nil {
 			if err := pred.Serving(ctx); err != nil {
 				log.WithError(err).Warn("The predecessor did not confirm the handover; it was stopped meanwhile, or stops serving by itself")
-				p.FlowsAdopted()
+				p.FlowsTransferred()
 				pred.close()
 			} else {
 				log.WithField("predecessor", pred.PID).Info("Took over: the predecessor serves nothing more")
-				adopting.Go(func() {
+				taking.Go(func() {
 					defer pred.close()
-					adoptConns(ctx, pred, p, log)
+					takeTransfer(ctx, pred, p, log)
 				})
 			}
 		}

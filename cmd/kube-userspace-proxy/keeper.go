@@ -126,7 +126,7 @@ type workerEnd struct {
 // after it had served. A failure before it served (bad flags, a refused
 // takeover) is the worker's verdict on its start: the keeper ends with it.
 func (e workerEnd) crashed() bool {
-	if e.said.HandedOver {
+	if e.said.Released {
 		return false
 	}
 	if e.panic != "" {

@@ -94,7 +94,7 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	guard := guardAtAccept(ipt, o.families)
 	probeConntrackNetlink(o, ipt, guard, report)
 	p := newProxier(o, rules, hc, events, keeper, guard, report, log)
-	pred.adopt(ctx, p)
+	pred.inherit(ctx, p)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
 	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())

@@ -114,14 +114,43 @@ type Socket struct {
 	Open func() (*os.File, error) `json:"-"`
 }
 
+// msgType is a message's type. The strings are the wire format: a daemon
+// hands over to one of another release, so they never change.
+type msgType string
+
+// The exchange's messages (the package comment draws their order).
+const (
+	msgHello    msgType = "hello"    // successor: versions, profile
+	msgOffer    msgType = "offer"    // running daemon: version, pid, count of sockets
+	msgRefuse   msgType = "refuse"   // running daemon: reason, differences
+	msgSockets  msgType = "sockets"  // running daemon: listening sockets, with descriptors
+	msgEnd      msgType = "end"      // running daemon: every socket sent
+	msgFreeze   msgType = "freeze"   // successor: stop changing what I took
+	msgFrozen   msgType = "frozen"   // running daemon: count of state pieces
+	msgState    msgType = "state"    // running daemon: a piece of the pick state
+	msgServing  msgType = "serving"  // successor: my rules are written
+	msgReleased msgType = "released" // running daemon: I serve nothing more
+	msgConns    msgType = "conns"    // running daemon: transferred connections and flows, with descriptors
+	msgDone     msgType = "done"     // running daemon: every connection transferred
+)
+
+// A worker's messages to its keeper (keeper.go).
+const (
+	msgKeep           msgType = "keep"
+	msgDrop           msgType = "drop"
+	msgAlive          msgType = "alive"
+	msgPicks          msgType = "picks"
+	msgWorkerReleased msgType = "handed-over"
+)
+
 // message is one message of the exchange.
 type message struct {
-	Type     string `json:"type"`
-	Versions []int  `json:"versions,omitempty"`
-	Version  int    `json:"version,omitempty"`
-	PID      int    `json:"pid,omitempty"`
-	Count    int    `json:"count,omitempty"`
-	Reason   string `json:"reason,omitempty"`
+	Type     msgType `json:"type"`
+	Versions []int   `json:"versions,omitempty"`
+	Version  int     `json:"version,omitempty"`
+	PID      int     `json:"pid,omitempty"`
+	Count    int     `json:"count,omitempty"`
+	Reason   string  `json:"reason,omitempty"`
 	// NetNS is the sender's network namespace (hello, offer): listeners
 	// and connections only make sense in the namespace they live in.
 	NetNS uint64 `json:"netns,omitempty"`
@@ -148,10 +177,10 @@ const maxMessage = 256 << 10
 // successor's first sync (its source may take long to answer).
 const stepTimeout = 10 * time.Second
 
-// handOffAfterStop bounds the transfer of live connections once this daemon
+// transferAfterStop bounds the transfer of live connections once this daemon
 // is told to stop: thousands take under a second (docs/benchmarks.md,
 // Handover); what is left then drains here.
-const handOffAfterStop = 10 * time.Second
+const transferAfterStop = 10 * time.Second
 
 // Listen opens the handover socket at path: its folder made root-only, a
 // stale socket of a previous daemon replaced, the socket itself 0600.
@@ -194,10 +223,10 @@ type Giver interface {
 	// Release: the successor serves. Stop serving, close the lent
 	// sockets' originals, never take anything back.
 	Release(successorPID int)
-	// HandOff sends the live connections, in batches (each socket's Meta
+	// Transfer sends the live connections, in batches (each socket's Meta
 	// its state), until none is left or ctx ends; what send could not
 	// take stays the giver's.
-	HandOff(ctx context.Context, send func([]Socket) error) error
+	Transfer(ctx context.Context, send func([]Socket) error) error
 }
 
 // Serve hands over to successors that connect to ln until one has taken
@@ -252,23 +281,23 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 	hello, _, err := receive(c)
 	if p.uid != 0 && p.uid != uint32(os.Geteuid()) {
 		log.Warn("Handover refused: the peer is neither root nor this daemon's user")
-		_ = send(c, message{Type: "refuse", Reason: "not root"}, nil)
+		_ = send(c, message{Type: msgRefuse, Reason: "not root"}, nil)
 		return false
 	}
-	if err != nil || hello.Type != "hello" {
+	if err != nil || hello.Type != msgHello {
 		log.WithError(err).WithField("message", hello.Type).Warn("Handover refused: no hello from the peer")
 		return false
 	}
 	if !slices.Contains(hello.Versions, Version) {
 		log.WithField("versions", fmt.Sprint(hello.Versions)).WithField("ours", Version).
 			Warn("Handover refused: the successor speaks no version of ours; it starts on its own, we go on until stopped")
-		_ = send(c, message{Type: "refuse", Reason: fmt.Sprintf("version %d only", Version), Version: Version}, nil)
+		_ = send(c, message{Type: msgRefuse, Reason: fmt.Sprintf("version %d only", Version), Version: Version}, nil)
 		return false
 	}
 	if ours, err := netNS(); err != nil || hello.NetNS != ours {
 		log.WithError(err).WithFields(logrus.Fields{"theirs": hello.NetNS, "ours": ours}).
 			Warn("Handover refused: the successor runs in another network namespace (give each namespace's daemon its own --handover-socket)")
-		_ = send(c, message{Type: "refuse", Reason: reasonOtherNetNS}, nil)
+		_ = send(c, message{Type: msgRefuse, Reason: reasonOtherNetNS}, nil)
 		return false
 	}
 	if own == nil {
@@ -279,14 +308,14 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 	} else if diff := own.differences(hello.Profile); len(diff) > 0 {
 		log.WithFields(logrus.Fields{"command": p.command(), "differences": strings.Join(diff, "; ")}).
 			Warn("Handover refused: the successor would serve this node otherwise (a daemon started by hand beside this one?); it does not start, we serve on")
-		_ = send(c, message{Type: "refuse", Reason: reasonMismatch, PID: os.Getpid(), Differences: diff}, nil)
+		_ = send(c, message{Type: msgRefuse, Reason: reasonMismatch, PID: os.Getpid(), Differences: diff}, nil)
 		return false
 	}
 	start := time.Now()
 	socks, err := g.Lend(ctx)
 	if err != nil {
 		log.WithError(err).Error("Handover refused: cannot lend the sockets")
-		_ = send(c, message{Type: "refuse", Reason: err.Error()}, nil)
+		_ = send(c, message{Type: msgRefuse, Reason: err.Error()}, nil)
 		return false
 	}
 	sent := sendSockets(c, socks)
@@ -298,7 +327,7 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 	// whole picture, which can take long: no deadline but ctx and the peer.
 	_ = c.SetDeadline(time.Time{})
 	m, _, err := receive(c)
-	if err != nil || m.Type != "freeze" {
+	if err != nil || m.Type != msgFreeze {
 		log.WithError(err).WithField("message", m.Type).Warn("Handover broke off before the successor synced; serving on")
 		return false
 	}
@@ -318,47 +347,47 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 		return false
 	}
 	m, _, err = receive(c)
-	if err != nil || m.Type != "serving" {
+	if err != nil || m.Type != msgServing {
 		log.WithError(err).WithField("message", m.Type).Warn("Handover broke off during the successor's first sync; serving on")
 		return false
 	}
 	// From here on the successor serves and our connections are its to
 	// take: a stop (SIGTERM, as a rollout sends once the successor is
 	// ready) must not break off their transfer, or it would cut every one
-	// of them. The transfer goes on, for at most handOffAfterStop after a
+	// of them. The transfer goes on, for at most transferAfterStop after a
 	// stop; the shutdown waits for it (serve.go).
 	if !stop() {
 		log.Warn("Stopped during the handover, before the successor took over: our connections drain here")
 		return false
 	}
 	thaw = false
-	handOffCtx, breakOff := context.WithCancel(context.WithoutCancel(ctx))
+	transferCtx, breakOff := context.WithCancel(context.WithoutCancel(ctx))
 	defer breakOff()
-	stopLate := context.AfterFunc(ctx, func() { time.AfterFunc(handOffAfterStop, breakOff) })
+	stopLate := context.AfterFunc(ctx, func() { time.AfterFunc(transferAfterStop, breakOff) })
 	defer stopLate()
-	stop = context.AfterFunc(handOffCtx, func() { c.Close() })
+	stop = context.AfterFunc(transferCtx, func() { c.Close() })
 	g.Release(int(p.pid))
 	_ = c.SetDeadline(time.Now().Add(stepTimeout))
-	if err := send(c, message{Type: "released"}, nil); err != nil {
+	if err := send(c, message{Type: msgReleased}, nil); err != nil {
 		log.WithError(err).Warn("The successor left before the handover's end; our connections drain here")
 		return true
 	}
 	log.WithFields(logrus.Fields{"sockets": len(socks), "took": time.Since(start).Round(time.Microsecond).String()}).
 		Info("Handed over to the successor; serving nothing more")
 	_ = c.SetDeadline(time.Time{})
-	err = g.HandOff(handOffCtx, func(conns []Socket) error {
+	err = g.Transfer(transferCtx, func(conns []Socket) error {
 		fds := make([]int, len(conns))
 		for i, s := range conns {
 			fds[i] = int(s.File.Fd())
 		}
 		_ = c.SetWriteDeadline(time.Now().Add(stepTimeout))
-		return send(c, message{Type: "conns", Sockets: conns}, fds)
+		return send(c, message{Type: msgConns, Sockets: conns}, fds)
 	})
 	if err != nil {
 		log.WithError(err).Warn("Connections not handed over drain here")
 		return true
 	}
-	_ = send(c, message{Type: "done"}, nil)
+	_ = send(c, message{Type: msgDone}, nil)
 	return true
 }
 
@@ -369,19 +398,19 @@ func sendSockets(c *net.UnixConn, socks []Socket) error {
 	if err != nil {
 		return err
 	}
-	if err := send(c, message{Type: "offer", Version: Version, PID: os.Getpid(), Count: len(socks), NetNS: ns}, nil); err != nil {
+	if err := send(c, message{Type: msgOffer, Version: Version, PID: os.Getpid(), Count: len(socks), NetNS: ns}, nil); err != nil {
 		return err
 	}
-	if err := openSend(c, "sockets", socks); err != nil {
+	if err := openSend(c, msgSockets, socks); err != nil {
 		return err
 	}
-	return send(c, message{Type: "end"}, nil)
+	return send(c, message{Type: msgEnd}, nil)
 }
 
 // openSend sends socks in messages of type typ, perMessage sockets each,
 // each socket opened just before and its duplicate closed after: one that
 // cannot be opened, closed meanwhile, is left out.
-func openSend(c *net.UnixConn, typ string, socks []Socket) error {
+func openSend(c *net.UnixConn, typ msgType, socks []Socket) error {
 	for chunk := range slices.Chunk(socks, perMessage) {
 		var fds []int
 		var files []*os.File
@@ -492,21 +521,21 @@ func TakeFrom(ctx context.Context, c *net.UnixConn, profile Profile) (*Predecess
 		return nil, fmt.Errorf("handover: %w", err)
 	}
 	_ = c.SetDeadline(time.Now().Add(stepTimeout))
-	if err := send(c, message{Type: "hello", Versions: []int{Version}, PID: os.Getpid(), NetNS: ns, Profile: profile}, nil); err != nil {
+	if err := send(c, message{Type: msgHello, Versions: []int{Version}, PID: os.Getpid(), NetNS: ns, Profile: profile}, nil); err != nil {
 		return nil, fmt.Errorf("handover: %w", err)
 	}
 	offer, _, err := receive(c)
 	switch {
 	case err != nil:
 		return nil, fmt.Errorf("handover: %w", err)
-	case offer.Type == "refuse" && offer.Reason == reasonOtherNetNS,
-		offer.Type == "offer" && offer.NetNS != ns:
+	case offer.Type == msgRefuse && offer.Reason == reasonOtherNetNS,
+		offer.Type == msgOffer && offer.NetNS != ns:
 		return nil, fmt.Errorf("%w (socket %s)", ErrOtherNetNS, path)
-	case offer.Type == "refuse" && offer.Reason == reasonMismatch:
+	case offer.Type == msgRefuse && offer.Reason == reasonMismatch:
 		return nil, &MismatchError{PID: offer.PID, Differences: offer.Differences}
-	case offer.Type == "refuse":
+	case offer.Type == msgRefuse:
 		return nil, fmt.Errorf("%w: %s", ErrRefused, offer.Reason)
-	case offer.Type != "offer" || offer.Version != Version:
+	case offer.Type != msgOffer || offer.Version != Version:
 		return nil, fmt.Errorf("handover: unexpected %q version %d", offer.Type, offer.Version)
 	}
 	p.PID = offer.PID
@@ -515,10 +544,10 @@ func TakeFrom(ctx context.Context, c *net.UnixConn, profile Profile) (*Predecess
 		if err != nil {
 			return nil, fmt.Errorf("handover: after %d of %d sockets: %w", len(p.Sockets), offer.Count, err)
 		}
-		if m.Type == "end" {
+		if m.Type == msgEnd {
 			break
 		}
-		if m.Type != "sockets" || len(files) != len(m.Sockets) {
+		if m.Type != msgSockets || len(files) != len(m.Sockets) {
 			closeAll(files)
 			return nil, fmt.Errorf("handover: %q with %d descriptors for %d sockets", m.Type, len(files), len(m.Sockets))
 		}
@@ -536,7 +565,7 @@ func TakeFrom(ctx context.Context, c *net.UnixConn, profile Profile) (*Predecess
 // changing anything until Serving (or until this connection ends). It
 // returns the predecessor's state beyond the sockets.
 func (p *Predecessor) Freeze(ctx context.Context) (json.RawMessage, error) {
-	m, err := p.step(ctx, "freeze", "frozen")
+	m, err := p.step(ctx, msgFreeze, msgFrozen)
 	if err != nil {
 		return nil, err
 	}
@@ -546,7 +575,7 @@ func (p *Predecessor) Freeze(ctx context.Context) (json.RawMessage, error) {
 		if err != nil {
 			return nil, fmt.Errorf("handover state: %w", err)
 		}
-		if piece.Type != "state" {
+		if piece.Type != msgState {
 			return nil, fmt.Errorf("handover state: answered %q", piece.Type)
 		}
 		state = append(state, piece.Data...)
@@ -562,12 +591,12 @@ const statePiece = 96 << 10
 // pick state is megabytes).
 func sendState(c *net.UnixConn, state []byte) error {
 	pieces := (len(state) + statePiece - 1) / statePiece
-	if err := send(c, message{Type: "frozen", Count: pieces}, nil); err != nil {
+	if err := send(c, message{Type: msgFrozen, Count: pieces}, nil); err != nil {
 		return err
 	}
 	for len(state) > 0 {
 		n := min(len(state), statePiece)
-		if err := send(c, message{Type: "state", Data: state[:n]}, nil); err != nil {
+		if err := send(c, message{Type: msgState, Data: state[:n]}, nil); err != nil {
 			return err
 		}
 		state = state[n:]
@@ -578,11 +607,11 @@ func sendState(c *net.UnixConn, state []byte) error {
 // Serving tells the predecessor that this daemon serves: it closes its
 // copies and serves nothing more.
 func (p *Predecessor) Serving(ctx context.Context) error {
-	_, err := p.step(ctx, "serving", "released")
+	_, err := p.step(ctx, msgServing, msgReleased)
 	return err
 }
 
-func (p *Predecessor) step(ctx context.Context, say, want string) (message, error) {
+func (p *Predecessor) step(ctx context.Context, say, want msgType) (message, error) {
 	stop := context.AfterFunc(ctx, func() { p.c.Close() })
 	defer stop()
 	_ = p.c.SetDeadline(time.Now().Add(stepTimeout))
@@ -599,10 +628,10 @@ func (p *Predecessor) step(ctx context.Context, say, want string) (message, erro
 	return m, nil
 }
 
-// Conns receives the connections the predecessor hands over after
-// Serving, giving each batch to adopt (which owns its Files), until the
-// predecessor has none left (nil) or the exchange ends.
-func (p *Predecessor) Conns(ctx context.Context, adopt func([]Socket)) error {
+// Transfer receives the live connections and UDP flows the predecessor
+// transfers after Serving, giving each batch to take (which owns its
+// Files), until the predecessor has none left (nil) or the exchange ends.
+func (p *Predecessor) Transfer(ctx context.Context, take func([]Socket)) error {
 	stop := context.AfterFunc(ctx, func() { p.c.Close() })
 	defer stop()
 	_ = p.c.SetDeadline(time.Time{})
@@ -612,16 +641,16 @@ func (p *Predecessor) Conns(ctx context.Context, adopt func([]Socket)) error {
 			return fmt.Errorf("handover of connections: %w", err)
 		}
 		switch {
-		case m.Type == "done":
+		case m.Type == msgDone:
 			return nil
-		case m.Type != "conns" || len(files) != len(m.Sockets):
+		case m.Type != msgConns || len(files) != len(m.Sockets):
 			closeAll(files)
 			return fmt.Errorf("handover of connections: %q with %d descriptors for %d sockets", m.Type, len(files), len(m.Sockets))
 		}
 		for i := range m.Sockets {
 			m.Sockets[i].File = files[i]
 		}
-		adopt(m.Sockets)
+		take(m.Sockets)
 	}
 }
 

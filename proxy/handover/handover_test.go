@@ -62,8 +62,8 @@ func (g *fakeGiver) Freeze(ctx context.Context) (json.RawMessage, error) {
 // is megabytes).
 var bigState = json.RawMessage(`{"picks":"` + strings.Repeat("x", 1<<20) + `"}`)
 
-func (g *fakeGiver) HandOff(ctx context.Context, send func([]Socket) error) error {
-	g.step("handoff")
+func (g *fakeGiver) Transfer(ctx context.Context, send func([]Socket) error) error {
+	g.step("transfer")
 	return nil
 }
 func (g *fakeGiver) Thaw()           { g.step("thaw") }
@@ -144,7 +144,7 @@ func TestExchange(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Serve did not return after the handover")
 	}
-	if got := g.Steps(); got != "lend freeze release handoff" {
+	if got := g.Steps(); got != "lend freeze release transfer" {
 		t.Errorf("steps %q", got)
 	}
 }
@@ -183,7 +183,7 @@ func TestSuccessorGoneHalfWay(t *testing.T) {
 	if err := p.Serving(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitSteps(t, g, "lend lend freeze thaw lend freeze release handoff")
+	waitSteps(t, g, "lend lend freeze thaw lend freeze release transfer")
 }
 
 // A giver gone half-way fails Take (a plain start follows), and with
@@ -203,7 +203,7 @@ func TestGiverGone(t *testing.T) {
 			return
 		}
 		_, _, _ = receive(c)
-		_ = send(c, message{Type: "offer", Version: Version, Count: 5}, nil)
+		_ = send(c, message{Type: msgOffer, Version: Version, Count: 5}, nil)
 		c.Close() // killed before the sockets
 	}()
 	if p, err := Take(context.Background(), path, testProfile); err == nil || p != nil {
@@ -224,11 +224,11 @@ func TestVersionRefused(t *testing.T) {
 	}
 	defer c.Close()
 	uc := c.(*net.UnixConn)
-	if err := send(uc, message{Type: "hello", Versions: []int{Version + 1}}, nil); err != nil {
+	if err := send(uc, message{Type: msgHello, Versions: []int{Version + 1}}, nil); err != nil {
 		t.Fatal(err)
 	}
 	m, _, err := receive(uc)
-	if err != nil || m.Type != "refuse" || !strings.Contains(m.Reason, "version") {
+	if err != nil || m.Type != msgRefuse || !strings.Contains(m.Reason, "version") {
 		t.Fatalf("got %+v %v, want a refusal naming the version", m, err)
 	}
 	if got := g.Steps(); got != "" {

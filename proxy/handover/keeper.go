@@ -107,7 +107,7 @@ func inheritedConn(env string) (*net.UnixConn, error) {
 // Keep gives the keeper a duplicate of each of socks (opened as sent).
 func (k *KeeperLink) Keep(socks []Socket) error {
 	_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
-	return openSend(k.c, "keep", socks)
+	return openSend(k.c, msgKeep, socks)
 }
 
 // Drop tells the keeper that the sockets named are closed.
@@ -115,7 +115,7 @@ func (k *KeeperLink) Drop(names []string) error {
 	for len(names) > 0 {
 		n := min(len(names), 1000)
 		_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
-		if err := send(k.c, message{Type: "drop", Names: names[:n]}, nil); err != nil {
+		if err := send(k.c, message{Type: msgDrop, Names: names[:n]}, nil); err != nil {
 			return err
 		}
 		names = names[n:]
@@ -124,10 +124,10 @@ func (k *KeeperLink) Drop(names []string) error {
 }
 
 // Serving tells the keeper that the worker serves (its first sync done).
-func (k *KeeperLink) Serving() error { return k.say("serving") }
+func (k *KeeperLink) Serving() error { return k.say(msgServing) }
 
 // Alive tells the keeper that the worker's sync goroutine answers.
-func (k *KeeperLink) Alive() error { return k.say("alive") }
+func (k *KeeperLink) Alive() error { return k.say(msgAlive) }
 
 // Picks gives the keeper the pick states that changed (frontend → state,
 // JSON null for a frontend gone), in pieces that fit a message.
@@ -145,7 +145,7 @@ func (k *KeeperLink) Picks(changed map[string]json.RawMessage) error {
 		_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
 		clear(piece)
 		size = 0
-		return send(k.c, message{Type: "picks", Data: b}, nil)
+		return send(k.c, message{Type: msgPicks, Data: b}, nil)
 	}
 	for name, st := range changed {
 		if size+len(name)+len(st) > statePiece {
@@ -159,11 +159,11 @@ func (k *KeeperLink) Picks(changed map[string]json.RawMessage) error {
 	return flush()
 }
 
-// HandedOver tells the keeper that a successor took over: the worker's
+// Released tells the keeper that a successor took over: the worker's
 // end is no crash.
-func (k *KeeperLink) HandedOver() error { return k.say("handed-over") }
+func (k *KeeperLink) Released() error { return k.say(msgWorkerReleased) }
 
-func (k *KeeperLink) say(what string) error {
+func (k *KeeperLink) say(what msgType) error {
 	_ = k.c.SetWriteDeadline(time.Now().Add(keeperWriteTimeout))
 	return send(k.c, message{Type: what}, nil)
 }
@@ -180,8 +180,8 @@ type Keeper struct {
 	picks map[string]json.RawMessage // each frontend's pick state, as last given
 	// The current worker's last "alive" (unix ns; 0: none yet) and
 	// whether it was handed over, for the keeper's watch of a hung worker.
-	alive      atomic.Int64
-	handedOver atomic.Bool
+	alive    atomic.Int64
+	released atomic.Bool
 }
 
 // NewKeeper holds nothing yet.
@@ -191,7 +191,7 @@ func NewKeeper() *Keeper {
 
 // WorkerSaid is what a worker said on its socket before it ended.
 type WorkerSaid struct {
-	Serving, HandedOver bool
+	Serving, Released bool
 }
 
 // Receive applies what the worker says on c until c ends (the worker
@@ -199,14 +199,14 @@ type WorkerSaid struct {
 func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 	var said WorkerSaid
 	k.alive.Store(0)
-	k.handedOver.Store(false)
+	k.released.Store(false)
 	for {
 		m, files, err := receive(c)
 		if err != nil {
 			return said
 		}
 		switch m.Type {
-		case "keep":
+		case msgKeep:
 			if len(files) != len(m.Sockets) {
 				closeAll(files)
 				continue
@@ -220,7 +220,7 @@ func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 				k.socks[s.Name] = s
 			}
 			k.mu.Unlock()
-		case "drop":
+		case msgDrop:
 			closeAll(files)
 			k.mu.Lock()
 			for _, name := range m.Names {
@@ -230,11 +230,11 @@ func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 				}
 			}
 			k.mu.Unlock()
-		case "serving":
+		case msgServing:
 			said.Serving = true
-		case "alive":
+		case msgAlive:
 			k.alive.Store(time.Now().UnixNano())
-		case "picks":
+		case msgPicks:
 			var changed map[string]json.RawMessage
 			if json.Unmarshal(m.Data, &changed) != nil {
 				continue
@@ -248,9 +248,9 @@ func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 				}
 			}
 			k.mu.Unlock()
-		case "handed-over":
-			said.HandedOver = true
-			k.handedOver.Store(true)
+		case msgWorkerReleased:
+			said.Released = true
+			k.released.Store(true)
 			k.closeAll()
 		default:
 			closeAll(files)
@@ -262,7 +262,7 @@ func (k *Keeper) Receive(c *net.UnixConn) WorkerSaid {
 // before it first did, and once it was handed over (its end is no crash).
 func (k *Keeper) Silent(now time.Time) time.Duration {
 	at := k.alive.Load()
-	if at == 0 || k.handedOver.Load() {
+	if at == 0 || k.released.Load() {
 		return 0
 	}
 	return now.Sub(time.Unix(0, at))
@@ -318,8 +318,8 @@ func (k *Keeper) Thaw() {}
 // Release keeps every socket: the worker that took them keeps them again.
 func (k *Keeper) Release(int) {}
 
-// HandOff: a keeper carries no connection.
-func (k *Keeper) HandOff(context.Context, func([]Socket) error) error { return nil }
+// Transfer: a keeper carries no connection.
+func (k *Keeper) Transfer(context.Context, func([]Socket) error) error { return nil }
 
 // dupFile duplicates f's descriptor (close-on-exec).
 func dupFile(f *os.File) (*os.File, error) {

@@ -68,7 +68,7 @@ func TestKeeperKeepsAndLends(t *testing.T) {
 
 	// The worker dies: its listeners close, a client connects meanwhile.
 	link.Close()
-	if said := <-saidc; !said.Serving || said.HandedOver {
+	if said := <-saidc; !said.Serving || said.Released {
 		t.Fatalf("the worker said %+v, want serving", said)
 	}
 	for _, ln := range lns {
@@ -123,7 +123,7 @@ func TestKeeperKeepsAndLends(t *testing.T) {
 	if err := p.Serving(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Conns(ctx, func([]Socket) { t.Error("a keeper handed a connection over") }); err != nil {
+	if err := p.Transfer(ctx, func([]Socket) { t.Error("a keeper handed a connection over") }); err != nil {
 		t.Fatal(err)
 	}
 	<-done
@@ -140,11 +140,11 @@ func TestKeeperKeepsAndLends(t *testing.T) {
 	wc2, _ := net.FileConn(wf2)
 	wf2.Close()
 	link2 := &KeeperLink{c: wc2.(*net.UnixConn)}
-	if err := link2.HandedOver(); err != nil {
+	if err := link2.Released(); err != nil {
 		t.Fatal(err)
 	}
 	link2.Close()
-	if said := <-saidc; !said.HandedOver {
+	if said := <-saidc; !said.Released {
 		t.Fatalf("the worker said %+v, want handed over", said)
 	}
 	kc2.Close()

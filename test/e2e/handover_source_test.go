@@ -92,7 +92,7 @@ func TestHandoverKeepsTransparentConnections(t *testing.T) {
 	}
 	for i := 1; i <= n; i++ {
 		next := h.daemon()
-		waitLog(t, next, "Adopted the predecessor's connections")
+		waitLog(t, next, "Took the predecessor's connections")
 		// The successor's first dials take its first ports: the ones
 		// the held connections were made from.
 		for j := range 40 {

@@ -283,12 +283,12 @@ func TestHandoverRefusesNothing(t *testing.T) {
 		t.Errorf("only %d connections tried", tries)
 	}
 	for _, p := range []*Proc{second, third} {
-		if !strings.Contains(p.Output(), "Adopted the predecessor's connections") || !strings.Contains(grepLines(p.Output(), "Adopted the predecessor"), "connections=") {
+		if !strings.Contains(p.Output(), "Took the predecessor's connections") || !strings.Contains(grepLines(p.Output(), "Took the predecessor"), "connections=") {
 			t.Errorf("no adoption logged:\n%s", tail(p.Output(), 2000))
 		}
 	}
 	for _, p := range []*Proc{first, second} {
-		if !strings.Contains(p.Output(), "UDP flows handed over") {
+		if !strings.Contains(p.Output(), "UDP flows transferred") {
 			t.Errorf("the old daemon handed no UDP flow over:\n%s", grepLines(p.Output(), "handover"))
 		}
 	}
@@ -519,7 +519,7 @@ func TestManyHandovers(t *testing.T) {
 	var first daemonUsage
 	for i := 1; i <= n; i++ {
 		next := h.daemon()
-		waitLog(t, next, "Adopted the predecessor's connections")
+		waitLog(t, next, "Took the predecessor's connections")
 		_ = cur.Cmd.Process.Signal(syscall.SIGTERM)
 		if err := cur.Cmd.Wait(); err != nil {
 			t.Fatalf("handover %d: the old daemon: %v\n%s", i, err, tail(cur.Output(), 20))
@@ -684,7 +684,7 @@ func TestHandoverKilledMidway(t *testing.T) {
 		t.Fatal(err)
 	}
 	second := start()
-	waitLog(t, second, "Adopted the predecessor's connections")
+	waitLog(t, second, "Took the predecessor's connections")
 	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
 	if err := first.Cmd.Wait(); err != nil {
 		t.Errorf("the first daemon on SIGTERM: %v", err)
@@ -829,7 +829,7 @@ func TestHandoverHalfClosed(t *testing.T) {
 		t.Fatalf("the first bytes of the answer: %v", err)
 	}
 	second := h.daemon()
-	waitLog(t, second, "Adopted the predecessor's connections")
+	waitLog(t, second, "Took the predecessor's connections")
 	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
 	if err := first.Cmd.Wait(); err != nil {
 		t.Errorf("the old daemon: %v", err)
@@ -838,12 +838,12 @@ func TestHandoverHalfClosed(t *testing.T) {
 	got = append(got, rest...)
 	if err != nil || !bytes.Equal(got, sent) {
 		t.Fatalf("the half-closed connection across the handover: %d of %d bytes, equal %v, %v\nold daemon:\n%s",
-			len(got), len(sent), bytes.Equal(got, sent[:min(len(got), len(sent))]), err, grepLines(first.Output(), "handed over"))
+			len(got), len(sent), bytes.Equal(got, sent[:min(len(got), len(sent))]), err, grepLines(first.Output(), "transferred"))
 	}
 	// Adopted while the answer was still coming (a pair left in the old
 	// daemon would be adopted as none, once it had ended there).
-	if !strings.Contains(grepLines(second.Output(), "Adopted the predecessor"), "connections=1") {
-		t.Errorf("the successor did not adopt the half-closed connection:\n%s", grepLines(second.Output(), "Adopted"))
+	if !strings.Contains(grepLines(second.Output(), "Took the predecessor"), "connections=1") {
+		t.Errorf("the successor did not take the half-closed connection:\n%s", grepLines(second.Output(), "Took the predecessor"))
 	}
 }
 
@@ -969,7 +969,7 @@ func TestStopDuringTheConnectionsTransfer(t *testing.T) {
 		t.Fatalf("%d of %d connections cut by the stop during their transfer (%s …)\nthe old daemon:\n%s\nthe successor:\n%s",
 			len(cut), len(conns), cut[0], grepLines(old.Output(), "handover"), grepLines(next.Output(), "handover"))
 	}
-	if !strings.Contains(next.Output(), "Adopted the predecessor's connections") {
+	if !strings.Contains(next.Output(), "Took the predecessor's connections") {
 		t.Errorf("the successor did not say it adopted the connections:\n%s", grepLines(next.Output(), "handover"))
 	}
 }

@@ -531,7 +531,7 @@ func TestDialFromTheNodeSharesPorts(t *testing.T) {
 // the range's first port to the same endpoint, SO_REUSEADDR letting them.
 // The second dial takes another port, and the first connection keeps its
 // source NAT: its next bytes reach the backend and are acknowledged. Once
-// the first connection is adopted (AdoptSourcePort) its port is not handed
+// the first connection is adopted (HoldSourcePort) its port is not handed
 // out while it is open, and is again once it is closed.
 func TestDialFromSparesAnotherSocketsConnection(t *testing.T) {
 	l := newNATLab(t)
@@ -565,7 +565,7 @@ func TestDialFromSparesAnotherSocketsConnection(t *testing.T) {
 	// Adopted by a third: its first port is not handed out while the
 	// connection is open, and is once it is closed.
 	adopter := l.clientNAT(t, 1, 20000, 8)
-	held.AdoptSourcePort(adopter)
+	held.HoldSourcePort(adopter)
 	node := netip.MustParseAddr("10.0.2.1")
 	if p, _ := adopter.ports.take(node); p != 20001 {
 		t.Fatalf("with the adopted connection open the adopter handed out port %d, want 20001", p)

@@ -261,13 +261,13 @@ func DatagramFailure(err error) string {
 	return "error"
 }
 
-// AdoptUDPFrom is DialUDPFrom's release for c, a flow socket to ep that a
-// predecessor dialed and handed over, whose backend sees sees (invalid:
+// HoldUDPFrom is DialUDPFrom's release for c, a flow socket to ep that a
+// predecessor dialed and transferred, whose backend sees sees (invalid:
 // the node's address): the port c is bound to is taken from nat's range
 // (when in it) until release, and the conntrack entry of a source NAT (sees
 // is not c's own address) is deleted then. nat may be nil (no source NAT
 // for the family).
-func AdoptUDPFrom(c *net.UDPConn, ep netip.AddrPort, nat *ClientNAT, sees netip.Addr) (release func()) {
+func HoldUDPFrom(c *net.UDPConn, ep netip.AddrPort, nat *ClientNAT, sees netip.Addr) (release func()) {
 	local := c.LocalAddr().(*net.UDPAddr).AddrPort()
 	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
 	natted := sees.IsValid() && sees.Unmap() != local.Addr()

@@ -211,7 +211,7 @@ func bindSource(fd int, ep netip.AddrPort, src Source, proto uint8) (boundSource
 		// its port at once), each taken over only when over. One from
 		// this socket's port that is not over is another socket's live
 		// connection (SO_REUSEADDR lets TCP sockets share a port: a
-		// predecessor's, or one it handed over), whose NAT goes with its
+		// predecessor's, or one it transferred), whose NAT goes with its
 		// entry: this dial takes another port. UDP sockets never share a
 		// port, so an entry from this one's is a closed flow's; but UDP
 		// has no TIME_WAIT, and its entry from the client's port is

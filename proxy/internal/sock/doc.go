@@ -41,10 +41,10 @@
 //     Listener's, a UDP socket's and a Conn's descriptor (File, UDPFile)
 //     and their way back (FileListener, FileUDP, FileConn), and
 //     Conn.Detach, which has a Copy from the Conn stop at its next pause
-//     with ErrDetached, everything it read written on; AdoptUDPFrom makes
-//     a handed-over flow socket's release in its new process (its port
+//     with ErrDetached, everything it read written on; HoldUDPFrom makes
+//     a transferred flow socket's release in its new process (its port
 //     taken from the range, its conntrack entry deleted when it ends),
-//     Conn.AdoptSourcePort takes a handed-over backend connection's port
+//     Conn.HoldSourcePort takes a transferred backend connection's port
 //     of the range until its Close.
 //   - HoldPort (a bound, non-listening socket that keeps a port from other
 //     processes), RefusePort (the same, refusing what arrives: a TCP reset,

@@ -61,8 +61,8 @@ func (c *Conn) File() (*os.File, error) {
 	return f, ferr
 }
 
-// FileConn makes a Conn of a connected TCP socket another process handed
-// over; f stays the caller's (close it).
+// FileConn makes a Conn of a connected TCP socket that another process
+// transferred; f stays the caller's (close it).
 func FileConn(f *os.File) (*Conn, error) {
 	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
@@ -70,7 +70,7 @@ func FileConn(f *os.File) (*Conn, error) {
 	}
 	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_STREAM {
 		unix.Close(fd)
-		return nil, fmt.Errorf("handed-over socket is not a TCP socket (type %d, %v)", t, err)
+		return nil, fmt.Errorf("inherited socket is not a TCP socket (type %d, %v)", t, err)
 	}
 	if err := unix.SetNonblock(fd, true); err != nil {
 		unix.Close(fd)
@@ -85,12 +85,12 @@ func FileConn(f *os.File) (*Conn, error) {
 	return c, nil
 }
 
-// AdoptSourcePort makes the port of c, a backend connection a predecessor
+// HoldSourcePort makes the port of c, a backend connection a predecessor
 // dialled from the port range of nat (a source-NATed dial), this
 // process's own while c is open, as if c had been dialled here: no dial
 // of this process binds it meanwhile, and c's Close gives it back. A port
 // outside the range is left alone.
-func (c *Conn) AdoptSourcePort(nat *ClientNAT) {
+func (c *Conn) HoldSourcePort(nat *ClientNAT) {
 	if nat == nil || nat.ports == nil {
 		return
 	}
@@ -127,10 +127,10 @@ func FileListener(f *os.File) (*Listener, error) {
 		}
 	}()
 	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_STREAM {
-		return nil, fmt.Errorf("handed-over socket is not a TCP socket (type %d, %v)", t, err)
+		return nil, fmt.Errorf("inherited socket is not a TCP socket (type %d, %v)", t, err)
 	}
 	if a, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || a != 1 {
-		return nil, errors.New("handed-over socket is not listening")
+		return nil, errors.New("inherited socket is not listening")
 	}
 	if err := unix.SetNonblock(fd, true); err != nil {
 		return nil, os.NewSyscallError("fcntl", err)
@@ -171,7 +171,7 @@ func FileUDP(f *os.File) (*net.UDPConn, error) {
 	c, ok := pc.(*net.UDPConn)
 	if !ok {
 		pc.Close()
-		return nil, errors.New("handed-over socket is not a UDP socket")
+		return nil, errors.New("inherited socket is not a UDP socket")
 	}
 	return c, nil
 }
