@@ -12,6 +12,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // Address kinds a destination can be of a Service port.
@@ -138,7 +139,7 @@ func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Expl
 	bal, node, zone := p.rec.balancerOf(fe)
 	x := explain(fe, as, client, node, zone, bal, bal != nil)
 	if fe.Protocol == config.TCP && client.IsValid() {
-		x.BackendSees = p.dp.source.Describe(clientaddr.NewPolicy(p.cfg.BackendSource, keyOf(fe).Kind, fe.Service), fe.Protocol == config.UDP, as == AsClusterIP, client)
+		x.BackendSees = p.dp.Source().Describe(clientaddr.NewPolicy(p.cfg.BackendSource, dataplane.KeyOf(fe).Kind, fe.Service), fe.Protocol == config.UDP, as == AsClusterIP, client)
 	}
 	return x
 }
@@ -151,7 +152,7 @@ func ExplainPlanned(fe config.Frontend, as string, client netip.Addr, node, zone
 
 func explain(fe config.Frontend, as string, client netip.Addr, node, zone string, bal *balance.Balancer, live bool) Explanation {
 	sp := fe.Service
-	local := keyOf(fe).localOnly(sp)
+	local := localOnly(dataplane.KeyOf(fe), sp)
 	localClient := as != "" && as != AsClusterIP && fe.ServesLocalClients()
 	if as == AsClusterIP {
 		local = sp.InternalLocal

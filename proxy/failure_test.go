@@ -12,10 +12,10 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // One of two endpoints blackholed: after the first one or two connections
@@ -57,10 +57,10 @@ func TestOutlierBlackholedEndpoint(t *testing.T) {
 	if !ejected {
 		t.Fatalf("health %+v: the blackholed endpoint is not shown ejected", h.p.EndpointHealth(fe))
 	}
-	if n := value(t, endpointEjections.WithLabelValues("ns/bh", dead.String())); n != 1 {
+	if n := value(t, "kube_userspace_proxy_endpoint_ejections_total", "service", "ns/bh", "endpoint", dead.String()); n != 1 {
 		t.Fatalf("ejections metric %v, want 1", n)
 	}
-	if n := value(t, dialFailures.WithLabelValues("ns/bh", dead.String(), "timeout")); n != float64(paid) {
+	if n := value(t, "kube_userspace_proxy_dial_failures_total", "service", "ns/bh", "endpoint", dead.String(), "reason", "timeout"); n != float64(paid) {
 		t.Fatalf("dial failures{reason=timeout} %v, want %d", n, paid)
 	}
 	if !strings.Contains(gatherText(t), `kube_userspace_proxy_endpoints_ejected{endpoint="`+dead.String()+`",service="ns/bh"} 1`) {
@@ -68,14 +68,35 @@ func TestOutlierBlackholedEndpoint(t *testing.T) {
 	}
 }
 
-// value reads a counter or gauge.
-func value(t *testing.T, m prometheus.Metric) float64 {
+// value reads the counter or gauge name whose labels are those of
+// labels (name, value pairs), as /metrics would show it; 0 when absent.
+func value(t *testing.T, name string, labels ...string) float64 {
 	t.Helper()
-	var d dto.Metric
-	if err := m.Write(&d); err != nil {
+	reg := prometheus.NewRegistry()
+	RegisterMetrics(reg)
+	mfs, err := reg.Gather()
+	if err != nil {
 		t.Fatal(err)
 	}
-	return d.GetCounter().GetValue() + d.GetGauge().GetValue()
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i+1 < len(labels); i += 2 {
+				if have[labels[i]] != labels[i+1] {
+					continue series
+				}
+			}
+			return m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return 0
 }
 
 // gatherText renders the proxy's metrics as the exposition format.
@@ -185,7 +206,7 @@ func deadUDPPort(t *testing.T) netip.AddrPort {
 func TestUDPFailoverFromDeadEndpoint(t *testing.T) {
 	h := startProxier(t, Config{
 		Outlier:     balance.OutlierConfig{ConsecutiveFailures: 2, BaseEjectionTime: time.Minute, MaxEjectionTime: time.Minute},
-		ConnLogMode: ConnLogErrors,
+		ConnLogMode: dataplane.ConnLogErrors,
 	})
 	dead := deadUDPPort(t)
 	h.apply(svc("dns", config.UDP, udpBackend(t, "alive"), dead))
@@ -205,15 +226,15 @@ func TestUDPFailoverFromDeadEndpoint(t *testing.T) {
 	if answered < 19 {
 		t.Fatalf("%d of 20 fresh queries answered within 1 s, want at least 19", answered)
 	}
-	if n := value(t, udpEndpointErrors.WithLabelValues("ns/dns", dead.String(), "refused")); n < 1 || n > 2 {
+	if n := value(t, "kube_userspace_proxy_udp_endpoint_errors_total", "service", "ns/dns", "endpoint", dead.String(), "reason", "refused"); n < 1 || n > 2 {
 		t.Fatalf("UDP endpoint errors{refused} %v, want 1 or 2 (then it is ejected)", n)
 	}
-	if n := value(t, endpointEjections.WithLabelValues("ns/dns", dead.String())); n != 1 {
+	if n := value(t, "kube_userspace_proxy_endpoint_ejections_total", "service", "ns/dns", "endpoint", dead.String()); n != 1 {
 		t.Fatalf("ejections %v, want 1", n)
 	}
 	// The failed flows are logged as errors, naming the endpoint error.
 	for _, f := range h.logs.Find("UDP flow closed") {
-		if f["cause"] != CauseEndpointError.String() || f["endpoint"] != dead.String() {
+		if f["cause"] != dataplane.CauseEndpointError.String() || f["endpoint"] != dead.String() {
 			t.Errorf("line %v: want only the dead endpoint's failures logged", f)
 		}
 		if _, ok := f["origDst"]; ok {
@@ -225,7 +246,7 @@ func TestUDPFailoverFromDeadEndpoint(t *testing.T) {
 // Under the default log, UDP flows that end by going quiet (every DNS
 // query's) write no line.
 func TestUDPIdleEndsAreNotErrors(t *testing.T) {
-	h := startProxier(t, Config{UDPTimeout: 100 * time.Millisecond, ConnLogMode: ConnLogErrors})
+	h := startProxier(t, Config{UDPTimeout: 100 * time.Millisecond, ConnLogMode: dataplane.ConnLogErrors})
 	h.apply(svc("quiet", config.UDP, udpBackend(t, "a")))
 	for i := 0; i < 50; i++ {
 		c := dialUDP(t, h.addr("quiet"))
@@ -233,7 +254,7 @@ func TestUDPIdleEndsAreNotErrors(t *testing.T) {
 	}
 	fe := h.frontend("quiet")
 	waitFor(t, "every flow to expire", func() bool { n, _ := h.p.UDPFlows(fe); return n == 0 })
-	if n := h.p.dp.budget.udpFlows.Load(); n != 0 {
+	if n := h.p.dp.Budget().UDPFlows; n != 0 {
 		t.Fatalf("the descriptor budget still counts %d flows", n)
 	}
 	if lines := h.logs.Find("UDP flow closed"); len(lines) != 0 {

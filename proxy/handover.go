@@ -15,80 +15,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"net/netip"
-	"os"
-	"strings"
-	"sync"
-	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
-
-// Socket roles: a frontend's listener on a port of the range, or on its
-// NodePort.
-const (
-	roleRange    = "range"
-	roleNodePort = "nodeport"
-)
-
-// socketName is a frontend socket's name in a handover.
-func socketName(key frontendKey, role string) string { return "frontend " + key.String() + " " + role }
-
-// inherited are the sockets a predecessor lent, by name, until a
-// frontend takes one.
-type inherited struct {
-	mu    sync.Mutex
-	socks map[string]handover.Socket
-}
-
-// take returns the inherited socket named for key and role if it is of
-// proto and bound to ip, as a listener; false when there is none.
-func (in *inherited) take(key frontendKey, role string, proto config.Protocol, ip netip.Addr) (listener, bool) {
-	in.mu.Lock()
-	s, ok := in.socks[socketName(key, role)]
-	if ok {
-		delete(in.socks, socketName(key, role))
-	}
-	in.mu.Unlock()
-	if !ok {
-		return listener{}, false
-	}
-	defer s.File.Close()
-	ap, err := netip.ParseAddrPort(s.Addr)
-	if err != nil || s.Proto != strings.ToLower(string(proto)) || ap.Addr() != ip {
-		return listener{}, false // another bind address or protocol now: a new socket
-	}
-	switch proto {
-	case config.TCP:
-		ln, err := sock.FileListener(s.File)
-		if err != nil {
-			return listener{}, false
-		}
-		return listener{tcp: ln, port: int(ap.Port())}, true
-	case config.UDP:
-		c, err := sock.FileUDP(s.File)
-		if err != nil {
-			return listener{}, false
-		}
-		return listener{udp: c, port: int(ap.Port())}, true
-	}
-	return listener{}, false
-}
-
-// closeRest closes the sockets no frontend took: Services gone meanwhile.
-func (in *inherited) closeRest() int {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	n := len(in.socks)
-	for _, s := range in.socks {
-		s.File.Close()
-	}
-	clear(in.socks)
-	return n
-}
 
 // Inherit gives the Proxier the sockets a predecessor lent (before
 // Run); freeze is called once, just before the first sync, to stop the
@@ -96,23 +27,9 @@ func (in *inherited) closeRest() int {
 // predecessor's pick state (Freeze), which that sync applies. Sockets whose name is
 // not a frontend's are left out (the caller's).
 func (p *Proxier) Inherit(socks []handover.Socket, freeze func() (json.RawMessage, error)) {
-	in := &inherited{socks: make(map[string]handover.Socket)}
-	for _, s := range socks {
-		if strings.HasPrefix(s.Name, "frontend ") {
-			in.socks[s.Name] = s
-		}
-	}
-	p.dp.inherited = in
-	p.dp.udpGate = make(chan struct{})
-	// A hard bound on the UDP pause should the predecessor never send
-	// its flows (FlowsTransferred).
-	time.AfterFunc(udpGateLimit, p.dp.openUDPGate)
+	p.dp.Inherit(socks)
 	p.freeze = freeze
 }
-
-// udpGateLimit bounds how long a successor's UDP frontends wait for the
-// predecessor's flows.
-const udpGateLimit = 10 * time.Second
 
 // Serving is closed once the first sync's rules are written: every
 // frontend serves.
@@ -195,7 +112,7 @@ func (p *Proxier) Release(ctx context.Context) error {
 		}
 		p.rec.detachUDPFlows()
 		p.rec.closeAll()
-		p.dp.closeListeners()
+		p.dp.CloseListeners()
 		return nil
 	})
 }
@@ -204,32 +121,17 @@ func (p *Proxier) Release(ctx context.Context) error {
 // nothing new.
 func (p *Proxier) Released() bool { return p.released.Load() }
 
-// lend returns duplicates of the frontends' listening sockets.
+// lend returns the frontends' listening sockets, each duplicated as it is
+// sent.
 func (r *reconciler) lend() ([]handover.Socket, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	socks := make([]handover.Socket, 0, len(r.frontends))
-	for key, fe := range r.frontends {
-		if fe.refusing != nil {
-			continue // its port is held by a refusing socket: the successor opens its own
+	for _, fe := range r.frontends {
+		// A port held by a refusing socket: the successor opens its own.
+		if s, _, ok := fe.ListeningSocket(); ok {
+			socks = append(socks, s)
 		}
-		role := roleRange
-		if fe.onNodePort {
-			role = roleNodePort
-		}
-		s := handover.Socket{Name: socketName(key, role), Proto: strings.ToLower(string(fe.protocol)), Addr: fe.listen.String()}
-		// Duplicated when sent, off the sync goroutine: the socket
-		// itself is captured here, so a later sync cannot swap it.
-		switch {
-		case fe.tcp != nil:
-			s.Open = fe.tcp.ln.File
-		case fe.udp != nil:
-			conn := fe.udp.sk.conn
-			s.Open = func() (*os.File, error) { return sock.UDPFile(conn) }
-		default:
-			continue
-		}
-		socks = append(socks, s)
 	}
 	return socks, nil
 }
@@ -238,7 +140,49 @@ func (r *reconciler) lend() ([]handover.Socket, error) {
 func (r *reconciler) pickStates() map[string]balance.PickState {
 	out := make(map[string]balance.PickState, len(r.frontends))
 	for key, fe := range r.frontends {
-		out[key.String()] = fe.bal.ExportPicks()
+		out[key.String()] = fe.Balancer().ExportPicks()
 	}
 	return out
+}
+
+// Transfer sends every live UDP flow and TCP connection to the successor
+// through send, after Release, until none is left (nil) or ctx ends (the
+// ones left drain here). A connection ends in this process without a byte
+// lost: transferred whole, or not at all.
+func (p *Proxier) Transfer(ctx context.Context, send func([]handover.Socket) error) error {
+	if !p.released.Load() {
+		return errors.New("Transfer before Release")
+	}
+	return p.dp.Transfer(ctx, send)
+}
+
+// TakeTransfer takes connections a predecessor transferred (UDP flows and
+// pairs of sockets, as Transfer sends them) and copies them on. A
+// connection of a Service this daemon does not serve is closed.
+func (p *Proxier) TakeTransfer(socks []handover.Socket) (taken int, err error) {
+	return p.dp.TakeTransfer(p.rec.frontendsByName(), socks)
+}
+
+// FlowsTransferred says the predecessor's UDP flows are in (or will not come):
+// the UDP frontends read their sockets from now on.
+func (p *Proxier) FlowsTransferred() { p.dp.OpenUDPGate() }
+
+// frontendsByName are the live frontends by their key's String.
+func (r *reconciler) frontendsByName() map[string]*dataplane.Frontend {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	m := make(map[string]*dataplane.Frontend, len(r.frontends))
+	for k, fe := range r.frontends {
+		m[k.String()] = fe
+	}
+	return m
+}
+
+// detachUDPFlows detaches every UDP server's flows for Transfer.
+func (r *reconciler) detachUDPFlows() {
+	fes := make([]*dataplane.Frontend, 0, len(r.frontends))
+	for _, fe := range r.frontends {
+		fes = append(fes, fe)
+	}
+	r.dp.DetachUDPFlows(fes)
 }

@@ -22,6 +22,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
@@ -43,7 +44,7 @@ type harness struct {
 }
 
 // startProxier runs a Proxier on loopback until the test ends; before
-// are called with it before it runs (an Adopt, say).
+// are called with it before it runs (an Inherit, say).
 func startProxier(t *testing.T, cfg Config, before ...func(*Proxier)) *harness {
 	t.Helper()
 	log := logrus.New()
@@ -58,7 +59,7 @@ func startProxier(t *testing.T, cfg Config, before ...func(*Proxier)) *harness {
 		cfg.MinSyncPeriod = time.Millisecond
 	}
 	if cfg.ConnLogMode == "" {
-		cfg.ConnLogMode = ConnLogAll
+		cfg.ConnLogMode = dataplane.ConnLogAll
 	}
 	cfg.Log = log
 	h.p = New(cfg)

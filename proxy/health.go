@@ -30,7 +30,7 @@ func (p *Proxier) Health() Health {
 	lastUpdated, lastErr, unwrittenAt := p.writer.status()
 	listenFailures, nodeDeleting := p.rec.health()
 	return Health{LastUpdated: lastUpdated, QueuedAt: earliest(queuedAt, unwrittenAt), LastErr: lastErr, ListenFailures: listenFailures,
-		OutOfFiles: p.dp.budget.exhaustedWithin(10 * time.Second), NodeDeleting: nodeDeleting}
+		OutOfFiles: p.dp.OutOfFilesWithin(10 * time.Second), NodeDeleting: nodeDeleting}
 }
 
 // health is the last sync's part of Health: listeners it could not open,

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // A sync that visits only the ports a State names as changed ends where a
@@ -21,10 +21,8 @@ import (
 func TestIncrementalSyncEqualsFull(t *testing.T) {
 	// Each its own port range: two proxiers in one namespace would take
 	// each other's ports while a frontend without endpoints refuses.
-	inc, full := benchProxier(t), benchProxier(t)
 	base := freePorts(t, 200)
-	inc.dp.alloc = ports.New(config.PortRange{Base: base, Size: 100}, nil)
-	full.dp.alloc = ports.New(config.PortRange{Base: base + 100, Size: 100}, nil)
+	inc, full := benchProxier(t, config.PortRange{Base: base, Size: 100}), benchProxier(t, config.PortRange{Base: base + 100, Size: 100})
 	defer inc.shutdownSynced(0)
 	defer full.shutdownSynced(0)
 	r := rand.New(rand.NewPCG(3, 4))
@@ -74,8 +72,8 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 		}
 		for _, p := range []*Proxier{inc, full} {
 			for key, fe := range p.rec.frontends {
-				if fe.spec != next[key.Name] {
-					t.Fatalf("step %d: %v serves a stale port (%p, want %p)", step, key, fe.spec, next[key.Name])
+				if fe.Spec() != next[key.Name] {
+					t.Fatalf("step %d: %v serves a stale port (%p, want %p)", step, key, fe.Spec(), next[key.Name])
 				}
 			}
 		}
@@ -99,17 +97,17 @@ func TestIncrementalSyncEqualsFull(t *testing.T) {
 
 // viewSet is a view as a set, without listener ports (two proxiers choose
 // their own); a key twice fails the test.
-func viewSet(t *testing.T, view []config.Frontend) map[frontendKey]*config.ServicePort {
+func viewSet(t *testing.T, view []config.Frontend) map[dataplane.Key]*config.ServicePort {
 	t.Helper()
-	out := map[frontendKey]*config.ServicePort{}
+	out := map[dataplane.Key]*config.ServicePort{}
 	for _, f := range view {
 		if f.Err != nil {
-			t.Fatalf("%v: %v", keyOf(f), f.Err)
+			t.Fatalf("%v: %v", dataplane.KeyOf(f), f.Err)
 		}
-		if _, dup := out[keyOf(f)]; dup {
-			t.Fatalf("%v twice in the view", keyOf(f))
+		if _, dup := out[dataplane.KeyOf(f)]; dup {
+			t.Fatalf("%v twice in the view", dataplane.KeyOf(f))
 		}
-		out[keyOf(f)] = f.Service
+		out[dataplane.KeyOf(f)] = f.Service
 	}
 	return out
 }
@@ -149,7 +147,7 @@ func TestUpdateMergesChanges(t *testing.T) {
 // full visit: 30-60 ms). A retry of the same State visits the failed one
 // alone, and takes the NodePort once it is free.
 func TestFailedNodePortKeepsSyncsSmall(t *testing.T) {
-	p := benchProxier(t)
+	p := benchProxier(t, config.PortRange{})
 	defer p.shutdownSynced(0)
 	other, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {

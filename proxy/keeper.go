@@ -15,13 +15,11 @@ package proxy
 import (
 	"context"
 	"encoding/json"
-	"os"
-	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
 // SocketKeeper is a supervising process's side for the frontends'
@@ -31,16 +29,10 @@ type SocketKeeper interface {
 	Drop(names []string) error
 }
 
-// keptKey names a frontend's socket without building its name string.
-type keptKey struct {
-	key  frontendKey
-	role string
-}
-
 // keeping is the sync goroutine's record of what the keeper was told, and
 // the queue to the sender.
 type keeping struct {
-	kept   map[keptKey]keptSocket
+	kept   map[dataplane.SocketKey]keptSocket
 	picks  map[string]string // each frontend's pick state as last given (KeptPicks)
 	gen    uint64            // the keepDiff that saw a kept socket last
 	queue  chan keepChange
@@ -71,7 +63,7 @@ const keeperLetGoWait = 2 * time.Second
 // would find the port in use. It returns at once; the binds that follow
 // retry while the port is in use, until keeperLetGoWait has passed
 // (dataplane.bindAnew). On the sync goroutine.
-func (p *Proxier) letGo(keys []keptKey) {
+func (p *Proxier) letGo(keys []dataplane.SocketKey) {
 	k := p.keeping
 	if k == nil || k.failed.Load() {
 		return
@@ -80,7 +72,7 @@ func (p *Proxier) letGo(keys []keptKey) {
 	for _, kk := range keys {
 		if _, ok := k.kept[kk]; ok {
 			delete(k.kept, kk)
-			names = append(names, socketName(kk.key, kk.role))
+			names = append(names, kk.Name())
 		}
 	}
 	if len(names) == 0 {
@@ -88,14 +80,14 @@ func (p *Proxier) letGo(keys []keptKey) {
 	}
 	select {
 	case k.queue <- keepChange{closed: names}:
-		p.dp.letGoUntil = time.Now().Add(keeperLetGoWait)
+		p.dp.LetGoUntil(time.Now().Add(keeperLetGoWait))
 	default:
 		k.fail(p, "its queue is full")
 	}
 }
 
 func newKeeping() *keeping {
-	return &keeping{kept: map[keptKey]keptSocket{}, picks: map[string]string{}, queue: make(chan keepChange, 64)}
+	return &keeping{kept: map[dataplane.SocketKey]keptSocket{}, picks: map[string]string{}, queue: make(chan keepChange, 64)}
 }
 
 // keepSockets tells the keeper what this sync opened and closed. On the
@@ -151,48 +143,30 @@ func (p *Proxier) sendKept(ctx context.Context) {
 // to date (gen marks what this call saw): the sockets opened since (to be
 // duplicated as sent) and the names of those closed since. A frontend
 // whose port refuses holds no socket the keeper could serve on.
-func (r *reconciler) keepDiff(kept map[keptKey]keptSocket, gen uint64) keepChange {
+func (r *reconciler) keepDiff(kept map[dataplane.SocketKey]keptSocket, gen uint64) keepChange {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var ch keepChange
 	for _, fe := range r.frontends {
-		kk := fe.keptKey()
-		var obj any
-		s := handover.Socket{Proto: strings.ToLower(string(fe.protocol)), Addr: fe.listen.String()}
-		switch {
-		case fe.refusing != nil:
-			continue
-		case fe.tcp != nil:
-			obj, s.Open = fe.tcp.ln, fe.tcp.ln.File
-		case fe.udp != nil:
-			conn := fe.udp.sk.conn
-			obj, s.Open = conn, func() (*os.File, error) { return sock.UDPFile(conn) }
-		default:
+		s, obj, ok := fe.ListeningSocket()
+		if !ok {
 			continue
 		}
-		was, ok := kept[kk]
+		kk := fe.SocketKey()
+		was, seen := kept[kk]
 		kept[kk] = keptSocket{obj, gen}
-		if ok && was.obj == obj {
+		if seen && was.obj == obj {
 			continue
 		}
-		s.Name = socketName(kk.key, kk.role)
 		ch.opened = append(ch.opened, s)
 	}
 	for kk, ks := range kept {
 		if ks.gen != gen {
 			delete(kept, kk)
-			ch.closed = append(ch.closed, socketName(kk.key, kk.role))
+			ch.closed = append(ch.closed, kk.Name())
 		}
 	}
 	return ch
-}
-
-// keptKey names fe's listening socket as the keeper knows it.
-func (fe *frontend) keptKey() keptKey {
-	if fe.onNodePort {
-		return keptKey{fe.key, roleNodePort}
-	}
-	return keptKey{fe.key, roleRange}
 }
 
 // KeptPicks returns the frontends' pick states (package balance) that changed

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
@@ -131,17 +132,17 @@ func TestAdoptedListenerServesWhatWaited(t *testing.T) {
 	}
 	ln.Close() // the socket lives on in f alone, as in a keeper
 	sp := svc("web", config.TCP, a)
-	key := frontendKey{sp.Name, config.KindAll, 4}
+	key := dataplane.Key{Name: sp.Name, Kind: config.KindAll, Family: 4}
 	h := startProxier(t, Config{}, func(p *Proxier) {
-		p.Inherit([]handover.Socket{{Name: socketName(key, roleRange), Proto: "tcp", Addr: ln.Addr().String(), File: f}},
+		p.Inherit([]handover.Socket{{Name: dataplane.RangeSocket(key).Name(), Proto: "tcp", Addr: ln.Addr().String(), File: f}},
 			func() (json.RawMessage, error) { return nil, nil })
 	})
-	var fe *frontend
-	if err := h.p.call(context.Background(), func() (err error) { fe, err = h.p.dp.open(key, sp); return err }); err != nil {
+	var fe *dataplane.Frontend
+	if err := h.p.call(context.Background(), func() (err error) { fe, err = h.p.dp.Open(key, sp); return err }); err != nil {
 		t.Fatal(err)
 	}
-	if fe.listen != ln.Addr() {
-		t.Fatalf("opened on %s, want the inherited %s", fe.listen, ln.Addr())
+	if fe.Listen() != ln.Addr() {
+		t.Fatalf("opened on %s, want the inherited %s", fe.Listen(), ln.Addr())
 	}
 	// Opened, not serving: a connection that waited is neither answered
 	// nor reset.
@@ -149,7 +150,7 @@ func TestAdoptedListenerServesWhatWaited(t *testing.T) {
 	if n, err := waiting[0].Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("a connection that waited, before its frontend served: %d bytes, %v; want it still waiting", n, err)
 	}
-	if err := h.p.call(context.Background(), func() error { return fe.serveAs(sp, keyServe{key: key, update: true, eps: []netip.AddrPort{a}}) }); err != nil {
+	if err := h.p.call(context.Background(), func() error { return fe.ServeAs(sp, dataplane.Serve{Endpoints: []netip.AddrPort{a}}) }); err != nil {
 		t.Fatal(err)
 	}
 	for i, c := range waiting {
@@ -159,7 +160,7 @@ func TestAdoptedListenerServesWhatWaited(t *testing.T) {
 			t.Fatalf("connection %d that waited: %q %v", i, line, err)
 		}
 	}
-	_ = h.p.call(context.Background(), func() error { fe.stop(); return nil })
+	_ = h.p.call(context.Background(), func() error { fe.Stop(); return nil })
 }
 
 // holdingKeeper keeps the duplicates it is lent open until told to drop

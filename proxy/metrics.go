@@ -4,9 +4,8 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
 // Sync metrics keep kube-proxy's names and labels, so existing dashboards
@@ -51,6 +50,18 @@ var (
 	})
 )
 
+// What the last sync could not open.
+var (
+	listenerFailures = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_listener_failures",
+		Help: "Listeners the last sync could not open (port range exhausted, out of descriptors, bind address): /healthz is 503 while any.",
+	})
+	nodePortConflicts = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "kube_userspace_proxy_nodeport_conflicts",
+		Help: "Listeners whose NodePort another process or an older Service holds; retried every sync.",
+	})
+)
+
 // familyNames are the ip_family label values of the families served.
 func familyNames(families []int) []string {
 	if families == nil {
@@ -63,163 +74,13 @@ func familyNames(families []int) []string {
 	return out
 }
 
-// Traffic metrics, per service port ("namespace/name:port"). They are counted
-// from the copy results, never by wrapping connections, so splice stays.
-var (
-	connsAccepted = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_connections_accepted_total", Help: "TCP connections accepted.",
-	}, []string{"service"})
-	connsActive = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_connections_active", Help: "TCP connections open now.",
-	}, []string{"service"})
-	dialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_dial_attempts_total", Help: "Dials to endpoints.",
-	}, []string{"service", "endpoint"})
-	dialFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_dial_failures_total",
-		Help: "Dials to endpoints that failed, by why: refused, timeout, unreachable, reset, file limit, cancelled, error.",
-	}, []string{"service", "endpoint", "reason"})
-	endpointEjections = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_endpoint_ejections_total",
-		Help: "Times an endpoint was ejected from new picks after failures in a row (passive outlier detection).",
-	}, []string{"service", "endpoint"})
-	descriptorBudgetGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_descriptor_budget",
-		Help: "The descriptor budget: limit (RLIMIT_NOFILE), reserve (never for flows or connections), udp_flows (the share of all UDP flows together).",
-	}, []string{"use"})
-	udpFlowsTotal = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_udp_flows_open",
-		Help: "UDP flows open now, all service ports together (each holds a descriptor; see kube_userspace_proxy_descriptor_budget).",
-	}, func() float64 {
-		var n int64
-		running.each(func(p *Proxier) { n += p.dp.budget.udpFlows.Load() })
-		return float64(n)
-	})
-	parkedSockets = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_tcp_parked_sockets",
-		Help: "Sockets of TCP connections idle for longer than --park-idle-after, waiting in the parker's epoll set without a goroutine (two per fully idle connection).",
-	}, func() float64 {
-		var n int64
-		running.each(func(p *Proxier) { n += p.dp.parker.Load().Parked() })
-		return float64(n)
-	})
-	unredirectedResets = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_unredirected_connections_reset_total",
-		Help: "TCP connections from other hosts that reached a proxy port directly, not through a rule, reset at accept (the guard without the conntrack match).",
-	})
-	unredirectedDatagrams = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_unredirected_datagrams_dropped_total",
-		Help: "UDP datagrams from other hosts dropped because they reached a proxy port directly, not through a rule (the guard where the kernel has no conntrack match; its flows are asked of conntrack netlink).",
-	})
-	budgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_descriptor_budget_refusals_total",
-		Help: "TCP connections reset at accept because they would have eaten into the descriptor reserve.",
-	})
-	listenerFailures = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_listener_failures",
-		Help: "Listeners the last sync could not open (port range exhausted, out of descriptors, bind address): /healthz is 503 while any.",
-	})
-	nodePortConflicts = prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_nodeport_conflicts",
-		Help: "Listeners whose NodePort another process or an older Service holds; retried every sync.",
-	})
-	udpEndpointErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_udp_endpoint_errors_total",
-		Help: "Errors on UDP flows' endpoint sockets (ICMP port or host unreachable), by why: refused, unreachable, error.",
-	}, []string{"service", "endpoint", "reason"})
-	retries = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_retries_total", Help: "Dials retried on another endpoint after a failure.",
-	}, []string{"service"})
-	noEndpointResets = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_no_endpoints_resets_total", Help: "Connections reset (or datagrams dropped) because no endpoint was usable when they came; a port without endpoints refuses at connect, so these are the ones that came just before it did.",
-	}, []string{"service", "protocol"})
-	bytesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_bytes_total", Help: "Bytes proxied; direction in = client to endpoint, out = endpoint to client.",
-	}, []string{"service", "protocol", "direction"})
-	udpFlowsActive = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_udp_flows_active", Help: "UDP flows open now.",
-	}, []string{"service"})
-	udpFlowsEvicted = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_udp_flows_evicted_total", Help: "UDP flows evicted because the flow table was full.",
-	}, []string{"service"})
-	udpFlowsMoved = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_udp_flows_moved_total",
-		Help: "UDP flows ended because their endpoint left the Service or stopped serving: the client's next datagram goes to another endpoint (kube-proxy's UDP conntrack cleanup).",
-	}, []string{"service"})
-	clientAddressAvailable = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "kube_userspace_proxy_client_address_available",
-		Help: "1 when backends can see their clients' own address in this family (the conntrack source NAT works here); 0: they see the node's.",
-	}, familyLabel)
-	backendSources = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "kube_userspace_proxy_backend_source_total",
-		Help: "TCP connections dialled, by the address their backend saw: client (the client's own), node (the node's, as kube-proxy's masquerade), fallback (the node's because the client's could not be set up).",
-	}, []string{"source"})
-	connDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name: "kube_userspace_proxy_connection_duration_seconds", Help: "How long proxied TCP connections lasted.",
-		Buckets: prometheus.ExponentialBuckets(0.001, 4, 12),
-	}, []string{"service"})
-)
-
 // RegisterMetrics adds the proxier's metrics to reg.
 func RegisterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(syncDuration, syncFullDuration, syncPartialDuration, syncLast, syncLastQueued, programmingDuration, noLocal,
 		serviceChangesPending, serviceChangesTotal, endpointChangesPending, endpointChangesTotal,
-		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration,
-		endpointEjections, udpEndpointErrors, ejected, listenerFailures, nodePortConflicts,
-		descriptorBudgetGauge, udpFlowsTotal, parkedSockets, budgetRefusals, unredirectedResets, unredirectedDatagrams, clientAddressAvailable, backendSources)
-	for _, fam := range familyNames(nil) {
-		clientAddressAvailable.WithLabelValues(fam)
-	}
-}
-
-// feMetrics are one frontend's metrics, resolved once, on first use: looking
-// labels up per datagram would cost more than the datagram, and creating them
-// up front cost ~6 KiB and 23 exposition lines per service port whether or not
-// it ever saw traffic (60 MB and 230 000 lines at 10k service ports).
-type feMetrics struct {
-	service string
-	proto   config.Protocol
-	once    sync.Once
-	series  *feSeries
-}
-
-type feSeries struct {
-	accepted, retries, noEndpoints, evicted prometheus.Counter
-	moved                                   prometheus.Counter
-	bytesIn, bytesOut                       prometheus.Counter
-	active, udpActive                       prometheus.Gauge
-	duration                                prometheus.Observer
-}
-
-func newFEMetrics(service string, proto config.Protocol) *feMetrics {
-	return &feMetrics{service: service, proto: proto}
-}
-
-// get returns the series, creating them the first time.
-func (m *feMetrics) get() *feSeries {
-	m.once.Do(func() {
-		service, p := m.service, string(m.proto)
-		// Only the series of the port's protocol: a UDP port has no
-		// TCP connections to count, a TCP port no flows.
-		fs := &feSeries{
-			noEndpoints: noEndpointResets.WithLabelValues(service, p),
-			bytesIn:     bytesTotal.WithLabelValues(service, p, "in"),
-			bytesOut:    bytesTotal.WithLabelValues(service, p, "out"),
-		}
-		if m.proto == config.UDP {
-			fs.evicted = udpFlowsEvicted.WithLabelValues(service)
-			fs.moved = udpFlowsMoved.WithLabelValues(service)
-			fs.udpActive = udpFlowsActive.WithLabelValues(service)
-		} else {
-			fs.accepted = connsAccepted.WithLabelValues(service)
-			fs.retries = retries.WithLabelValues(service)
-			fs.active = connsActive.WithLabelValues(service)
-			fs.duration = connDuration.WithLabelValues(service)
-		}
-		m.series = fs
-	})
-	return m.series
+		ejected, listenerFailures, nodePortConflicts)
+	reg.MustRegister(dataplane.Collectors()...)
+	dataplane.ExposeFamilies([]int{4, 6})
 }
 
 // running is the set of proxiers between the start and the end of Run: the
@@ -274,9 +135,9 @@ func (ejectedCollector) Collect(ch chan<- prometheus.Metric) {
 	type series struct{ service, endpoint string }
 	seen := map[series]bool{} // two listeners of a port (traffic policies differ) may eject the same endpoint
 	running.each(func(p *Proxier) {
-		p.rec.eachLive(func(fe *frontend) {
-			for _, h := range fe.bal.Health() {
-				s := series{fe.m.service, h.Endpoint.String()}
+		p.rec.eachLive(func(fe *dataplane.Frontend) {
+			for _, h := range fe.Balancer().Health() {
+				s := series{fe.Service(), h.Endpoint.String()}
 				if h.EjectedUntil != nil && !seen[s] {
 					seen[s] = true
 					ch <- prometheus.MustNewConstMetric(ejectedDesc, prometheus.GaugeValue, 1, s.service, s.endpoint)
@@ -312,13 +173,13 @@ func (noLocalCollector) Collect(ch chan<- prometheus.Metric) {
 				counts[series{"external", fam}] += 0
 			}
 		}
-		p.rec.eachLive(func(fe *frontend) {
-			m := fe.noLocal.Load()
+		p.rec.eachLive(func(fe *dataplane.Frontend) {
+			m := fe.NoLocal()
 			if m&noLocalInternal != 0 {
-				counts[series{"internal", fe.key.Family}]++
+				counts[series{"internal", fe.Key().Family}]++
 			}
 			if m&noLocalExternal != 0 {
-				counts[series{"external", fe.key.Family}]++
+				counts[series{"external", fe.Key().Family}]++
 			}
 		})
 	})

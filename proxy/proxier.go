@@ -26,13 +26,14 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/syncrunner"
 )
 
 // Proxier turns States into listeners and rules.
 type Proxier struct {
 	cfg      Config
-	dp       *dataplane
+	dp       *dataplane.Dataplane
 	rec      *reconciler
 	writer   *ruleWriter
 	activity activity
@@ -58,12 +59,12 @@ type Proxier struct {
 // New returns a Proxier; nothing happens until Run.
 func New(cfg Config) *Proxier {
 	p := &Proxier{cfg: cfg, kick: make(chan struct{}, 1), calls: make(chan func()), serving: make(chan struct{})}
-	p.dp = newDataplane(&p.cfg)
+	p.dp = dataplane.New(p.cfg.dataplane())
 	p.rec = newReconciler(&p.cfg, p.dp)
 	p.writer = newRuleWriter(cfg.Rules, p.cfg.log(), &p.activity, familyNames(cfg.Families))
 	if cfg.Keeper != nil {
 		p.keeping = newKeeping()
-		p.dp.letGo = p.letGo
+		p.dp.SetLetGo(p.letGo)
 	}
 	return p
 }
@@ -106,7 +107,7 @@ func (p *Proxier) wake() {
 // MinSyncPeriod) and re-syncs rules every SyncPeriod until ctx ends, then
 // closes every listener, waits up to grace for open connections and returns.
 func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
-	p.dp.start(ctx)
+	p.dp.Start(ctx)
 	running.add(p)
 	defer running.remove(p)
 	writerCtx, stopWriter := context.WithCancel(ctx)
@@ -145,10 +146,8 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 				t.RetryWrite()
 			} else if !p.servingShut {
 				p.servingShut = true
-				if p.dp.inherited != nil {
-					if n := p.dp.inherited.closeRest(); n > 0 {
-						p.cfg.log().WithField("sockets", n).Info("Closed the handed-over sockets of Services gone meanwhile")
-					}
+				if n := p.dp.CloseInherited(); n > 0 {
+					p.cfg.log().WithField("sockets", n).Info("Closed the inherited sockets of Services gone meanwhile")
 				}
 				close(p.serving)
 			}
@@ -230,14 +229,14 @@ func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
 			p.rec.written(w)
 		}
 		p.rec.closeAll()
-		p.dp.closeListeners()
+		p.dp.CloseListeners()
 		if p.servingShut { // it served: the rules point at it
 			p.cfg.log().Warn("Stopped serving: the rules stay, so this node refuses every new connection to its Services " +
 				"until a daemon starts again (kube-userspace-proxy --cleanup removes them)")
 		}
 	}
-	p.dp.conns.drain(grace)
-	p.dp.stop()
+	p.dp.Drain(grace)
+	p.dp.Stop()
 }
 
 // Quiet reports whether no sync or rule write has been under way for at

@@ -18,7 +18,7 @@ import (
 // a state with one more port (Update) and the sync goroutine opens its
 // listener. Each op adds the port and removes it again: two syncs.
 func BenchmarkSyncOneAddedAt10k(b *testing.B) {
-	p := benchProxier(b)
+	p := benchProxier(b, config.PortRange{})
 	base := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a"}
 	mk := func(i int) *config.ServicePort {
 		sp := svc(fmt.Sprintf("s%d", i), config.TCP, netip.MustParseAddrPort("10.1.0.1:8080"))
@@ -55,7 +55,7 @@ func BenchmarkSyncOneAddedAt10k(b *testing.B) {
 // from a source that says what changed (the cluster source): the sync
 // visits that port alone. Each op is two syncs (the change and back).
 func BenchmarkSyncOneChangedAt10k(b *testing.B) {
-	p := benchProxier(b)
+	p := benchProxier(b, config.PortRange{})
 	st := &config.State{Ports: map[config.ServicePortName]*config.ServicePort{}, Node: "node-a", Seq: 1}
 	for i := 0; i < 10000; i++ {
 		sp := svc(fmt.Sprintf("s%d", i), config.TCP, netip.MustParseAddrPort("10.1.0.1:8080"))
@@ -88,12 +88,12 @@ func BenchmarkSyncOneChangedAt10k(b *testing.B) {
 
 // benchProxier is a Proxier on loopback without rules and without Run
 // (tests call sync), logging nowhere.
-func benchProxier(tb testing.TB) *Proxier {
+func benchProxier(tb testing.TB, ports config.PortRange) *Proxier {
 	if _, err := kernel.RaiseFileLimit(); err != nil {
 		tb.Skip(err)
 	}
 	log := logrus.New()
 	log.SetOutput(io.Discard)
-	p := New(Config{BindAddress: loopback, Log: log})
+	p := New(Config{BindAddress: loopback, PortRange: ports, Log: log})
 	return p
 }

@@ -9,10 +9,10 @@ import (
 	"slices"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
@@ -32,7 +32,7 @@ func (r *reconciler) publish(p *syncPlan, w *ruleWrite, kept int) {
 	r.lines.flush(r.cfg.log())
 	w.bulk = r.logSync(w.start, kept, len(p.closed), p.changed)
 	for _, name := range p.unserved {
-		deleteServiceMetrics(name.String())
+		dataplane.DeleteServiceMetrics(name.String())
 	}
 }
 
@@ -57,22 +57,22 @@ const bulkSync = 1000
 const listenerLinesMax = 10
 
 // listenerLines collects the listeners a sync opened and closed, for its log.
-type listenerLines struct{ opened, closed []*frontend }
+type listenerLines struct{ opened, closed []*dataplane.Frontend }
 
 func (l *listenerLines) flush(log logrus.FieldLogger) {
 	for _, x := range []struct {
-		fes []*frontend
+		fes []*dataplane.Frontend
 		msg string
 	}{{l.opened, "Listening"}, {l.closed, "Listener closed"}} {
 		if len(x.fes) <= listenerLinesMax {
 			for _, fe := range x.fes {
-				fe.log().Info(x.msg)
+				fe.Log().Info(x.msg)
 			}
 			continue
 		}
-		if debugEnabled(log) {
+		if dataplane.DebugEnabled(log) {
 			for _, fe := range x.fes {
-				fe.log().Debug(x.msg)
+				fe.Log().Debug(x.msg)
 			}
 		}
 		log.WithField("listeners", len(x.fes)).Info(x.msg + " (one line per listener at debug level)")
@@ -134,18 +134,4 @@ func (r *reconciler) syncHealthChecks(st *config.State) {
 	}
 	r.healthChecks = out
 	r.cfg.ServiceHealth.Sync(out)
-}
-
-// deleteServiceMetrics drops every series of a service port that is no longer
-// served. Connections still draining keep counting into their detached
-// series; a service that comes back starts from zero, which Prometheus reads
-// as a counter reset.
-func deleteServiceMetrics(service string) {
-	match := prometheus.Labels{"service": service}
-	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
-		connsAccepted, connsActive, dialAttempts, dialFailures, retries, noEndpointResets,
-		bytesTotal, udpFlowsActive, udpFlowsEvicted, udpFlowsMoved, connDuration, endpointEjections, udpEndpointErrors,
-	} {
-		v.DeletePartialMatch(match)
-	}
 }

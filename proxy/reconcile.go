@@ -35,6 +35,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/proxyproto"
 	"github.com/sirupsen/logrus"
@@ -44,7 +45,7 @@ import (
 // goroutine's alone.
 type reconciler struct {
 	cfg *Config
-	dp  *dataplane
+	dp  *dataplane.Dataplane
 
 	// failing counts the frontends of the last sync that could not open
 	// their listener or NodePort; listenFailures those without a listener.
@@ -55,7 +56,7 @@ type reconciler struct {
 	// unreleased are closed frontends whose ports the rules may still
 	// point at (the rule write after their closing failed); their ports go
 	// back to the allocator after the next successful one.
-	unreleased []*frontend
+	unreleased []*dataplane.Frontend
 	// synced is the State the frontends were last synced to: a State made
 	// from it says which ports changed (changedSince).
 	synced *config.State
@@ -72,7 +73,7 @@ type reconciler struct {
 
 	mu sync.Mutex // guards the fields below: written by the sync goroutine, read by anyone
 	// frontends are the live listeners.
-	frontends map[frontendKey]*frontend
+	frontends map[dataplane.Key]*dataplane.Frontend
 	view      []config.Frontend // as last synced; also handed to Rules.Sync: never reordered
 	sorted    []config.Frontend // a sorted copy of view, made on first read
 	// viewNode and viewZone are the node's name and zone the view's
@@ -83,8 +84,8 @@ type reconciler struct {
 	nodeDeleting       bool
 }
 
-func newReconciler(cfg *Config, dp *dataplane) *reconciler {
-	return &reconciler{cfg: cfg, dp: dp, frontends: make(map[frontendKey]*frontend)}
+func newReconciler(cfg *Config, dp *dataplane.Dataplane) *reconciler {
+	return &reconciler{cfg: cfg, dp: dp, frontends: make(map[dataplane.Key]*dataplane.Frontend)}
 }
 
 // apply makes the listeners match d.To and returns the rule write that
@@ -122,15 +123,15 @@ type syncPlan struct {
 	// (the one replacement that is break-before-make). gone: removed,
 	// they stop once the rest is served. stale: replaced, they stop once
 	// the rules point at their successors.
-	retake                []frontendKey
-	closeNow, gone, stale []*frontend
+	retake                []dataplane.Key
+	closeNow, gone, stale []*dataplane.Frontend
 	closed                []config.ServicePortName // the ports of every frontend closed
 	unserved              []config.ServicePortName // those of closed that no frontend serves any more
-	closing               map[frontendKey]bool     // the keys of closeNow, gone and stale
+	closing               map[dataplane.Key]bool   // the keys of closeNow, gone and stale
 	view                  []config.Frontend        // the view of the ports not visited
 	unchanged             int                      // len(view) before carryOut appends to it
 	serve                 []portServe              // in the order they are served (serveOrder)
-	keysScratch           []frontendKey
+	keysScratch           []dataplane.Key
 }
 
 // portServe is what serving one port does: a frontend per key.
@@ -141,21 +142,15 @@ type portServe struct {
 
 // keyServe is what becomes of the frontend of one key. update: its
 // frontend takes sp's settings and endpoints (a listener just opened always
-// does); eps are the endpoints its balancer gets, noLocal its Local
-// policies that find no endpoint on this node (noLocalPolicies).
+// does), as Serve says: the endpoints its balancer gets, its Local
+// policies that find no endpoint on this node (noLocalPolicies), whose
+// address its backends see, its outlier detection, the endpoints a UDP
+// frontend that stays keeps its flows to (nil: a new frontend, no flows
+// yet), and a predecessor's picks at the first sync after a handover.
 type keyServe struct {
-	key     frontendKey
-	update  bool
-	eps     []netip.AddrPort
-	noLocal uint32
-	source  *clientaddr.Policy
-	outlier balance.OutlierConfig
-	// serving are the endpoints a UDP frontend that stays keeps its flows
-	// to (nil: a new frontend, no flows yet).
-	serving map[netip.AddrPort]bool
-	// picks are a predecessor's pick state for this key, at the first sync
-	// after a handover (nil: none).
-	picks *balance.PickState
+	key    dataplane.Key
+	update bool
+	dataplane.Serve
 }
 
 // plan decides the sync of d: which ports it visits (the changed ones, or
@@ -163,7 +158,7 @@ type keyServe struct {
 // ports are served. It changes nothing.
 func (r *reconciler) plan(d config.Delta, verify bool) *syncPlan {
 	p := &syncPlan{st: d.To, verify: verify, changed: r.changedSince(d, verify), rezone: d.To.Zone != r.zone}
-	p.closing = map[frontendKey]bool{}
+	p.closing = map[dataplane.Key]bool{}
 	if p.changed == nil {
 		for key, fe := range r.frontends {
 			p.visit(r.cfg, key, fe)
@@ -211,15 +206,15 @@ func (r *reconciler) changedSince(d config.Delta, verify bool) []config.ServiceP
 
 // visit decides about the live frontend fe of key: kept, retaken, closed
 // now, or closed later (gone or stale).
-func (p *syncPlan) visit(cfg *Config, key frontendKey, fe *frontend) {
+func (p *syncPlan) visit(cfg *Config, key dataplane.Key, fe *dataplane.Frontend) {
 	sp := p.st.Ports[key.Name]
-	change := config.ComparePorts(fe.spec, sp)
+	change := config.ComparePorts(fe.Spec(), sp)
 	removed := sp == nil
 	if !removed && change != config.PortSame { // a policy may have changed the port's keys
 		p.keysScratch = frontendKeys(p.keysScratch[:0], key.Name, sp, cfg.serves)
 		removed = !slices.Contains(p.keysScratch, key)
 	}
-	if fe.nodePortErr != nil && change < config.PortFrontend && !removed {
+	if fe.NodePortErr() != nil && change < config.PortFrontend && !removed {
 		// Every full sync tries again to take the NodePort another
 		// process (or Service) held.
 		p.retake = append(p.retake, key)
@@ -234,7 +229,7 @@ func (p *syncPlan) visit(cfg *Config, key frontendKey, fe *frontend) {
 	p.closing[key] = true
 	p.closed = append(p.closed, key.Name)
 	switch {
-	case fe.hold != nil || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort):
+	case fe.HoldsNodePort():
 		// It holds the NodePort (as its listener or as a socket that
 		// only keeps others off it), which its successor may need.
 		p.closeNow = append(p.closeNow, fe)
@@ -301,7 +296,7 @@ func (p *syncPlan) serveOrder(r *reconciler, ports []*config.ServicePort) []*con
 
 // needsListener says whether a frontend of keys has no listener yet, or
 // loses it in this sync.
-func (p *syncPlan) needsListener(r *reconciler, keys []frontendKey) bool {
+func (p *syncPlan) needsListener(r *reconciler, keys []dataplane.Key) bool {
 	for _, key := range keys {
 		if r.frontends[key] == nil || p.closing[key] {
 			return true
@@ -316,7 +311,7 @@ func (p *syncPlan) needsListener(r *reconciler, keys []frontendKey) bool {
 // share one backing array.
 func (p *syncPlan) decide(r *reconciler, ports []*config.ServicePort) []portServe {
 	out := make([]portServe, len(ports))
-	all := make([]frontendKey, 0, len(ports)+len(ports)/4)
+	all := make([]dataplane.Key, 0, len(ports)+len(ports)/4)
 	for i, sp := range ports {
 		from := len(all)
 		all = frontendKeys(all, sp.Name, sp, r.cfg.serves)
@@ -324,23 +319,23 @@ func (p *syncPlan) decide(r *reconciler, ports []*config.ServicePort) []portServ
 		for _, key := range all[from:len(all):len(all)] {
 			fe := r.frontends[key]
 			ks := keyServe{key: key, update: fe == nil || p.closing[key] || p.rezone || slices.Contains(p.retake, key) ||
-				config.ComparePorts(fe.spec, sp) != config.PortSame}
+				config.ComparePorts(fe.Spec(), sp) != config.PortSame}
 			if ks.update {
-				ks.eps = config.UsableEndpoints(sp.Endpoints, key.Family, key.localOnly(sp), p.st.Node, p.st.Zone)
-				ks.noLocal = noLocalPolicies(key, sp, len(ks.eps), p.st.Node, p.st.Zone)
-				ks.source = clientaddr.NewPolicy(r.cfg.BackendSource, key.Kind, sp)
-				ks.outlier = r.cfg.outlierFor(sp)
+				ks.Endpoints = config.UsableEndpoints(sp.Endpoints, key.Family, localOnly(key, sp), p.st.Node, p.st.Zone)
+				ks.NoLocal = noLocalPolicies(key, sp, len(ks.Endpoints), p.st.Node, p.st.Zone)
+				ks.Source = clientaddr.NewPolicy(r.cfg.BackendSource, key.Kind, sp)
+				ks.Outlier = r.cfg.outlierFor(sp)
 				var prev *config.ServicePort // nil: a new listener
 				if fe != nil && !p.closing[key] && !slices.Contains(p.retake, key) {
-					prev = fe.spec
+					prev = fe.Spec()
 				}
 				warnAnnotations(r.cfg.log().WithFields(logrus.Fields{"service": key.Name.String(), "family": key.Family, "kind": key.Kind}), prev, sp)
 				if prev != nil && sp.Protocol == config.UDP {
-					ks.serving = servingEndpoints(sp)
+					ks.Serving = servingEndpoints(sp)
 				}
 				if r.inheritedPicks != nil {
 					if st, ok := r.inheritedPicks[key.String()]; ok {
-						ks.picks = &st
+						ks.Picks = &st
 					}
 				}
 			}
@@ -352,7 +347,7 @@ func (p *syncPlan) decide(r *reconciler, ports []*config.ServicePort) []portServ
 
 // localOnly says whether the frontend of k serves sp's endpoints on this
 // node alone.
-func (k frontendKey) localOnly(sp *config.ServicePort) bool {
+func localOnly(k dataplane.Key, sp *config.ServicePort) bool {
 	switch k.Kind {
 	case config.KindInternal:
 		return sp.InternalLocal
@@ -372,8 +367,8 @@ const (
 // noLocalPolicies are the Local policies of sp that key's frontend serves
 // without a local endpoint (usable: its endpoints) while the cluster has
 // some, as kube-proxy counts them.
-func noLocalPolicies(key frontendKey, sp *config.ServicePort, usable int, node, zone string) uint32 {
-	if !key.localOnly(sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
+func noLocalPolicies(key dataplane.Key, sp *config.ServicePort, usable int, node, zone string) uint32 {
+	if !localOnly(key, sp) || usable > 0 || len(config.UsableEndpoints(sp.Endpoints, key.Family, false, node, zone)) == 0 {
 		return 0
 	}
 	var m uint32
@@ -403,7 +398,7 @@ func claimsFirst(a, b *config.ServicePort) bool {
 // short-circuit needs every endpoint; see config.KindLocalClients).
 // It is the one enumeration of a Service port's frontends; serves says
 // which families may open (nil: every one).
-func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.ServicePort, serves func(int) bool) []frontendKey {
+func frontendKeys(keys []dataplane.Key, name config.ServicePortName, sp *config.ServicePort, serves func(int) bool) []dataplane.Key {
 	split := sp.HasExternal() && sp.InternalLocal != sp.ExternalLocal
 	localClients := sp.HasExternal() && sp.InternalLocal && sp.ExternalLocal
 	for _, fam := range sp.Families() {
@@ -411,23 +406,23 @@ func frontendKeys(keys []frontendKey, name config.ServicePortName, sp *config.Se
 			continue
 		}
 		if split {
-			keys = append(keys, frontendKey{Name: name, Kind: config.KindInternal, Family: fam}, frontendKey{Name: name, Kind: config.KindExternal, Family: fam})
+			keys = append(keys, dataplane.Key{Name: name, Kind: config.KindInternal, Family: fam}, dataplane.Key{Name: name, Kind: config.KindExternal, Family: fam})
 		} else {
-			keys = append(keys, frontendKey{Name: name, Kind: config.KindAll, Family: fam})
+			keys = append(keys, dataplane.Key{Name: name, Kind: config.KindAll, Family: fam})
 		}
 		if localClients {
-			keys = append(keys, frontendKey{Name: name, Kind: config.KindLocalClients, Family: fam})
+			keys = append(keys, dataplane.Key{Name: name, Kind: config.KindLocalClients, Family: fam})
 		}
 	}
 	return keys
 }
 
 // allFrontendKeys lists every key a frontend of the port name may have.
-func allFrontendKeys(name config.ServicePortName) []frontendKey {
-	keys := make([]frontendKey, 0, 6)
+func allFrontendKeys(name config.ServicePortName) []dataplane.Key {
+	keys := make([]dataplane.Key, 0, 6)
 	for _, fam := range []int{4, 6} {
 		for _, kind := range config.Kinds {
-			keys = append(keys, frontendKey{Name: name, Kind: kind, Family: fam})
+			keys = append(keys, dataplane.Key{Name: name, Kind: kind, Family: fam})
 		}
 	}
 	return keys

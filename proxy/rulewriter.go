@@ -10,6 +10,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // Rules is the kernel side: make the listed frontends' addresses reach their
@@ -50,7 +51,7 @@ type ruleWrite struct {
 	// release were closed before this write was made: their ports are
 	// free once it succeeds. stale were replaced: they stop accepting once
 	// the rules point at their successors.
-	release, stale []*frontend
+	release, stale []*dataplane.Frontend
 	start          time.Time     // of the first sync in it
 	queuedAt       time.Time     // the oldest change in it
 	state          *config.State // the State of the last sync in it

@@ -10,6 +10,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 )
 
@@ -87,7 +88,7 @@ type Config struct {
 	ConnLog logrus.FieldLogger // per-connection lines; Log when nil
 	// ConnLogMode says which connections get their line (at info level):
 	// ConnLogErrors (the zero value), ConnLogAll or ConnLogNone.
-	ConnLogMode ConnLogMode
+	ConnLogMode dataplane.ConnLogMode
 	// ConnLogRate bounds the connection log lines per second (a burst of
 	// twice as many passes): a flood of resets or spoofed datagrams must
 	// not become a log flood. The lines over it are counted and the count
@@ -96,74 +97,9 @@ type Config struct {
 	ConnLogRate float64
 }
 
-// DefaultConnLogRate is ConnLogRate's default (lines per second).
-const DefaultConnLogRate = 100
-
-// ConnLogMode selects the per-connection log lines.
-type ConnLogMode string
-
-const (
-	// ConnLogErrors logs connections that did not end by a normal close:
-	// resets, no endpoints, failed dials, idle timeouts, shutdown. It does
-	// not flood under normal traffic.
-	ConnLogErrors ConnLogMode = "errors"
-	ConnLogAll    ConnLogMode = "all"
-	ConnLogNone   ConnLogMode = "none"
-)
-
-func (c *Config) logConn(protocol config.Protocol, cause Cause) bool {
-	switch c.ConnLogMode {
-	case ConnLogAll:
-		return true
-	case ConnLogNone:
-		return false
-	}
-	return !cause.Normal(protocol)
-}
-
-// DefaultParkIdleAfter: an idle connection costs no goroutine after this.
-// A pause of one costs an epoll_ctl and a goroutine hand-off (~2 µs more
-// than a wake-up in Go's poller, BenchmarkParkedWake), small beside a
-// pause this long. Shorter is less memory in a burst of new connections:
-// every copy holds its goroutine's stack until it parks, and the Go heap
-// keeps the high-water mark (100 ms: 6-7 KiB a connection at 1 000 opened
-// at once, 25 ms: 3 KiB).
-const DefaultParkIdleAfter = 25 * time.Millisecond
-
 // serves says whether frontends of family fam open.
 func (c *Config) serves(fam int) bool {
 	return c.Families == nil || slices.Contains(c.Families, fam)
-}
-
-func (c *Config) parkIdleAfter() time.Duration {
-	switch {
-	case c.ParkIdleAfter < 0:
-		return 0
-	case c.ParkIdleAfter == 0:
-		return DefaultParkIdleAfter
-	}
-	return c.ParkIdleAfter
-}
-
-func (c *Config) dialTimeouts() []time.Duration {
-	if len(c.DialTimeouts) == 0 {
-		return DefaultDialTimeouts
-	}
-	return c.DialTimeouts
-}
-
-func (c *Config) udpTimeout() time.Duration {
-	if c.UDPTimeout <= 0 {
-		return DefaultUDPTimeout
-	}
-	return c.UDPTimeout
-}
-
-func (c *Config) udpMaxFlows() int {
-	if c.UDPMaxFlows <= 0 {
-		return DefaultUDPMaxFlows
-	}
-	return c.UDPMaxFlows
 }
 
 func (c *Config) log() logrus.FieldLogger {
@@ -173,29 +109,21 @@ func (c *Config) log() logrus.FieldLogger {
 	return c.Log
 }
 
-func (c *Config) connLog() logrus.FieldLogger {
-	if c.ConnLog == nil {
-		return c.log()
-	}
-	return c.ConnLog
-}
-
-// debugEnabled says whether log writes debug lines: a line per listener
-// is not even made otherwise.
-func debugEnabled(log logrus.FieldLogger) bool {
-	switch l := log.(type) {
-	case *logrus.Entry:
-		return l.Logger.IsLevelEnabled(logrus.DebugLevel)
-	case *logrus.Logger:
-		return l.IsLevelEnabled(logrus.DebugLevel)
-	}
-	return true
-}
-
 // outlierFor is the outlier detection of sp's frontends.
 func (c *Config) outlierFor(sp *config.ServicePort) balance.OutlierConfig {
 	if sp.OutlierDetection == "off" {
 		return balance.OutlierConfig{}
 	}
 	return c.Outlier
+}
+
+// dataplane is what the data path is told of c.
+func (c *Config) dataplane() *dataplane.Config {
+	return &dataplane.Config{
+		BindAddress: c.BindAddress, PortRange: c.PortRange, Families: c.Families, NodePortsRestricted: c.NodePortsRestricted,
+		DialTimeouts: c.DialTimeouts, TCPIdleTimeout: c.TCPIdleTimeout, ParkIdleAfter: c.ParkIdleAfter, FileLimit: c.FileLimit,
+		UDPTimeout: c.UDPTimeout, UDPMaxFlows: c.UDPMaxFlows,
+		BackendSource: c.BackendSource, LocalTraffic: c.LocalTraffic, GuardAtAccept: c.GuardAtAccept, Kernel: c.Kernel,
+		Log: c.Log, ConnLog: c.ConnLog, ConnLogMode: c.ConnLogMode, ConnLogRate: c.ConnLogRate,
+	}
 }

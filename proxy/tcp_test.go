@@ -19,6 +19,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 	"github.com/sirupsen/logrus"
 )
@@ -63,8 +64,8 @@ func TestTCPEchoAndHalfClose(t *testing.T) {
 	}
 	waitFor(t, "connection log line", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
 	f := h.logs.Find("Connection closed")[0]
-	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != CauseClientClosed.String() {
-		t.Fatalf("log line %v: want bytesUp=%d bytesDown=%d cause=%q", f, len(payload), len(want), CauseClientClosed)
+	if f["bytesUp"] != int64(len(payload)) || f["bytesDown"] != int64(len(want)) || f["cause"] != dataplane.CauseClientClosed.String() {
+		t.Fatalf("log line %v: want bytesUp=%d bytesDown=%d cause=%q", f, len(payload), len(want), dataplane.CauseClientClosed)
 	}
 }
 
@@ -143,8 +144,8 @@ func TestTCPClientResetAfterFINEndsPair(t *testing.T) {
 	}
 	waitFor(t, "every pair ended", func() bool { return len(h.logs.Find("Connection closed")) == clients })
 	for _, f := range h.logs.Find("Connection closed") {
-		if f["cause"] != CauseClientReset.String() {
-			t.Errorf("cause %v, want %q", f["cause"], CauseClientReset)
+		if f["cause"] != dataplane.CauseClientReset.String() {
+			t.Errorf("cause %v, want %q", f["cause"], dataplane.CauseClientReset)
 		}
 	}
 	for i := 0; i < clients; i++ {
@@ -383,7 +384,7 @@ func TestTCPIdleTimeout(t *testing.T) {
 		t.Fatalf("idle connection: read got %v, want EOF", err)
 	}
 	waitFor(t, "log", func() bool { return len(h.logs.Find("Connection closed")) == 1 })
-	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseIdleTimeout.String() {
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != dataplane.CauseIdleTimeout.String() {
 		t.Fatalf("cause %v", f["cause"])
 	}
 }
@@ -453,8 +454,8 @@ func TestTCPIdleTimeoutStuckBackend(t *testing.T) {
 	if d := time.Since(stalled); d > 5*idle {
 		t.Errorf("ended %v after the stall, want about %v", d, idle)
 	}
-	if f := h.logs.Find("Connection closed")[0]; f["cause"] != CauseIdleTimeout.String() {
-		t.Fatalf("cause %v, want %q", f["cause"], CauseIdleTimeout)
+	if f := h.logs.Find("Connection closed")[0]; f["cause"] != dataplane.CauseIdleTimeout.String() {
+		t.Fatalf("cause %v, want %q", f["cause"], dataplane.CauseIdleTimeout)
 	}
 	// The client sees its connection end.
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -499,7 +500,7 @@ func TestShutdownGraceIsHardBound(t *testing.T) {
 func TestTCPWithinDescriptorBudget(t *testing.T) {
 	h := startProxier(t, Config{FileLimit: 200}) // reserve 64: 136 for listeners and connections
 	h.apply(svc("full", config.TCP, tcpBackend(t, "a")))
-	room := (h.p.dp.budget.limit - h.p.dp.budget.reserve - 1) / 2 // one listener, two descriptors a connection
+	room := (h.p.dp.Budget().Limit - h.p.dp.Budget().Reserve - 1) / 2 // one listener, two descriptors a connection
 	var open []net.Conn
 	defer func() {
 		for _, c := range open {
@@ -528,7 +529,7 @@ func TestTCPWithinDescriptorBudget(t *testing.T) {
 	}
 	// One ends: its place goes to the next.
 	open[0].Close()
-	waitFor(t, "a place freed", func() bool { return h.p.dp.budget.tcpConns.Load() < int64(room) })
+	waitFor(t, "a place freed", func() bool { return h.p.dp.Budget().TCPConns < int64(room) })
 	if got := fetchName(t, h.addr("full")); got != "a" {
 		t.Fatalf("after a connection ended: %q", got)
 	}
@@ -573,7 +574,7 @@ func TestIdleConnectionsParkWithoutGoroutines(t *testing.T) {
 			quiet := func() {
 				t.Helper()
 				if tc.park > 0 {
-					waitFor(t, "every socket parked", func() bool { return h.p.dp.parker.Load().Parked() == 2*conns })
+					waitFor(t, "every socket parked", func() bool { return h.p.dp.Parked() == 2*conns })
 				} else {
 					time.Sleep(100 * time.Millisecond) // a parker, had there been one, would have parked them
 				}
@@ -595,11 +596,11 @@ func TestIdleConnectionsParkWithoutGoroutines(t *testing.T) {
 			waitFor(t, "every connection logged", func() bool { return len(h.logs.Find("Connection closed")) == conns })
 			for _, f := range h.logs.Find("Connection closed") {
 				up, down := f["bytesUp"].(int64), f["bytesDown"].(int64)
-				if f["cause"] != CauseClientClosed.String() || up < 7 || up > 8 || down != up+2 {
+				if f["cause"] != dataplane.CauseClientClosed.String() || up < 7 || up > 8 || down != up+2 {
 					t.Fatalf("connection closed: cause %v, %d bytes up, %d down; want client closed, 7-8 up and 2 more down", f["cause"], up, down)
 				}
 			}
-			if n := h.p.dp.parker.Load().Parked(); n != 0 {
+			if n := h.p.dp.Parked(); n != 0 {
 				t.Fatalf("%d sockets still parked after every connection ended", n)
 			}
 		})
@@ -668,7 +669,7 @@ func TestShutdownEndsParkedConnections(t *testing.T) {
 	if _, err := r.ReadString('\n'); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "both sockets parked", func() bool { return h.p.dp.parker.Load().Parked() == 2 })
+	waitFor(t, "both sockets parked", func() bool { return h.p.dp.Parked() == 2 })
 	stopped := make(chan struct{})
 	go func() { h.stop(); close(stopped) }()
 	select {
@@ -680,7 +681,7 @@ func TestShutdownEndsParkedConnections(t *testing.T) {
 	if _, err := r.ReadString('\n'); err == nil {
 		t.Fatal("the connection is still open after the shutdown")
 	}
-	if f := h.logs.Find("Connection closed"); len(f) != 1 || f[0]["cause"] != CauseShutdown.String() {
+	if f := h.logs.Find("Connection closed"); len(f) != 1 || f[0]["cause"] != dataplane.CauseShutdown.String() {
 		t.Fatalf("connection log %v, want one line with cause shutdown", f)
 	}
 }

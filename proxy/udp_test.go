@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // udpExchange sends msg from c and returns the reply.
@@ -102,7 +103,7 @@ func TestUDPFlowExpires(t *testing.T) {
 	waitFor(t, "flow expiry", func() bool { n, _ := h.p.UDPFlows(h.frontend("dns")); return n == 0 })
 	waitFor(t, "flow log line", func() bool { return len(h.logs.Find("UDP flow closed")) == 1 })
 	f := h.logs.Find("UDP flow closed")[0]
-	if f["cause"] != CauseIdleTimeout.String() || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
+	if f["cause"] != dataplane.CauseIdleTimeout.String() || f["bytesUp"] != int64(1) || f["bytesDown"] != int64(3) {
 		t.Fatalf("flow line %v", f)
 	}
 	// A new datagram from the same client opens a new flow.
@@ -209,7 +210,7 @@ func TestUDPEmptyDatagram(t *testing.T) {
 func TestUDPFlowsShareOneBudget(t *testing.T) {
 	h := startProxier(t, Config{FileLimit: 200}) // reserve 64, UDP share 68
 	h.apply(svc("quiet", config.UDP, udpBackend(t, "a")), svc("flood", config.UDP, udpBackend(t, "b")))
-	share := h.p.dp.budget.udpCap
+	share := h.p.dp.Budget().UDPShare
 	open := func(name string, n int) {
 		for i := 0; i < n; i++ {
 			c := dialUDP(t, h.addr(name))
@@ -230,7 +231,7 @@ func TestUDPFlowsShareOneBudget(t *testing.T) {
 	if quiet+flood != share || quiet-flood > 1 || flood-quiet > 1 {
 		t.Fatalf("quiet %d, flood %d of a share of %d: want a fair share each", quiet, flood, share)
 	}
-	if got := h.p.dp.budget.udpFlows.Load(); got != int64(share) {
+	if got := h.p.dp.Budget().UDPFlows; got != int64(share) {
 		t.Fatalf("budget counts %d flows, want %d", got, share)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // steadyClient sends a datagram every 100 ms from one socket (one fixed
@@ -150,7 +151,7 @@ func TestUDPFlowsFollowTheEndpointSet(t *testing.T) {
 			}
 			waitFor(t, "the old flow's log line", func() bool {
 				for _, f := range h.logs.Find("UDP flow closed") {
-					if f["cause"] == CauseEndpointGone.String() {
+					if f["cause"] == dataplane.CauseEndpointGone.String() {
 						return true
 					}
 				}

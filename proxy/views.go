@@ -8,6 +8,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/sirupsen/logrus"
 )
 
@@ -90,28 +91,26 @@ func (p *Proxier) StatusPage(offset, limit int) (page []FrontendStatus, total in
 // statusLocked is fe's status; r.mu is held.
 func (r *reconciler) statusLocked(fe config.Frontend) FrontendStatus {
 	st := FrontendStatus{Frontend: fe, Zone: r.viewZone, Topology: config.TopologyNone}
-	if !keyOf(fe).localOnly(fe.Service) {
+	if !localOnly(dataplane.KeyOf(fe), fe.Service) {
 		st.Topology = config.TopologyMode(fe.Service.Endpoints, fe.Family, r.viewNode, r.viewZone)
 	}
 	live := r.liveLocked(fe)
 	if live == nil {
 		return st
 	}
-	st.Scheduler, st.Affinities, st.EndpointHealth = live.bal.Scheduler(), live.bal.Affinities(), live.bal.Health()
-	st.Refusing = live.refused.Load()
-	if live.udp != nil {
-		st.UDPFlows, st.UDPEvicted = live.udp.counts()
-	}
+	st.Scheduler, st.Affinities, st.EndpointHealth = live.Balancer().Scheduler(), live.Balancer().Affinities(), live.Balancer().Health()
+	st.Refusing = live.Refusing()
+	st.UDPFlows, st.UDPEvicted = live.UDPFlows()
 	return st
 }
 
 // liveLocked returns the listener behind fe, or nil when it is gone; r.mu
 // is held.
-func (r *reconciler) liveLocked(fe config.Frontend) *frontend {
+func (r *reconciler) liveLocked(fe config.Frontend) *dataplane.Frontend {
 	if fe.Err != nil {
 		return nil
 	}
-	return r.frontends[keyOf(fe)]
+	return r.frontends[dataplane.KeyOf(fe)]
 }
 
 // balancerOf returns the balancer of the listener behind fe (nil when it is
@@ -120,14 +119,14 @@ func (r *reconciler) balancerOf(fe config.Frontend) (bal *balance.Balancer, node
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if l := r.liveLocked(fe); l != nil {
-		bal = l.bal
+		bal = l.Balancer()
 	}
 	return bal, r.viewNode, r.viewZone
 }
 
 // eachLive calls fn for every live frontend, holding r.mu: fn must not
 // block.
-func (r *reconciler) eachLive(fn func(*frontend)) {
+func (r *reconciler) eachLive(fn func(*dataplane.Frontend)) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, fe := range r.frontends {
@@ -140,7 +139,7 @@ func (r *reconciler) eachLive(fn func(*frontend)) {
 // --show-rules renders.
 func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []config.Frontend {
 	var out []config.Frontend
-	var keys []frontendKey
+	var keys []dataplane.Key
 	for name, sp := range st.Ports {
 		for _, key := range frontendKeys(keys[:0], name, sp, nil) {
 			port := 0
@@ -148,7 +147,7 @@ func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []config.
 				port = sp.NodePort
 			}
 			out = append(out, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol,
-				Listen: netip.AddrPortFrom(bindFor(bind, key.Family), uint16(port))})
+				Listen: netip.AddrPortFrom(dataplane.BindFor(bind, key.Family), uint16(port))})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return lessFrontend(out[i], out[j]) })
@@ -166,12 +165,12 @@ var ErrUnknownEndpoint = errors.New("no listener of this service port has this e
 // without it.
 func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained bool) (active int, err error) {
 	found := false
-	p.rec.eachLive(func(fe *frontend) {
-		if fe.key.Name != name || !fe.bal.SetDrained(ep, drained) {
+	p.rec.eachLive(func(fe *dataplane.Frontend) {
+		if fe.Key().Name != name || !fe.Balancer().SetDrained(ep, drained) {
 			return
 		}
 		found = true
-		for _, h := range fe.bal.Health() {
+		for _, h := range fe.Balancer().Health() {
 			if h.Endpoint == ep {
 				active += h.Active
 			}
@@ -183,3 +182,6 @@ func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained 
 	p.cfg.log().WithFields(logrus.Fields{"service": name.String(), "endpoint": ep, "drained": drained, "active": active}).Info("Endpoint drain set by hand")
 	return active, nil
 }
+
+// Connections returns every live TCP connection, oldest first.
+func (p *Proxier) Connections() []dataplane.ConnInfo { return p.dp.Connections() }

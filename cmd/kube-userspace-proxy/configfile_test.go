@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 func writeConfig(t *testing.T, content string) string {
@@ -96,8 +96,8 @@ func TestParkIdleAfterZeroMeansNever(t *testing.T) {
 			t.Errorf("--park-idle-after %s: proxy.Config.ParkIdleAfter %v, want %v", flag, got, want)
 		}
 	}
-	if o, err := parseFlags([]string{"--manifests", "x"}, &bytes.Buffer{}); err != nil || o.parkIdleAfter != proxy.DefaultParkIdleAfter {
-		t.Errorf("default --park-idle-after %v (%v), want %v", o.parkIdleAfter, err, proxy.DefaultParkIdleAfter)
+	if o, err := parseFlags([]string{"--manifests", "x"}, &bytes.Buffer{}); err != nil || o.parkIdleAfter != dataplane.DefaultParkIdleAfter {
+		t.Errorf("default --park-idle-after %v (%v), want %v", o.parkIdleAfter, err, dataplane.DefaultParkIdleAfter)
 	}
 	if _, err := parseFlags([]string{"--manifests", "x", "--park-idle-after", "-1s"}, &bytes.Buffer{}); err == nil {
 		t.Error("a negative --park-idle-after was accepted")

@@ -12,9 +12,9 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 var errHelp = errors.New("help requested")
@@ -146,10 +146,10 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.StringVar(&o.hostnameOverride, "hostname-override", "", "The name of this node, for traffic policies (default: $NODE_NAME, else the hostname).")
 	fs.StringVar(&raw.bind, "bind-address", "0.0.0.0", "The address the proxy listeners bind to (0.0.0.0: all IPv4 and IPv6 addresses).")
 	fs.StringVar(&raw.portRange, "proxy-port-range", "", "Local ports for the listeners that are not on a NodePort, begin-end or begin+offset (default: 45000-59999). The range is added to ip_local_reserved_ports, and new connections to it from other hosts that were not redirected are dropped.")
-	fs.DurationVar(&o.udpTimeout, "udp-timeout", proxy.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
-	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", proxy.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
+	fs.DurationVar(&o.udpTimeout, "udp-timeout", dataplane.DefaultUDPTimeout, "How long an idle UDP flow is kept.")
+	fs.IntVar(&o.udpMaxFlows, "udp-max-flows", dataplane.DefaultUDPMaxFlows, "UDP flows per service port; the least recently used is evicted beyond this.")
 	fs.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", 24*time.Hour, "Close a proxied TCP connection after it carried no data either way this long (0: never).")
-	fs.DurationVar(&o.parkIdleAfter, "park-idle-after", proxy.DefaultParkIdleAfter, "A direction of a proxied TCP connection with nothing to read for this long gives up its goroutine and waits in an epoll set (an idle connection then costs ~2-3 KiB instead of ~8; waking costs microseconds). 0: never.")
+	fs.DurationVar(&o.parkIdleAfter, "park-idle-after", dataplane.DefaultParkIdleAfter, "A direction of a proxied TCP connection with nothing to read for this long gives up its goroutine and waits in an epoll set (an idle connection then costs ~2-3 KiB instead of ~8; waking costs microseconds). 0: never.")
 	fs.IntVar(&o.outlier.ConsecutiveFailures, "outlier-consecutive-failures", balance.DefaultOutlier.ConsecutiveFailures, "Failed dials (or UDP ICMP errors) in a row that eject an endpoint from new connections for a while (0: never eject). A Service opts out with the annotation kube-userspace-proxy.io/outlier-detection: \"off\".")
 	fs.DurationVar(&o.outlier.BaseEjectionTime, "outlier-base-ejection-time", balance.DefaultOutlier.BaseEjectionTime, "How long an endpoint's first ejection lasts; the nth in a row lasts n times as long. When it ends, the next connection is the probe.")
 	fs.DurationVar(&o.outlier.MaxEjectionTime, "outlier-max-ejection-time", balance.DefaultOutlier.MaxEjectionTime, "The longest ejection.")
@@ -192,7 +192,7 @@ func (o *options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.BoolVar(&o.profiling, "profiling", false, "Serve /debug/pprof on the metrics address.")
 	fs.StringVar(&o.rawBackendSource, "backend-source-address", "auto", "Whose address backends see: auto (the client's own where kube-proxy keeps it — a pod of this node or the node itself calling a ClusterIP, any client of an externalTrafficPolicy: Local Service — and the node's elsewhere, as kube-proxy's masquerade) or node (always the node's, as the classic userspace proxy). A Service opts out with the annotation kube-userspace-proxy.io/backend-source-address: \"node\".")
 	fs.StringVar(&o.connLog, "connection-log", "errors", "Per-connection log lines (info level): errors (resets, failed dials, TCP idle timeouts...), all, or none.")
-	fs.Float64Var(&o.connLogRate, "connection-log-rate", proxy.DefaultConnLogRate, "The most connection log lines per second (twice as many in a burst); those over it are counted and the count logged. 0: no limit (with --connection-log all on a busy node, raise it or expect counts).")
+	fs.Float64Var(&o.connLogRate, "connection-log-rate", dataplane.DefaultConnLogRate, "The most connection log lines per second (twice as many in a burst); those over it are counted and the count logged. 0: no limit (with --connection-log all on a busy node, raise it or expect counts).")
 	fs.StringVar(&o.schedPolicy, "scheduling-policy", "normal", "CPU scheduling of the daemon's threads: normal, or batch (SCHED_BATCH: a wake-up does not preempt a running task; on a busy machine data is moved in bigger pieces, at the price of latency up to a time slice; see docs/operations.md).")
 	fs.StringVar(&o.logLevel, "log-level", "info", "Log level: panic, fatal, error, warn, info, debug or trace (the connection lines of --connection-log are info).")
 	fs.StringVar(&o.logFormat, "log-format", "text", "Log format: text or json.")

@@ -26,6 +26,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // proxyHealthy is the proxy's own health: no queued change has waited
@@ -170,7 +171,7 @@ func (d *debugServer) connections(w http.ResponseWriter, r *http.Request) {
 	conns = conns[:min(limit, len(conns))]
 	if !wantsText(r) {
 		if conns == nil {
-			conns = []proxy.ConnInfo{}
+			conns = []dataplane.ConnInfo{}
 		}
 		writeJSON(w, conns)
 		return

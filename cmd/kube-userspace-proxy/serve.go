@@ -23,6 +23,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
@@ -414,7 +415,7 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		SyncPeriod:          o.syncPeriod,
 		Log:                 log.WithField("component", "proxier"),
 		ConnLog:             log.WithField("component", "conn"),
-		ConnLogMode:         proxy.ConnLogMode(o.connLog),
+		ConnLogMode:         dataplane.ConnLogMode(o.connLog),
 		ConnLogRate:         connLogRate(o.connLogRate),
 		BackendSource:       o.backendSource,
 		LocalTraffic:        o.local,

@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 // One descriptor budget for the whole daemon. Every UDP flow holds a socket
 // and every TCP connection two; the flow cap per service port (4096) did not
@@ -17,6 +17,20 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
+// flowHolder is a holder of UDP flows as the budget sees it (a UDP
+// server's flow table): the budget counts each holder's flows and, past
+// the UDP share, takes the least recently used flow of the fullest.
+type flowHolder interface {
+	// oldestFlow is the holder's least recently used flow, or nil.
+	oldestFlow() evictable
+}
+
+// evictable is a flow the budget may end to make room.
+type evictable interface {
+	lastUsed() int64 // when it last carried a datagram (Unix ns)
+	evict() bool     // ends it; false: it had ended meanwhile
+}
+
 // descriptorBudget splits RLIMIT_NOFILE. Safe for concurrent use.
 type descriptorBudget struct {
 	limit   int // RLIMIT_NOFILE (soft)
@@ -32,8 +46,8 @@ type descriptorBudget struct {
 	// flood past the share evicts once per datagram). Taken inside a
 	// server's flow lock, never around it.
 	mu        sync.Mutex
-	flowCount map[*udpServer]int              // every open UDP server's flows
-	byCount   map[int]map[*udpServer]struct{} // the servers holding n > 0 flows
+	flowCount map[flowHolder]int              // every open UDP server's flows
+	byCount   map[int]map[flowHolder]struct{} // the servers holding n > 0 flows
 	most      int                             // the largest n in byCount (0: none)
 
 	// fileLimitAt is when the daemon last ran out of descriptors (unix
@@ -49,7 +63,7 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 	if limit <= 0 {
 		limit = int(sock.FileLimit())
 	}
-	b := &descriptorBudget{limit: limit, flowCount: map[*udpServer]int{}, byCount: map[int]map[*udpServer]struct{}{}}
+	b := &descriptorBudget{limit: limit, flowCount: map[flowHolder]int{}, byCount: map[int]map[flowHolder]struct{}{}}
 	b.reserve = min(max(64, limit/16), limit/4) // a tiny limit keeps room for connections
 	b.udpCap = max(1, (limit-b.reserve)/2)
 	descriptorBudgetGauge.WithLabelValues("limit").Set(float64(b.limit))
@@ -59,7 +73,7 @@ func newDescriptorBudget(limit int) *descriptorBudget {
 }
 
 // addUDP indexes a UDP server that opens (with no flow yet).
-func (b *descriptorBudget) addUDP(u *udpServer) {
+func (b *descriptorBudget) addUDP(u flowHolder) {
 	b.mu.Lock()
 	if _, ok := b.flowCount[u]; !ok {
 		b.flowCount[u] = 0
@@ -69,7 +83,7 @@ func (b *descriptorBudget) addUDP(u *udpServer) {
 
 // removeUDP takes a closing server out of the index; its flows still close
 // and count out of the share.
-func (b *descriptorBudget) removeUDP(u *udpServer) {
+func (b *descriptorBudget) removeUDP(u flowHolder) {
 	b.mu.Lock()
 	b.moveLocked(u, -b.flowCount[u])
 	delete(b.flowCount, u)
@@ -78,14 +92,14 @@ func (b *descriptorBudget) removeUDP(u *udpServer) {
 
 // flowOpened counts a new flow of u and reports whether the UDP share is
 // now exceeded (the caller evicts).
-func (b *descriptorBudget) flowOpened(u *udpServer) bool {
+func (b *descriptorBudget) flowOpened(u flowHolder) bool {
 	b.mu.Lock()
 	b.moveLocked(u, 1)
 	b.mu.Unlock()
 	return b.udpFlows.Add(1) > int64(b.udpCap)
 }
 
-func (b *descriptorBudget) flowClosed(u *udpServer) {
+func (b *descriptorBudget) flowClosed(u flowHolder) {
 	b.udpFlows.Add(-1)
 	b.mu.Lock()
 	b.moveLocked(u, -1)
@@ -95,7 +109,7 @@ func (b *descriptorBudget) flowClosed(u *udpServer) {
 // moveLocked changes u's flow count by delta in the index (a server not
 // indexed is left out). Finding the new largest count after a decrease steps
 // down one count at a time: as many steps, over time, as flows were opened.
-func (b *descriptorBudget) moveLocked(u *udpServer, delta int) {
+func (b *descriptorBudget) moveLocked(u flowHolder, delta int) {
 	n, ok := b.flowCount[u]
 	if !ok || delta == 0 {
 		return
@@ -110,7 +124,7 @@ func (b *descriptorBudget) moveLocked(u *udpServer, delta int) {
 	b.flowCount[u] = n
 	if n > 0 {
 		if b.byCount[n] == nil {
-			b.byCount[n] = map[*udpServer]struct{}{}
+			b.byCount[n] = map[flowHolder]struct{}{}
 		}
 		b.byCount[n][u] = struct{}{}
 		b.most = max(b.most, n)
@@ -143,24 +157,23 @@ const fullestSample = 8
 // ended meanwhile (pick again).
 func (b *descriptorBudget) evictOne() bool {
 	b.mu.Lock()
-	candidates := make([]*udpServer, 0, fullestSample)
+	candidates := make([]flowHolder, 0, fullestSample)
 	for u := range b.byCount[b.most] {
 		if candidates = append(candidates, u); len(candidates) == fullestSample {
 			break
 		}
 	}
 	b.mu.Unlock()
-	var owner *udpServer
-	var victim *udpFlow
-	for _, u := range candidates { // outside b.mu: oldest takes the server's lock
-		if fl := u.oldest(); fl != nil && (victim == nil || fl.lastSeen.Load() < victim.lastSeen.Load()) {
-			owner, victim = u, fl
+	var victim evictable
+	for _, u := range candidates { // outside b.mu: oldestFlow takes the holder's lock
+		if fl := u.oldestFlow(); fl != nil && (victim == nil || fl.lastUsed() < victim.lastUsed()) {
+			victim = fl
 		}
 	}
-	if owner == nil {
+	if victim == nil {
 		return true
 	}
-	return owner.evict(victim)
+	return victim.evict()
 }
 
 // admitTCP takes a place for a new TCP connection (its socket is already
@@ -187,3 +200,21 @@ func (b *descriptorBudget) exhaustedWithin(d time.Duration) bool {
 	at := b.fileLimitAt.Load()
 	return at != 0 && time.Since(time.Unix(0, at)) < d
 }
+
+// BudgetStatus is the descriptor budget as of now.
+type BudgetStatus struct {
+	Limit    int   // RLIMIT_NOFILE (soft)
+	Reserve  int   // never for flows or connections
+	UDPShare int   // UDP flows of all service ports together
+	UDPFlows int64 // open now
+	TCPConns int64 // open now, two descriptors each
+}
+
+// Budget is the descriptor budget as of now.
+func (d *Dataplane) Budget() BudgetStatus {
+	b := d.budget
+	return BudgetStatus{Limit: b.limit, Reserve: b.reserve, UDPShare: b.udpCap, UDPFlows: b.udpFlows.Load(), TCPConns: b.tcpConns.Load()}
+}
+
+// Parked is how many sockets wait in the parker without a goroutine.
+func (d *Dataplane) Parked() int64 { return d.parker.Load().Parked() }

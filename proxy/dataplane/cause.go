@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 import "github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 

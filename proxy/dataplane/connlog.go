@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 import (
 	"net/netip"
@@ -62,7 +62,7 @@ func (c *connLogLimit) pass() (bool, int64) {
 
 // logEnd writes l's line, if --connection-log wants it and its rate
 // limit lets it.
-func (f *frontend) logEnd(l endLine) {
+func (f *Frontend) logEnd(l endLine) {
 	if !f.dp.cfg.logConn(l.protocol, l.cause) {
 		return
 	}

@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 import (
 	"context"
@@ -21,7 +21,7 @@ type connRecord struct {
 	Client  netip.AddrPort
 	Start   time.Time
 
-	fe *frontend
+	fe *Frontend
 
 	up, down atomic.Int64 // bytes so far
 
@@ -169,7 +169,7 @@ func (c *connRecord) end(why Cause) {
 }
 
 // finish logs the connection's one line and records its duration.
-func (c *connRecord) finish(f *frontend, up, down int64, cause Cause) {
+func (c *connRecord) finish(f *Frontend, up, down int64, cause Cause) {
 	f.m.get().duration.Observe(time.Since(c.Start).Seconds())
 	c.mu.Lock()
 	l := endLine{protocol: config.TCP, client: c.Client, origDst: c.OrigDst.String(), endpoint: c.Endpoint, reason: c.Reason,
@@ -191,7 +191,7 @@ type connTable struct {
 	conns map[uint64]*connRecord
 }
 
-func (t *connTable) add(f *frontend, client netip.AddrPort) *connRecord {
+func (t *connTable) add(f *Frontend, client netip.AddrPort) *connRecord {
 	c := &connRecord{
 		fe:      f,
 		ID:      t.nextID.Add(1),
@@ -243,25 +243,6 @@ func (t *connTable) all() []*connRecord {
 	return out
 }
 
-// Connections returns the live TCP connections, oldest first.
-func (p *Proxier) Connections() []ConnInfo {
-	now := time.Now()
-	var out []ConnInfo
-	for _, c := range p.dp.conns.list() {
-		ci := c.info(now)
-		c.mu.Lock()
-		paired, pair := c.paired, &c.pair
-		c.mu.Unlock()
-		if paired {
-			// Two getsockopts per connection, only when someone looks.
-			ci.AckedDown, _ = pair.client.Acked()
-			ci.AckedUp, _ = pair.backend.Acked()
-		}
-		out = append(out, ci)
-	}
-	return out
-}
-
 // closeAll force-closes every live connection and waits for their goroutines.
 func (t *connTable) closeAll() {
 	for _, c := range t.list() {
@@ -306,4 +287,23 @@ func (t *connTable) drain(grace time.Duration) {
 		t.closeAll()
 		<-done
 	}
+}
+
+// Connections returns the live TCP connections, oldest first.
+func (d *Dataplane) Connections() []ConnInfo {
+	now := time.Now()
+	var out []ConnInfo
+	for _, c := range d.conns.list() {
+		ci := c.info(now)
+		c.mu.Lock()
+		paired, pair := c.paired, &c.pair
+		c.mu.Unlock()
+		if paired {
+			// Two getsockopts per connection, only when someone looks.
+			ci.AckedDown, _ = pair.client.Acked()
+			ci.AckedUp, _ = pair.backend.Acked()
+		}
+		out = append(out, ci)
+	}
+	return out
 }

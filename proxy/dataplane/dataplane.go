@@ -1,6 +1,6 @@
-package proxy
+package dataplane
 
-// The dataplane owns what every frontend's connections share:
+// A Dataplane owns what every frontend's connections share:
 //
 //	alloc    the proxy ports of the listeners (package ports)
 //	acc      the one accept loop of every TCP listener (sock.Acceptor)
@@ -12,11 +12,9 @@ package proxy
 //	source   whose address backends see, and the conntrack source NAT that
 //	         shows them their clients (package clientaddr)
 //
-// A frontend borrows these and never reaches past them: everything live on
-// the data path (listeners, TCP pairs, UDP flows, the balancers' affinity
-// and ejection state) is reachable from the dataplane and its frontends.
-// Its goroutines start with start and end with stop, in the order that
-// leaves no connection without a goroutine to finish it.
+// A frontend borrows these and never reaches past them. Its goroutines
+// start with Start and end with Stop, in the order that leaves no
+// connection without a goroutine to finish it.
 
 import (
 	"context"
@@ -39,7 +37,7 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
-type dataplane struct {
+type Dataplane struct {
 	cfg     *Config
 	alloc   *ports.Allocator
 	conns   connTable
@@ -65,7 +63,7 @@ type dataplane struct {
 	transferSink atomic.Pointer[func(*detachedPair) bool]
 	// udpGate holds the UDP read loops of a successor until the
 	// predecessor's flows are in their tables (transfer_udp.go); nil without
-	// a predecessor. Set before start, closed once by openUDPGate.
+	// a predecessor. Set before start, closed once by OpenUDPGate.
 	udpGate chan struct{}
 	openUDP sync.Once
 	// connLogLimit bounds the connection log (connlog.go);
@@ -79,7 +77,7 @@ type dataplane struct {
 	// are bound anew (keeper.go); nil without a keeper. Set before start.
 	// letGoUntil is until when a bind that finds such a port in use tries
 	// again (bindAnew). Both on the sync goroutine.
-	letGo      func([]keptKey)
+	letGo      func([]SocketKey)
 	letGoUntil time.Time
 	// noLocalPortWarned is when the last "no local port" warning was
 	// logged (Unix ns): one a minute says it without flooding the log.
@@ -97,8 +95,8 @@ type dataplane struct {
 // newDataplane makes the dataplane of cfg and opens its kernel interfaces
 // (the source NAT, the UDP guard's conntrack netlink), said to cfg.Kernel;
 // start takes them over and closes them at stop.
-func newDataplane(cfg *Config) *dataplane {
-	d := &dataplane{
+func New(cfg *Config) *Dataplane {
+	d := &Dataplane{
 		cfg: cfg,
 		alloc: ports.New(cfg.PortRange, func(err error) {
 			cfg.log().WithError(err).Warn("Cannot read the kernel's local port range; listeners take a port from bind(0), slow beyond ~7000 listeners")
@@ -129,7 +127,7 @@ func newDataplane(cfg *Config) *dataplane {
 	d.source = clientaddr.New(source)
 	for _, fam := range []int{4, 6} {
 		if d.source.Available(fam) {
-			clientAddressAvailable.WithLabelValues(familyNames([]int{fam})...).Set(1)
+			clientAddressAvailable.WithLabelValues(familyName(fam)).Set(1)
 		}
 	}
 	if cfg.GuardAtAccept {
@@ -150,7 +148,7 @@ const (
 // ranOutOfLocalPorts logs, at most once a minute, that a dial to ep found
 // no local port: the node's limit, which an operator lifts, not the
 // endpoint's fault.
-func (d *dataplane) ranOutOfLocalPorts(log logrus.FieldLogger, ep netip.AddrPort) {
+func (d *Dataplane) ranOutOfLocalPorts(log logrus.FieldLogger, ep netip.AddrPort) {
 	now := time.Now().UnixNano()
 	last := d.noLocalPortWarned.Load()
 	if last != 0 && now-last < int64(time.Minute) || !d.noLocalPortWarned.CompareAndSwap(last, now) {
@@ -160,9 +158,10 @@ func (d *dataplane) ranOutOfLocalPorts(log logrus.FieldLogger, ep netip.AddrPort
 		"not the endpoint's fault, so it is not ejected. Set net.ipv4.tcp_tw_reuse=1 or widen net.ipv4.ip_local_port_range (docs/operations.md)")
 }
 
-// start runs the dataplane's goroutines until stop; ctx is the daemon's
+// Start runs the dataplane's goroutines until Stop; ctx is the daemon's
 // lifetime, which dials and read loops follow.
-func (d *dataplane) start(ctx context.Context) {
+func (d *Dataplane) Start(ctx context.Context) {
+	running.add(d)
 	d.ctx = ctx
 	// Stopped last: whatever the parker still holds at stop goes back to
 	// the copiers, and the handlers of the last connections to the workers.
@@ -195,9 +194,9 @@ func (d *dataplane) start(ctx context.Context) {
 	}
 }
 
-// closeListeners stops the accept loop; the frontends have closed their
+// CloseListeners stops the accept loop; the frontends have closed their
 // listeners already.
-func (d *dataplane) closeListeners() {
+func (d *Dataplane) CloseListeners() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.acc != nil {
@@ -206,9 +205,10 @@ func (d *dataplane) closeListeners() {
 	}
 }
 
-// stop ends the dataplane's goroutines, last started first: for after the
-// connections have drained (connTable.drain).
-func (d *dataplane) stop() {
+// Stop ends the dataplane's goroutines, last started first: for after the
+// connections have drained (Drain).
+func (d *Dataplane) Stop() {
+	running.remove(d)
 	for i := len(d.tasks) - 1; i >= 0; i-- {
 		d.tasks[i].stop()
 	}
@@ -216,7 +216,7 @@ func (d *dataplane) stop() {
 }
 
 // acceptor returns the accept loop of the TCP listeners, made at first use.
-func (d *dataplane) acceptor() (*sock.Acceptor, error) {
+func (d *Dataplane) acceptor() (*sock.Acceptor, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.acc == nil {
@@ -229,10 +229,10 @@ func (d *dataplane) acceptor() (*sock.Acceptor, error) {
 	return d.acc, nil
 }
 
-// open starts a listener for key, serving sp. The port goes back to the
+// Open opens a listener for key, to serve sp once ServeAs says how. The port goes back to the
 // allocator on every failure path.
-func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, error) {
-	bind := bindFor(d.cfg.BindAddress, key.Family)
+func (d *Dataplane) Open(key Key, sp *config.ServicePort) (*Frontend, error) {
+	bind := BindFor(d.cfg.BindAddress, key.Family)
 	var ln listener
 	var nodePortErr error
 	release := func() {}
@@ -282,13 +282,13 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 	if hold != nil {
 		d.budget.listeners.Add(1)
 	}
-	fe := &frontend{
+	fe := &Frontend{
 		dp: d, key: key, protocol: sp.Protocol, spec: sp, bal: balance.New(sp.Scheduler), m: newFEMetrics(key.Name.String(), sp.Protocol),
 		listen:      netip.AddrPortFrom(bind, uint16(ln.port)),
 		nodePortErr: nodePortErr,
 		onNodePort:  onNodePort,
 		hold:        hold,
-		release:     release,
+		releasePort: release,
 	}
 	fe.opened = ln // served by its first serveAs
 	fe.proxyProto.Store(sp.ProxyProtocol)
@@ -297,7 +297,7 @@ func (d *dataplane) open(key frontendKey, sp *config.ServicePort) (*frontend, er
 
 // inherit takes the socket a predecessor lent for key's role, if
 // any (see inherited.take).
-func (d *dataplane) inherit(key frontendKey, role string, proto config.Protocol, bind netip.Addr) (listener, bool) {
+func (d *Dataplane) inherit(key Key, role string, proto config.Protocol, bind netip.Addr) (listener, bool) {
 	if d.inherited == nil {
 		return listener{}, false
 	}
@@ -306,7 +306,7 @@ func (d *dataplane) inherit(key frontendKey, role string, proto config.Protocol,
 
 // serve has fe serve on ln: a TCP listener through the accept loop, a UDP
 // socket with a read loop of its own.
-func (d *dataplane) serve(fe *frontend, ln listener) error {
+func (d *Dataplane) serve(fe *Frontend, ln listener) error {
 	if ln.tcp != nil {
 		fe.tcp = &tcpServer{ln: ln.tcp}
 		if err := fe.serveTCP(ln.tcp); err != nil {
@@ -316,7 +316,7 @@ func (d *dataplane) serve(fe *frontend, ln listener) error {
 		return nil
 	}
 	if fe.udp == nil {
-		fe.udp = &udpServer{frontend: fe, flows: udpFlows{budget: d.budget}}
+		fe.udp = &udpServer{Frontend: fe, flows: udpFlows{budget: d.budget}}
 		fe.udp.flows.server = fe.udp
 	}
 	fe.udp.open(&udpSocket{conn: ln.udp, family: fe.key.Family})
@@ -345,9 +345,9 @@ func (t *task) stop() {
 	<-t.done
 }
 
-// bindFor returns the address listeners of a family bind to, given
+// BindFor returns the address listeners of a family bind to, given
 // --bind-address b.
-func bindFor(b netip.Addr, family int) netip.Addr {
+func BindFor(b netip.Addr, family int) netip.Addr {
 	if b.IsValid() && !b.IsUnspecified() && config.Family(b) == family {
 		return b
 	}
@@ -360,7 +360,7 @@ func bindFor(b netip.Addr, family int) netip.Addr {
 // bindAnew runs bind, and runs it again while it finds its port in use and
 // the keeper was just asked to let go of sockets (letGo): the keeper's
 // duplicate of the socket that had the port closes a moment later.
-func (d *dataplane) bindAnew(bind func() error) error {
+func (d *Dataplane) bindAnew(bind func() error) error {
 	for {
 		err := bind()
 		if err == nil || !errors.Is(err, syscall.EADDRINUSE) || time.Now().After(d.letGoUntil) {
@@ -372,7 +372,7 @@ func (d *dataplane) bindAnew(bind func() error) error {
 
 // countSource counts whose address the backend of client's connection saw, and says at debug
 // level why it was not the client's when it should have been.
-func (f *frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
+func (f *Frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
 	switch {
 	case wanted && !dialed.Sees.IsValid():
 		backendSources.WithLabelValues("fallback").Inc()
@@ -387,3 +387,38 @@ func (f *frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wa
 		backendSources.WithLabelValues("node").Inc()
 	}
 }
+
+// Drain waits up to grace for the open connections to end, then ends the
+// rest; for after CloseListeners.
+func (d *Dataplane) Drain(grace time.Duration) { d.conns.drain(grace) }
+
+// SetLetGo has letGo told of sockets whose ports are about to be bound
+// anew, so that a keeper closes its duplicates first (proxy's keeper.go).
+// Before Start.
+func (d *Dataplane) SetLetGo(letGo func([]SocketKey)) { d.letGo = letGo }
+
+// LetGo has the keeper (SetLetGo) close its duplicates of the sockets of
+// fes, which are about to stop: their successors bind the same ports.
+func (d *Dataplane) LetGo(fes []*Frontend) {
+	if d.letGo == nil || len(fes) == 0 {
+		return
+	}
+	keys := make([]SocketKey, len(fes))
+	for i, fe := range fes {
+		keys[i] = fe.SocketKey()
+	}
+	d.letGo(keys)
+}
+
+// LetGoUntil is until when a bind that finds its port in use tries again:
+// the keeper was just asked to let go. On the sync goroutine.
+func (d *Dataplane) LetGoUntil(t time.Time) { d.letGoUntil = t }
+
+// OutOfFilesWithin says whether a system call failed for want of
+// descriptors in the last d.
+func (d *Dataplane) OutOfFilesWithin(window time.Duration) bool {
+	return d.budget.exhaustedWithin(window)
+}
+
+// Source is whose address backends see (explain's question).
+func (d *Dataplane) Source() *clientaddr.Chooser { return d.source }

@@ -1,26 +1,14 @@
-package proxy
+package dataplane
 
-// A frontend is one live listener; the reconciler carries a sync's plan out
-// on the frontends here, forward and each step once:
-//
-//	carryOut         close what must go first, retake NodePorts held elsewhere
-//	  → serve        per port of the plan, per key: the frontend (open:
-//	                 dataplane.go, for one that is missing), then
-//	  → serveAs      what the plan decided for it: settings, the balancer's
-//	                 endpoints and a predecessor's picks (package balance), UDP
-//	                 flows off endpoints that left (udpflows.go), its port
-//	                 refusing while no endpoint serves (listener.go)
-//	  then removed frontends stop; out comes the ruleWrite (rulewriter.go)
-//	written          once the rule writer is done: replaced frontends stop,
-//	                 closed ones give their ports back
+// A Frontend is one live listener with its balancer: opened by the
+// Dataplane (Open), told what to serve by the sync goroutine (ServeAs),
+// stopped by it, its port given back once the rules no longer point at it
+// (Release).
 
 import (
 	"fmt"
 	"net/netip"
-	"runtime"
-	"slices"
 	"sync/atomic"
-	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -30,24 +18,25 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/internal/sock"
 )
 
-type frontendKey struct {
+// Key names a frontend: one service port's listener of one kind and family.
+type Key struct {
 	Name   config.ServicePortName
 	Kind   config.Kind
 	Family int
 }
 
-// keyOf is the key of the listener behind f.
-func keyOf(f config.Frontend) frontendKey { return frontendKey{f.Service.Name, f.Kind, f.Family} }
+// KeyOf is the key of the listener behind f.
+func KeyOf(f config.Frontend) Key { return Key{f.Service.Name, f.Kind, f.Family} }
 
 // String names a listener: service port, kind and family.
-func (k frontendKey) String() string { return fmt.Sprintf("%s/%s/%d", k.Name, k.Kind, k.Family) }
+func (k Key) String() string { return fmt.Sprintf("%s/%s/%d", k.Name, k.Kind, k.Family) }
 
-// frontend is a live listener with its balancer, serving one key: a TCP
+// Frontend is a live listener with its balancer, serving one key: a TCP
 // server or a UDP server, never both. It is created by the dataplane and
 // closed by the reconciler; its connections and flows belong to its server.
-type frontend struct {
-	dp          *dataplane
-	key         frontendKey
+type Frontend struct {
+	dp          *Dataplane
+	key         Key
 	protocol    config.Protocol     // fixed: another protocol is another frontend
 	spec        *config.ServicePort // the sync goroutine's: connections never read it
 	bal         *balance.Balancer
@@ -55,7 +44,7 @@ type frontend struct {
 	nodePortErr error      // the NodePort could not be taken
 	onNodePort  bool       // the listener sits on the NodePort itself
 	hold        *sock.Hold // holds the NodePort when the listener is elsewhere, or nil
-	release     func()
+	releasePort func()
 
 	// proxyProto is the PROXY protocol version of the spec (a string),
 	// read by connection goroutines while the sync goroutine may change it.
@@ -92,7 +81,7 @@ type tcpServer struct {
 
 // log is the frontend's logger, made when something is said: a fields
 // map kept per frontend cost 6 MB at 10 000 Services.
-func (fe *frontend) log() logrus.FieldLogger {
+func (fe *Frontend) log() logrus.FieldLogger {
 	return fe.dp.cfg.log().WithFields(logrus.Fields{
 		"service": fe.key.Name.String(), "protocol": fe.protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
 	})
@@ -100,8 +89,8 @@ func (fe *frontend) log() logrus.FieldLogger {
 
 // debug writes one of the frontend's debug lines, without making its logger
 // when debug lines are off: some come per connection or per datagram.
-func (fe *frontend) debug(fields logrus.Fields, err error, msg string) {
-	if !debugEnabled(fe.dp.cfg.log()) {
+func (fe *Frontend) debug(fields logrus.Fields, err error, msg string) {
+	if !DebugEnabled(fe.dp.cfg.log()) {
 		return
 	}
 	l := fe.log().WithFields(fields)
@@ -111,169 +100,49 @@ func (fe *frontend) debug(fields logrus.Fields, err error, msg string) {
 	l.Debug(msg)
 }
 
-// carryOut does p to the frontends, in the order that refuses or drops
-// nothing it need not: the frontends closing leave the live set, those that
-// hold a NodePort their successors need stop, NodePorts held elsewhere are
-// tried again, every port of p.serve is served (new listeners opened,
-// balancers given their endpoints), and only then do removed frontends stop,
-// so that no port freed here goes to a new frontend. It returns the rule
-// write that makes the rules match, and how many frontends were kept.
-func (r *reconciler) carryOut(p *syncPlan, start time.Time) (w *ruleWrite, kept int) {
-	r.mu.Lock()
-	for key := range p.closing {
-		delete(r.frontends, key)
-	}
-	r.mu.Unlock()
-	if r.dp.letGo != nil && len(p.closeNow) > 0 {
-		keys := make([]keptKey, len(p.closeNow))
-		for i, fe := range p.closeNow {
-			keys[i] = fe.keptKey()
-		}
-		r.dp.letGo(keys) // their successors bind the NodePorts they had
-	}
-	for _, fe := range p.closeNow {
-		fe.stop()
-	}
-	r.lines.closed = append(r.lines.closed, p.closeNow...)
-	stale := slices.Clone(p.stale)
-	retaken := map[frontendKey]*frontend{}
-	for _, key := range p.retake {
-		if nf := r.retakeNodePort(key, p.st.Ports[key.Name]); nf != nil {
-			stale = append(stale, r.frontends[key])
-			r.mu.Lock()
-			delete(r.frontends, key)
-			r.mu.Unlock()
-			retaken[key] = nf
-		}
-	}
-	kept = len(r.frontends)
-	r.zone = p.st.Zone
-	view := p.view
-	for _, ps := range p.serve {
-		view = r.serve(view, p, ps, retaken)
-	}
-	for _, fe := range p.gone {
-		fe.stop()
-	}
-	r.lines.closed = append(r.lines.closed, p.gone...)
-	w = &ruleWrite{view: view, verify: p.verify, release: slices.Concat(p.closeNow, p.gone), stale: stale, start: start, state: p.st}
-	if p.changed != nil {
-		w.changed, w.fresh = p.changed, view[p.unchanged:]
-	}
-	return w, kept
+// Serve is what a sync decided a frontend takes.
+type Serve struct {
+	Endpoints []netip.AddrPort // its balancer's
+	NoLocal   uint32           // its Local policies with no endpoint on this node (proxy's noLocalPolicies)
+	Source    *clientaddr.Policy
+	Outlier   balance.OutlierConfig
+	// Serving are the endpoints a UDP frontend keeps its flows to; nil
+	// keeps them all (a new frontend has none).
+	Serving map[netip.AddrPort]bool
+	// Picks are a predecessor's pick state (nil: none).
+	Picks *balance.PickState
 }
 
-// retakeNodePort opens a new frontend for key that holds sp's NodePort, or
-// returns nil (quietly: it is tried again every sync) while the port is
-// still taken.
-func (r *reconciler) retakeNodePort(key frontendKey, sp *config.ServicePort) *frontend {
-	nf, err := r.dp.open(key, sp)
-	if err != nil {
-		return nil
-	}
-	if nf.nodePortErr != nil {
-		nf.discard()
-		return nil
-	}
-	nf.log().WithField("nodePort", sp.NodePort).Info("NodePort taken back")
-	return nf
-}
-
-// serve makes sure a frontend serves ps.sp for each of its keys (opening
-// the ones missing, or taking the one retaken), has it take what p decided,
-// and appends them to view.
-func (r *reconciler) serve(view []config.Frontend, p *syncPlan, ps portServe, retaken map[frontendKey]*frontend) []config.Frontend {
-	sp := ps.sp
-	for _, ks := range ps.keys {
-		key := ks.key
-		failed := config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol}
-		fe := r.frontends[key]
-		if fe == nil {
-			if fe = retaken[key]; fe == nil {
-				var err error
-				if fe, err = r.open(key, sp, p.st.Node); err != nil {
-					failed.Err = err
-					view = append(view, failed)
-					continue
-				}
-			}
-			r.lines.opened = append(r.lines.opened, fe)
-			r.mu.Lock()
-			r.frontends[key] = fe
-			r.mu.Unlock()
-		}
-		if ks.update { // always for a frontend just opened or retaken
-			if err := fe.serveAs(sp, ks); err != nil {
-				// Its listener could not be opened again (another
-				// process took its port meanwhile): it leaves the live
-				// set, the sync goroutine opens a new one later, and its
-				// port goes back once the rules no longer point at it.
-				fe.log().WithError(err).Error("Cannot open listener; service port not served, retrying")
-				r.mu.Lock()
-				delete(r.frontends, key)
-				r.mu.Unlock()
-				fe.stop()
-				r.lines.closed = append(r.lines.closed, fe)
-				r.unreleased = append(r.unreleased, fe)
-				failed.Err = err
-				view = append(view, failed)
-				continue
-			}
-		}
-		fe.spec = sp
-		view = append(view, config.Frontend{Service: sp, Kind: key.Kind, Family: key.Family, Protocol: sp.Protocol, Listen: fe.listen,
-			NodePortErr: fe.nodePortErr})
-	}
-	return view
-}
-
-// open opens key's listener and says what went wrong: the listener (the
-// sync goroutine retries) or its NodePort (also an Event on the Service).
-func (r *reconciler) open(key frontendKey, sp *config.ServicePort, node string) (*frontend, error) {
-	fe, err := r.dp.open(key, sp)
-	if err != nil {
-		r.cfg.log().WithField("service", key.Name.String()).WithError(err).Error("Cannot open listener; service port not served, retrying")
-		return nil, err
-	}
-	if fe.nodePortErr != nil {
-		fe.log().Error(fe.nodePortErr)
-		if r.cfg.Events != nil {
-			r.cfg.Events(sp, "NodePortConflict", fmt.Sprintf("%s (node %s)", fe.nodePortErr, node))
-		}
-	}
-	return fe, nil
-}
-
-// serveAs has fe serve sp as the plan decided (ks): its settings, its
-// balancer's endpoints (and a predecessor's picks, once they are set), its
-// UDP flows off endpoints that left, the listener it was opened with
-// served, and its port refusing while no endpoint can serve (listener.go),
-// in that order: the balancer holds the endpoints before a listener that
-// was opened, or refused, accepts.
-func (fe *frontend) serveAs(sp *config.ServicePort, ks keyServe) error {
+// ServeAs has fe serve sp as s says: its settings, its balancer's
+// endpoints (and a predecessor's picks, once they are set), its UDP flows
+// off endpoints that left, the listener it was opened with served, and its
+// port refusing while no endpoint can serve (listener.go), in that order:
+// the balancer holds the endpoints before a listener that was opened, or
+// refused, accepts. On the sync goroutine.
+func (fe *Frontend) ServeAs(sp *config.ServicePort, s Serve) error {
 	fe.proxyProto.Store(sp.ProxyProtocol)
-	fe.sourcePolicy.Store(ks.source)
-	fe.noLocal.Store(ks.noLocal)
-	fe.bal.Update(ks.eps, sp.AffinityTimeout, ks.outlier, sp.Scheduler)
-	if ks.picks != nil {
-		fe.bal.ImportPicks(*ks.picks)
+	fe.sourcePolicy.Store(s.Source)
+	fe.noLocal.Store(s.NoLocal)
+	fe.bal.Update(s.Endpoints, sp.AffinityTimeout, s.Outlier, sp.Scheduler)
+	if s.Picks != nil {
+		fe.bal.ImportPicks(*s.Picks)
 	}
-	if fe.udp != nil && ks.serving != nil {
-		fe.udp.endFlowsOff(ks.serving)
+	if fe.udp != nil && s.Serving != nil {
+		fe.udp.endFlowsOff(s.Serving)
 	}
-	if ln := fe.opened; ln.port != 0 && len(ks.eps) > 0 { // without endpoints refuseIf closes it
+	if ln := fe.opened; ln.port != 0 && len(s.Endpoints) > 0 { // without endpoints refuseIf closes it
 		fe.opened = listener{}
 		if err := fe.dp.serve(fe, ln); err != nil {
 			return err
 		}
 	}
-	return fe.refuseIf(len(ks.eps) == 0)
+	return fe.refuseIf(len(s.Endpoints) == 0)
 }
 
-// stop stops accepting; established TCP connections go on (they belong to
+// Stop stops accepting; established TCP connections go on (they belong to
 // the connection table), UDP flows end with the socket. The port stays
 // taken in the allocator until release.
-func (fe *frontend) stop() {
+func (fe *Frontend) Stop() {
 	fe.dp.budget.listeners.Add(-1)
 	if fe.hold != nil {
 		fe.dp.budget.listeners.Add(-1)
@@ -282,62 +151,67 @@ func (fe *frontend) stop() {
 	fe.hold.Close()
 }
 
-// discard closes a frontend that never served (a NodePort retake that
+// Discard closes a frontend that never served (a NodePort retake that
 // failed), quietly, and gives its port back.
-func (fe *frontend) discard() {
-	fe.stop()
-	fe.release()
-}
-
-// written finishes w on the sync goroutine once its rules are written (err
-// nil) or failed: replaced listeners stop, and after a success the ports of
-// every frontend closed before it go back to the allocator.
-func (r *reconciler) written(w *ruleWrite) {
-	for _, fe := range w.stale {
-		fe.stop()
-	}
-	r.lines.closed = append(r.lines.closed, w.stale...)
-	r.unreleased = append(append(r.unreleased, w.release...), w.stale...)
-	if w.err == nil {
-		for _, fe := range r.unreleased {
-			fe.release()
-		}
-		clear(r.unreleased)
-		r.unreleased = r.unreleased[:0]
-	}
-	r.lines.flush(r.cfg.log())
-	if w.bulk {
-		// A bulk sync (a start, a restore of many Services) and its rule
-		// write leave tens of MB of garbage; collected later, it would land
-		// on the next small change, whose sync then shares the CPU with the
-		// mark phase (at 10k: +15-25 ms, in ~40 % of the changes measured
-		// right after a load; at 1k, +5 ms in every one). Collect it now.
-		start := time.Now()
-		runtime.GC()
-		r.cfg.log().WithField("took", time.Since(start).String()).Debug("Collected a bulk sync's garbage")
-	}
-}
-
-// closeAll stops every frontend and gives its port back (at shutdown: the
-// rules still point at the closed ports, so a new connection is refused at
-// once instead of timing out).
-func (r *reconciler) closeAll() {
-	r.mu.Lock()
-	all := r.frontends
-	r.frontends = make(map[frontendKey]*frontend)
-	r.view, r.sorted = nil, nil
-	r.mu.Unlock()
-	for _, fe := range all {
-		fe.stop()
-		fe.release()
-		r.lines.closed = append(r.lines.closed, fe)
-	}
-	r.lines.flush(r.cfg.log())
+func (fe *Frontend) Discard() {
+	fe.Stop()
+	fe.Release()
 }
 
 // source is the Source of a dial to ep for a connection from client to
 // dst (invalid: not known, a UDP flow's), and whether the client's address
 // is wanted (a Source that cannot give it is a fallback).
-func (f *frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
+func (f *Frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
 	return f.dp.source.Source(f.sourcePolicy.Load(), client, dst, ep)
 }
+
+// Key is the key fe serves.
+func (fe *Frontend) Key() Key { return fe.key }
+
+// Listen is the address fe listens on (its port the proxy port the rules
+// redirect to).
+func (fe *Frontend) Listen() netip.AddrPort { return fe.listen }
+
+// NodePortErr is why fe could not take its NodePort, or nil.
+func (fe *Frontend) NodePortErr() error { return fe.nodePortErr }
+
+// Spec is the service port fe serves as of the last sync; the sync
+// goroutine's (connections never read it).
+func (fe *Frontend) Spec() *config.ServicePort { return fe.spec }
+
+// SetSpec records the service port fe serves. On the sync goroutine.
+func (fe *Frontend) SetSpec(sp *config.ServicePort) { fe.spec = sp }
+
+// HoldsNodePort says whether fe holds its Service's NodePort: a socket
+// that holds it, or its listener on it.
+func (fe *Frontend) HoldsNodePort() bool {
+	return fe.hold != nil || (fe.spec.NodePort != 0 && int(fe.listen.Port()) == fe.spec.NodePort)
+}
+
+// Balancer is fe's balancer.
+func (fe *Frontend) Balancer() *balance.Balancer { return fe.bal }
+
+// Refusing says whether fe's port refuses (no endpoint can serve).
+func (fe *Frontend) Refusing() bool { return fe.refused.Load() }
+
+// NoLocal is what ServeAs was last told of fe's Local policies.
+func (fe *Frontend) NoLocal() uint32 { return fe.noLocal.Load() }
+
+// UDPFlows counts a UDP frontend's live and evicted flows (0 for TCP).
+func (fe *Frontend) UDPFlows() (active int, evicted uint64) {
+	if fe.udp == nil {
+		return 0, 0
+	}
+	return fe.udp.counts()
+}
+
+// Log is fe's logger.
+func (fe *Frontend) Log() logrus.FieldLogger { return fe.log() }
+
+// Release gives fe's port back to the allocator, once fe is stopped and
+// no rule points at the port any more. On the sync goroutine.
+func (fe *Frontend) Release() { fe.releasePort() }
+
+// Service is fe's service port's name as its metrics' service label says
+// it ("namespace/name:port"), made once.
+func (fe *Frontend) Service() string { return fe.m.service }

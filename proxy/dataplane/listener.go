@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 import (
 	"fmt"
@@ -54,12 +54,12 @@ func listenOn(proto config.Protocol, ap netip.AddrPort) (listener, error) {
 // redirected from, at no cost per packet, as kube-proxy's REJECT does.
 // Established connections go on. Without a socket on the port the kernel
 // would answer the same, but another process could take the port meanwhile.
-func (fe *frontend) refuseIf(refuse bool) error {
+func (fe *Frontend) refuseIf(refuse bool) error {
 	if refuse == (fe.refusing != nil) {
 		return nil
 	}
 	if refuse && fe.dp.letGo != nil && (fe.tcp != nil || fe.udp != nil) && fe.opened.port == 0 {
-		fe.dp.letGo([]keptKey{fe.keptKey()}) // the keeper's duplicate would keep the port listening
+		fe.dp.letGo([]SocketKey{fe.SocketKey()}) // the keeper's duplicate would keep the port listening
 	}
 	fe.clearPort()
 	if !refuse {
@@ -88,7 +88,7 @@ func (fe *frontend) refuseIf(refuse bool) error {
 
 // clearPort closes what is on fe's port: the listener it was opened with
 // and does not serve yet, the socket that refuses for it, or its listener.
-func (fe *frontend) clearPort() {
+func (fe *Frontend) clearPort() {
 	switch {
 	case fe.opened.port != 0:
 		fe.opened.close()

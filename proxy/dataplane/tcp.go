@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 // One TCP connection's path, top to bottom:
 //
@@ -40,7 +40,7 @@ var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Mil
 // serveTCP has the dataplane's acceptor take the listener's connections: a
 // listener has no goroutine of its own. Accept errors such as EMFILE back
 // off (5 ms doubling to 1 s) instead of spinning.
-func (f *frontend) serveTCP(ln *sock.Listener) error {
+func (f *Frontend) serveTCP(ln *sock.Listener) error {
 	acc, err := f.dp.acceptor()
 	if err != nil {
 		return err
@@ -55,7 +55,7 @@ func (f *frontend) serveTCP(ln *sock.Listener) error {
 
 // accepted takes one connection from the acceptor's goroutine; it hands the
 // work to a worker and never blocks.
-func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
+func (f *Frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 	f.m.get().accepted.Inc()
 	if !f.dp.budget.admitTCP() {
 		// Over the descriptor budget: a reset now keeps the reserve for
@@ -72,7 +72,7 @@ func (f *frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 // handleTCP dials a backend for the connection and starts the copies; the
 // pair then belongs to them (splice). It runs the upstream copy itself, the
 // downstream one runs on a copier.
-func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
+func (f *Frontend) handleTCP(c *connRecord, client *sock.Conn) {
 	dst := client.OriginalDst(f.listen)
 	c.setOrigDst(dst)
 	// A listener on a NodePort is meant to be reached directly; one of the
@@ -104,7 +104,7 @@ func (f *frontend) handleTCP(c *connRecord, client *sock.Conn) {
 // UDP flow dropped), within the rate limit of its protocol (the
 // dataplane's unredirectedTCP, unredirectedUDP), and how many went unsaid
 // before it.
-func (f *frontend) logUnredirected(peer netip.AddrPort) {
+func (f *Frontend) logUnredirected(peer netip.AddrPort) {
 	limit, what := f.dp.unredirectedTCP, "Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
 	if f.protocol == config.UDP {
 		limit, what = f.dp.unredirectedUDP, "Dropped a UDP flow from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
@@ -119,7 +119,7 @@ func (f *frontend) logUnredirected(peer netip.AddrPort) {
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own
 // timeout; every retry asks the balancer again, bypassing affinity. Without
 // a backend it says why.
-func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
+func (f *Frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 	client := c.Client.Addr()
 	dst := c.origDst()
 	timeouts := f.dp.cfg.dialTimeouts()
@@ -188,7 +188,7 @@ func (f *frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 // sendProxyHeader sends the PROXY protocol header the Service asks for, if
 // any, before any client byte: one send on the fresh connection, no round
 // trip; a retry on another endpoint sends it again. On error conn is closed.
-func (f *frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
+func (f *Frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
 	v, _ := f.proxyProto.Load().(string)
 	if v == "" {
 		return nil
@@ -207,7 +207,7 @@ func (f *frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
 // report tells the balancer how a dial to ep (or a UDP flow's traffic) went:
 // failure is empty for a success, else what went wrong. An ejection is
 // logged and counted; so is an endpoint's return from one.
-func (f *frontend) report(ep netip.AddrPort, failure string) {
+func (f *Frontend) report(ep netip.AddrPort, failure string) {
 	ejectedFor, recovered := f.bal.Report(ep, failure != "")
 	switch {
 	case ejectedFor > 0:
@@ -255,14 +255,14 @@ func (pr *tcpPair) endCause() Cause { return Cause(pr.cause.Load()) }
 // downstream one on a copier, the upstream one here. It returns when the
 // upstream copy finished or parked; the last copy to finish closes the
 // pair and logs it.
-func (f *frontend) splice(c *connRecord, pr *tcpPair) {
+func (f *Frontend) splice(c *connRecord, pr *tcpPair) {
 	f.halves(c, pr)
 	f.dp.copiers.Go(pr.down.run)
 	pr.up.run()
 }
 
 // halves sets up the pair's two directions.
-func (f *frontend) halves(c *connRecord, pr *tcpPair) {
+func (f *Frontend) halves(c *connRecord, pr *tcpPair) {
 	pr.up = halfCopy{f: f, c: c, pr: pr, dst: pr.backend, src: pr.client,
 		eofCause: CauseClientClosed, resetCause: CauseClientReset, count: c.addUp}
 	pr.down = halfCopy{f: f, c: c, pr: pr, dst: pr.client, src: pr.backend,
@@ -272,7 +272,7 @@ func (f *frontend) halves(c *connRecord, pr *tcpPair) {
 // halfCopy is one direction of a pair. It runs on one goroutine at a time:
 // the handler's or a copier, and between the two, parked, on none.
 type halfCopy struct {
-	f                    *frontend
+	f                    *Frontend
 	c                    *connRecord
 	pr                   *tcpPair
 	dst, src             *sock.Conn
@@ -375,7 +375,7 @@ func (h *halfCopy) watchPeerReset() {
 
 // finish closes the pair's sockets, both copies having returned for good,
 // and logs the connection.
-func (pr *tcpPair) finish(f *frontend, c *connRecord) {
+func (pr *tcpPair) finish(f *Frontend, c *connRecord) {
 	pr.client.Close()
 	pr.backend.Close()
 	f.bal.Done(c.endpoint())

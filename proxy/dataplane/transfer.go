@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 // Live TCP connections transferred to a successor (after Release): each pair's
 // two copies are detached (sock.Conn.Detach) and stop at their next pause,
@@ -20,7 +20,6 @@ package proxy
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -38,7 +37,7 @@ import (
 // zero. It is the wire format between releases: fields are added, never
 // renamed.
 type connState struct {
-	Frontend    string         `json:"frontend"` // frontendKey.String()
+	Frontend    string         `json:"frontend"` // Key.String()
 	Client      netip.AddrPort `json:"client"`
 	Endpoint    netip.AddrPort `json:"endpoint"`
 	Reason      balance.Reason `json:"reason"`
@@ -165,7 +164,7 @@ func (h *halfCopy) endAndCancelDetach() (last bool) {
 }
 
 // resumeDetached gives a stopped pair back to its directions.
-func (pr *tcpPair) resumeDetached(f *frontend) {
+func (pr *tcpPair) resumeDetached(f *Frontend) {
 	pr.detach.mu.Lock()
 	pr.detach.requested, pr.detach.cancelled, pr.detach.stopped = false, false, 0
 	up, down := pr.up.next(), pr.down.next()
@@ -178,7 +177,7 @@ func (pr *tcpPair) resumeDetached(f *frontend) {
 
 // transferPair gives a stopped pair to the dataplane's sink, or back to its
 // directions when there is none.
-func (f *frontend) transferPair(c *connRecord, pr *tcpPair) {
+func (f *Frontend) transferPair(c *connRecord, pr *tcpPair) {
 	st := c.state()
 	pr.detach.mu.Lock()
 	st.UpClosed, st.DownClosed = pr.up.closed, pr.down.closed
@@ -199,66 +198,6 @@ func (c *connRecord) state() connState {
 
 // pairsPerBatch bounds one message of pairs (two descriptors each).
 const pairsPerBatch = 90
-
-// Transfer sends every live UDP flow and TCP connection to the successor
-// through send,
-// after Release, until none is left (nil) or ctx ends (the ones left
-// drain here). A connection ends in this process without a byte lost:
-// transferred whole, or not at all.
-func (p *Proxier) Transfer(ctx context.Context, send func([]handover.Socket) error) error {
-	if !p.released.Load() {
-		return errors.New("Transfer before Release")
-	}
-	// The UDP flows first: the successor reads its UDP sockets once it
-	// has them.
-	if n, err := p.sendFlows(send); err != nil {
-		return err
-	} else if n > 0 {
-		p.cfg.log().WithField("flows", n).Info("UDP flows transferred")
-	}
-	sink := newPairSink(4 * pairsPerBatch)
-	put := sink.put
-	p.dp.transferSink.Store(&put)
-	defer func() {
-		p.dp.transferSink.Store(nil)
-		sink.stop()
-	}()
-
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	handed := 0
-	for {
-		for _, c := range p.dp.conns.all() {
-			if c.isPaired() {
-				c.pair.requestDetach()
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case hp := <-sink.ready:
-			batch := []*detachedPair{hp}
-			for more := true; more && len(batch) < pairsPerBatch; {
-				select {
-				case hp := <-sink.ready:
-					batch = append(batch, hp)
-				default:
-					more = false
-				}
-			}
-			if err := sendPairs(batch, send); err != nil {
-				return fmt.Errorf("after %d connections: %w", handed, err)
-			}
-			handed += len(batch)
-			continue
-		case <-tick.C:
-		}
-		if p.dp.conns.count() == 0 {
-			p.cfg.log().WithField("connections", handed).Info("Every connection transferred")
-			return nil
-		}
-	}
-}
 
 // pairSink is where stopped pairs wait for Transfer's loop. A pair waits
 // (on its copier, which blocks no one else) for room in ready; once the
@@ -368,24 +307,81 @@ func (c *connRecord) isPaired() bool {
 	return c.paired
 }
 
+// Transfer sends every live UDP flow and TCP connection to the successor
+// through send,
+// after the frontends closed (Proxier.Release), until none is left (nil) or ctx ends (the ones left
+// drain here). A connection ends in this process without a byte lost:
+// transferred whole, or not at all.
+func (d *Dataplane) Transfer(ctx context.Context, send func([]handover.Socket) error) error {
+	// The UDP flows first: the successor reads its UDP sockets once it
+	// has them.
+	if n, err := d.sendFlows(send); err != nil {
+		return err
+	} else if n > 0 {
+		d.cfg.log().WithField("flows", n).Info("UDP flows transferred")
+	}
+	sink := newPairSink(4 * pairsPerBatch)
+	put := sink.put
+	d.transferSink.Store(&put)
+	defer func() {
+		d.transferSink.Store(nil)
+		sink.stop()
+	}()
+
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	handed := 0
+	for {
+		for _, c := range d.conns.all() {
+			if c.isPaired() {
+				c.pair.requestDetach()
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case hp := <-sink.ready:
+			batch := []*detachedPair{hp}
+			for more := true; more && len(batch) < pairsPerBatch; {
+				select {
+				case hp := <-sink.ready:
+					batch = append(batch, hp)
+				default:
+					more = false
+				}
+			}
+			if err := sendPairs(batch, send); err != nil {
+				return fmt.Errorf("after %d connections: %w", handed, err)
+			}
+			handed += len(batch)
+			continue
+		case <-tick.C:
+		}
+		if d.conns.count() == 0 {
+			d.cfg.log().WithField("connections", handed).Info("Every connection transferred")
+			return nil
+		}
+	}
+}
+
 // TakeTransfer takes connections a predecessor transferred (UDP flows and
 // pairs of sockets, as Transfer sends them) and copies them on. A connection of a
-// Service this daemon does not serve is closed.
-func (p *Proxier) TakeTransfer(socks []handover.Socket) (taken int, err error) {
+// Service this daemon does not serve (none of byName, the live frontends
+// by their key's String) is closed.
+func (d *Dataplane) TakeTransfer(byName map[string]*Frontend, socks []handover.Socket) (taken int, err error) {
 	var errs []string
-	byName := p.rec.frontendsByName()
 	var pairs []handover.Socket
 	for _, s := range socks {
 		if s.Name != udpFlowName {
 			pairs = append(pairs, s)
-		} else if err := p.takeFlow(byName, s); err != nil {
+		} else if err := d.takeFlow(byName, s); err != nil {
 			errs = append(errs, err.Error())
 		} else {
 			taken++
 		}
 	}
 	for i := 0; i+1 < len(pairs); i += 2 {
-		if err := p.takePair(byName, pairs[i], pairs[i+1]); err != nil {
+		if err := d.takePair(byName, pairs[i], pairs[i+1]); err != nil {
 			errs = append(errs, err.Error())
 			continue
 		}
@@ -400,7 +396,7 @@ func (p *Proxier) TakeTransfer(socks []handover.Socket) (taken int, err error) {
 	return taken, nil
 }
 
-func (p *Proxier) takePair(byName map[string]*frontend, cs, bs handover.Socket) error {
+func (d *Dataplane) takePair(byName map[string]*Frontend, cs, bs handover.Socket) error {
 	var st connState
 	if err := json.Unmarshal(cs.Meta, &st); err != nil {
 		return fmt.Errorf("connection state: %w", err)
@@ -418,9 +414,9 @@ func (p *Proxier) takePair(byName map[string]*frontend, cs, bs handover.Socket) 
 		client.Close()
 		return err
 	}
-	backend.HoldSourcePort(p.dp.source.NATFor(st.Endpoint.Addr().Unmap()))
-	p.dp.budget.admitTCP() // counted even over the budget: it is open already
-	c := p.dp.conns.add(fe, st.Client)
+	backend.HoldSourcePort(d.source.NATFor(st.Endpoint.Addr().Unmap()))
+	d.budget.admitTCP() // counted even over the budget: it is open already
+	c := d.conns.add(fe, st.Client)
 	c.Start = st.Start
 	c.up.Store(st.Up)
 	c.down.Store(st.Down)
@@ -444,15 +440,4 @@ func (p *Proxier) takePair(byName map[string]*frontend, cs, bs handover.Socket) 
 		fe.dp.copiers.Go(h.watchPeerReset)
 	}
 	return nil
-}
-
-// frontendsByName are the live frontends by their key's String.
-func (r *reconciler) frontendsByName() map[string]*frontend {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	m := make(map[string]*frontend, len(r.frontends))
-	for k, fe := range r.frontends {
-		m[k.String()] = fe
-	}
-	return m
 }

@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 // UDP flows transferred to a successor. At Release each UDP server stops its
 // read loop and detaches its flows: a flow's reply goroutine stops at its
@@ -58,62 +58,10 @@ func (u *udpServer) detachFlows() []*udpFlow {
 	return out
 }
 
-// detachUDPFlows detaches every UDP server's flows for Transfer.
-func (r *reconciler) detachUDPFlows() {
-	var flows []detachedFlow
-	for _, fe := range r.frontends {
-		if fe.udp == nil || fe.udp.sk == nil {
-			continue
-		}
-		for _, fl := range fe.udp.detachFlows() {
-			flows = append(flows, detachedFlow{u: fe.udp, fl: fl})
-		}
-	}
-	r.dp.mu.Lock()
-	r.dp.detachedFlows = flows
-	r.dp.mu.Unlock()
-}
-
 // detachedFlow is a detached flow and its server.
 type detachedFlow struct {
 	u  *udpServer
 	fl *udpFlow
-}
-
-// sendFlows sends the detached flows in one batch (empty when there are
-// none: the successor reads its UDP sockets once it has it), and ends them
-// here. A flow that cannot be sent ends here, as at a shutdown.
-func (p *Proxier) sendFlows(send func([]handover.Socket) error) (int, error) {
-	p.dp.mu.Lock()
-	flows := p.dp.detachedFlows
-	p.dp.detachedFlows = nil
-	p.dp.mu.Unlock()
-	socks := make([]handover.Socket, 0, len(flows))
-	var sent []detachedFlow
-	for _, hf := range flows {
-		s, err := hf.socket()
-		if err != nil {
-			hf.end(CauseShutdown, true)
-			continue
-		}
-		socks = append(socks, s)
-		sent = append(sent, hf)
-	}
-	err := send(socks)
-	for _, s := range socks {
-		s.File.Close()
-	}
-	for _, hf := range sent {
-		if err != nil {
-			hf.end(CauseShutdown, true)
-		} else {
-			hf.end(CauseTransferred, false)
-		}
-	}
-	if err != nil {
-		return 0, fmt.Errorf("UDP flows: %w", err)
-	}
-	return len(sent), nil
 }
 
 // socket is hf's flow socket (a duplicate) and state, for the successor.
@@ -144,9 +92,70 @@ func (hf detachedFlow) end(cause Cause, release bool) {
 		up: fl.up.Load(), down: fl.down.Load(), start: fl.start, cause: Cause(fl.cause.Load()), backendSees: seesName(fl.sees)})
 }
 
+// OpenUDPGate lets the UDP read loops run: the predecessor's flows are in the
+// tables, or will not come.
+func (d *Dataplane) OpenUDPGate() {
+	if d.udpGate != nil {
+		d.openUDP.Do(func() { close(d.udpGate) })
+	}
+}
+
+// DetachUDPFlows detaches the flows of every UDP server of frontends, for
+// Transfer.
+func (d *Dataplane) DetachUDPFlows(frontends []*Frontend) {
+	var flows []detachedFlow
+	for _, fe := range frontends {
+		if fe.udp == nil || fe.udp.sk == nil {
+			continue
+		}
+		for _, fl := range fe.udp.detachFlows() {
+			flows = append(flows, detachedFlow{u: fe.udp, fl: fl})
+		}
+	}
+	d.mu.Lock()
+	d.detachedFlows = flows
+	d.mu.Unlock()
+}
+
+// sendFlows sends the detached flows in one batch (empty when there are
+// none: the successor reads its UDP sockets once it has it), and ends them
+// here. A flow that cannot be sent ends here, as at a shutdown.
+func (d *Dataplane) sendFlows(send func([]handover.Socket) error) (int, error) {
+	d.mu.Lock()
+	flows := d.detachedFlows
+	d.detachedFlows = nil
+	d.mu.Unlock()
+	socks := make([]handover.Socket, 0, len(flows))
+	var sent []detachedFlow
+	for _, hf := range flows {
+		s, err := hf.socket()
+		if err != nil {
+			hf.end(CauseShutdown, true)
+			continue
+		}
+		socks = append(socks, s)
+		sent = append(sent, hf)
+	}
+	err := send(socks)
+	for _, s := range socks {
+		s.File.Close()
+	}
+	for _, hf := range sent {
+		if err != nil {
+			hf.end(CauseShutdown, true)
+		} else {
+			hf.end(CauseTransferred, false)
+		}
+	}
+	if err != nil {
+		return 0, fmt.Errorf("UDP flows: %w", err)
+	}
+	return len(sent), nil
+}
+
 // takeFlow puts a flow a predecessor transferred in its frontend's table
 // and starts its reply goroutine.
-func (p *Proxier) takeFlow(byName map[string]*frontend, s handover.Socket) error {
+func (d *Dataplane) takeFlow(byName map[string]*Frontend, s handover.Socket) error {
 	var st connState
 	if err := json.Unmarshal(s.Meta, &st); err != nil {
 		return fmt.Errorf("UDP flow state: %w", err)
@@ -168,7 +177,7 @@ func (p *Proxier) takeFlow(byName map[string]*frontend, s handover.Socket) error
 		c.Close()
 		return err
 	}
-	nat := p.dp.source.NATFor(st.Client.Addr().Unmap())
+	nat := d.source.NATFor(st.Client.Addr().Unmap())
 	fl := &udpFlow{client: st.Client, local: st.Local, endpoint: st.Endpoint, reason: st.Reason, backend: c, out: out,
 		sees: st.BackendSees, start: st.Start}
 	fl.release = sock.HoldUDPFrom(c, st.Endpoint, nat, st.BackendSees)
@@ -187,15 +196,3 @@ func (p *Proxier) takeFlow(byName map[string]*frontend, s handover.Socket) error
 	}
 	return nil
 }
-
-// openUDPGate lets the UDP read loops run: the predecessor's flows are in the
-// tables, or will not come.
-func (d *dataplane) openUDPGate() {
-	if d.udpGate != nil {
-		d.openUDP.Do(func() { close(d.udpGate) })
-	}
-}
-
-// FlowsTransferred says the predecessor's UDP flows are in (or will not come):
-// the UDP frontends read their sockets from now on.
-func (p *Proxier) FlowsTransferred() { p.dp.openUDPGate() }

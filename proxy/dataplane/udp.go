@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 // One UDP flow's path, all of it the frontend's udpServer's:
 //
@@ -72,7 +72,8 @@ type udpFlow struct {
 	cause    atomic.Uint32 // a Cause: why it ended; the first one set wins
 	err      atomic.Value  // an errBox: the endpoint socket's error, with CauseEndpointError
 
-	failovers int // endpoints of this client's exchange that failed before this flow's
+	failovers int        // endpoints of this client's exchange that failed before this flow's
+	server    *udpServer // whose table it is in (insert)
 
 	// A handover (transfer_udp.go): detached asks the reply goroutine to stop
 	// at its next read, leaving the socket open; it sets transferable when it
@@ -113,7 +114,7 @@ func (fl *udpFlow) touch() { fl.lastSeen.Store(time.Now().UnixNano()) }
 // the table's eviction is its own (the descriptor budget asks it for its
 // oldest flow).
 type udpServer struct {
-	*frontend // the listener's own: balancer, metrics, log
+	*Frontend // the listener's own: balancer, metrics, log
 	sk        *udpSocket
 	flows     udpFlows
 	served    sync.WaitGroup // the read loop
@@ -343,6 +344,7 @@ func (u *udpServer) insert(fl *udpFlow) (*udpFlow, bool) {
 	if max := u.dp.cfg.udpMaxFlows(); len(t.flows) >= max {
 		victim = t.lru.Back().Value.(*udpFlow)
 	}
+	fl.server = u
 	fl.elem = t.lru.PushFront(fl)
 	t.flows[fl.key()] = fl
 	u.m.get().udpActive.Inc()

@@ -1,4 +1,4 @@
-package proxy
+package dataplane
 
 // A UDP server's flow table: the flows by client, least recently used last,
 // and the ways a flow leaves it (evicted, moved off an endpoint that no
@@ -25,7 +25,7 @@ type udpFlows struct {
 	evicted atomic.Uint64
 	wg      sync.WaitGroup // one per flow reply goroutine
 	budget  *descriptorBudget
-	server  *udpServer // the table's owner, as the budget's index knows it
+	server  *udpServer // the table's owner, the budget's flowHolder
 }
 
 // flowKey names a flow: a client and the address its datagrams arrived
@@ -99,8 +99,9 @@ func (u *udpServer) counts() (active int, evicted uint64) {
 	return len(u.flows.flows), u.flows.evicted.Load()
 }
 
-// oldest returns the least recently used flow, or nil.
-func (u *udpServer) oldest() *udpFlow {
+// oldestFlow is the least recently used flow, or nil (the budget's
+// flowHolder).
+func (u *udpServer) oldestFlow() evictable {
 	u.flows.mu.Lock()
 	defer u.flows.mu.Unlock()
 	if e := u.flows.lru.Back(); e != nil {
@@ -108,6 +109,12 @@ func (u *udpServer) oldest() *udpFlow {
 	}
 	return nil
 }
+
+// lastUsed is when fl last carried a datagram (the budget's evictable).
+func (fl *udpFlow) lastUsed() int64 { return fl.lastSeen.Load() }
+
+// evict ends fl to make room for another (the budget's evictable).
+func (fl *udpFlow) evict() bool { return fl.server.evict(fl) }
 
 // endFlow removes fl and closes its socket; its reply goroutine then exits.
 func (u *udpServer) endFlow(fl *udpFlow, cause Cause) {
