@@ -13,7 +13,7 @@ import (
 	"strings"
 
 	goipt "github.com/coreos/go-iptables/iptables"
-	"golang.org/x/sys/unix"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // Same reports whether rs and o hold the same chains with the same rules in
@@ -160,7 +160,7 @@ func (f *family) dump(ctx context.Context, table string, background bool, extra 
 	if err == nil {
 		if background {
 			// Best effort: it may have run a little at the normal priority.
-			_ = unix.Setpriority(unix.PRIO_PROCESS, cmd.Process.Pid, backgroundNice)
+			_ = kernel.Renice(cmd.Process.Pid, backgroundNice)
 		}
 		err = cmd.Wait()
 	}

@@ -1,5 +1,10 @@
 // Command kube-userspace-proxy load-balances Kubernetes Services from
 // userspace, the way kube-proxy's classic userspace mode did.
+//
+// This package parses the command line and starts what it names: the
+// daemon (package internal/daemon), its keeper (keep) or the offline
+// explainer (explain). What the daemon's options are is package
+// internal/options's.
 package main
 
 import (
@@ -12,16 +17,10 @@ import (
 	"syscall"
 
 	"github.com/sirupsen/logrus"
-)
 
-// Exit codes: 1 for a failure at run time, 2 for bad flags or values.
-const (
-	exitFailure = 1
-	exitUsage   = 2
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/daemon"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 )
-
-// usageError marks errors caused by the command line, which exit with 2.
-type usageError struct{ error }
 
 func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
@@ -29,53 +28,52 @@ func main() {
 
 func run(args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "explain" {
-		return runExplain(args[1:], stdout, stderr)
+		return daemon.RunExplain(args[1:], stdout, stderr)
 	}
 	if len(args) > 0 && args[0] == "keep" {
-		return runKeeper(args[1:], stdout, stderr)
+		return daemon.RunKeeper(args[1:], stdout, stderr)
 	}
-	opts, err := parseFlags(args, stderr)
-	if errors.Is(err, errHelp) {
+	opts, err := options.Parse(args, stderr)
+	if errors.Is(err, options.ErrHelp) {
 		return 0
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kube-userspace-proxy: %v\n", err)
-		return exitUsage
+		return daemon.ExitUsage
 	}
 	log, err := newLogger(opts, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "kube-userspace-proxy: %v\n", err)
-		return exitUsage
+		return daemon.ExitUsage
 	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if err := serve(ctx, opts, log, stdout); err != nil {
+	if err := daemon.Serve(ctx, opts, log, stdout); err != nil {
 		log.WithError(err).Error("Exiting")
-		var ue usageError
-		if errors.As(err, &ue) {
-			return exitUsage
+		if errors.As(err, new(daemon.UsageError)) {
+			return daemon.ExitUsage
 		}
-		return exitFailure
+		return daemon.ExitFailure
 	}
 	return 0
 }
 
-func newLogger(o *options, w io.Writer) (*logrus.Logger, error) {
+func newLogger(o *options.Options, w io.Writer) (*logrus.Logger, error) {
 	log := logrus.New()
 	log.SetOutput(w)
-	lvl, err := logrus.ParseLevel(o.logLevel)
+	lvl, err := logrus.ParseLevel(o.LogLevel)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", o.name("log-level"), err)
+		return nil, fmt.Errorf("%s: %w", o.Name("log-level"), err)
 	}
 	log.SetLevel(lvl)
-	switch o.logFormat {
+	switch o.LogFormat {
 	case "text":
 		log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true})
 	case "json":
 		log.SetFormatter(&logrus.JSONFormatter{})
 	default:
-		return nil, fmt.Errorf("%s: %q is not text or json", o.name("log-format"), o.logFormat)
+		return nil, fmt.Errorf("%s: %q is not text or json", o.Name("log-format"), o.LogFormat)
 	}
 	return log, nil
 }

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/daemon"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
@@ -35,13 +36,17 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func daemon(args ...string) *exec.Cmd {
+func daemonCmd(args ...string) *exec.Cmd {
 	cmd := exec.Command(os.Args[0], args...)
 	cmd.Env = append(os.Environ(), "KUP_RUN_MAIN=1")
 	return cmd
 }
 
 func TestBadFlagsExit2(t *testing.T) {
+	badConfig := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(badConfig, []byte("kind: KubeProxyConfiguration\nmdoe: ipvs\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, args := range [][]string{
 		{"--bogus"},
 		{},
@@ -58,10 +63,11 @@ func TestBadFlagsExit2(t *testing.T) {
 		{"--manifests", "x.yaml", "--outlier-max-ejection-time", "1s"}, // below the base (30s)
 		{"--kubeconfig", "/nonexistent"},                               // cannot be loaded
 		{"--manifests", "x.yaml", "--master", "https://127.0.0.1:1"},
+		{"--config", badConfig}, // a field kube-proxy's configuration does not have
 	} {
 		var stderr bytes.Buffer
-		if code := run(args, &bytes.Buffer{}, &stderr); code != exitUsage {
-			t.Errorf("%v: exit %d, want %d (stderr %q)", args, code, exitUsage, stderr.String())
+		if code := run(args, &bytes.Buffer{}, &stderr); code != daemon.ExitUsage {
+			t.Errorf("%v: exit %d, want %d (stderr %q)", args, code, daemon.ExitUsage, stderr.String())
 		}
 		if stderr.Len() == 0 {
 			t.Errorf("%v: no message", args)
@@ -76,8 +82,8 @@ func TestInvalidManifestsAtStartExit1(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "bad.yaml")
 	os.WriteFile(f, []byte("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: nope, ports: [{port: 80}]}\n"), 0o644)
 	var stderr bytes.Buffer
-	if code := run([]string{"--manifests", f}, &bytes.Buffer{}, &stderr); code != exitFailure {
-		t.Fatalf("exit %d, want %d", code, exitFailure)
+	if code := run([]string{"--manifests", f}, &bytes.Buffer{}, &stderr); code != daemon.ExitFailure {
+		t.Fatalf("exit %d, want %d", code, daemon.ExitFailure)
 	}
 	for _, want := range []string{f, "document 2", "Service default/b", `spec.clusterIP: \"nope\" is not an IP address`} {
 		if !strings.Contains(stderr.String(), want) {
@@ -99,7 +105,7 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 	// and settings are not ours (the reserved ports included: checked below).
 	const reservedFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
 	reservedBefore, _ := os.ReadFile(reservedFile)
-	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
+	cmd := daemonCmd("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -182,7 +188,7 @@ func TestRecoversFromFileLimit(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "m.yaml")
 	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
-	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
+	cmd := daemonCmd("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	cmd.Env = append(cmd.Env, "KUP_NOFILE=48")
 	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
@@ -264,7 +270,7 @@ func TestSchedulingPolicyBatch(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "m.yaml")
 	os.WriteFile(f, []byte("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n"), 0o644)
 	// --iptables=false: this test runs in the root namespace, whose rules are not ours.
-	cmd := daemon("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--scheduling-policy", "batch",
+	cmd := daemonCmd("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--scheduling-policy", "batch",
 		"--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
 	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
@@ -297,26 +303,6 @@ func TestSchedulingPolicyBatch(t *testing.T) {
 		fields := strings.Fields(rest)
 		if policy := fields[41-3]; policy != "3" {
 			t.Errorf("thread %s has policy %s, want 3 (SCHED_BATCH)", task.Name(), policy)
-		}
-	}
-}
-
-func TestKeeperArgs(t *testing.T) {
-	for _, tc := range []struct {
-		args   []string
-		hang   time.Duration
-		daemon string
-		err    bool
-	}{
-		{[]string{"--kubeconfig", "k"}, defaultHangTimeout, "--kubeconfig k", false},
-		{[]string{"--hang-timeout", "10s", "--", "--kubeconfig", "k"}, 10 * time.Second, "--kubeconfig k", false},
-		{[]string{"--hang-timeout=1m", "--manifests", "m"}, time.Minute, "--manifests m", false},
-		{[]string{"--hang-timeout", "1s"}, 0, "", true},
-		{[]string{"--hang-timeout=soon"}, 0, "", true},
-	} {
-		hang, daemon, err := keeperArgs(tc.args)
-		if (err != nil) != tc.err || hang != tc.hang || strings.Join(daemon, " ") != tc.daemon {
-			t.Errorf("keeperArgs(%q) = %v %q %v", tc.args, hang, daemon, err)
 		}
 	}
 }

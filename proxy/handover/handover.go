@@ -53,6 +53,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/sirupsen/logrus"
 )
 
@@ -294,7 +295,7 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 		_ = send(c, message{Type: msgRefuse, Reason: fmt.Sprintf("version %d only", Version), Version: Version}, nil)
 		return false
 	}
-	if ours, err := netNS(); err != nil || hello.NetNS != ours {
+	if ours, err := kernel.NetNS(); err != nil || hello.NetNS != ours {
 		log.WithError(err).WithFields(logrus.Fields{"theirs": hello.NetNS, "ours": ours}).
 			Warn("Handover refused: the successor runs in another network namespace (give each namespace's daemon its own --handover-socket)")
 		_ = send(c, message{Type: msgRefuse, Reason: reasonOtherNetNS}, nil)
@@ -394,7 +395,7 @@ func give(ctx context.Context, c *net.UnixConn, g Giver, own Profile, log logrus
 // sendSockets sends the offer, socks in "sockets" messages (openSend),
 // and the end.
 func sendSockets(c *net.UnixConn, socks []Socket) error {
-	ns, err := netNS()
+	ns, err := kernel.NetNS()
 	if err != nil {
 		return err
 	}
@@ -516,7 +517,7 @@ func TakeFrom(ctx context.Context, c *net.UnixConn, profile Profile) (*Predecess
 	if cred.uid != 0 && cred.uid != uint32(os.Geteuid()) {
 		return nil, fmt.Errorf("handover socket %s: served by %s, neither root nor us", path, cred)
 	}
-	ns, err := netNS()
+	ns, err := kernel.NetNS()
 	if err != nil {
 		return nil, fmt.Errorf("handover: %w", err)
 	}

@@ -35,7 +35,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // Environment of a worker run by a keeper.
@@ -91,17 +91,11 @@ func inheritedConn(env string) (*net.UnixConn, error) {
 	if err != nil || fd < 3 {
 		return nil, fmt.Errorf("$%s=%q: not a descriptor number", env, v)
 	}
-	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_SEQPACKET {
-		return nil, fmt.Errorf("$%s=%d: not the keeper's socket (type %d, %v)", env, fd, t, err)
-	}
-	unix.CloseOnExec(fd)
-	f := os.NewFile(uintptr(fd), "keeper")
-	defer f.Close()
-	c, err := net.FileConn(f)
+	c, err := kernel.SeqpacketFromFD(fd, "keeper")
 	if err != nil {
-		return nil, fmt.Errorf("keeper socket: %w", err)
+		return nil, fmt.Errorf("$%s: not the keeper's socket: %w", env, err)
 	}
-	return c.(*net.UnixConn), nil
+	return c, nil
 }
 
 // Keep gives the keeper a duplicate of each of socks (opened as sent).
@@ -295,7 +289,7 @@ func (k *Keeper) Lend(context.Context) ([]Socket, error) {
 	socks := make([]Socket, 0, len(k.socks))
 	for _, s := range k.socks {
 		f := s.File
-		s.File, s.Open = nil, func() (*os.File, error) { return dupFile(f) }
+		s.File, s.Open = nil, func() (*os.File, error) { return kernel.Dup(f, f.Name()) }
 		socks = append(socks, s)
 	}
 	return socks, nil
@@ -321,29 +315,9 @@ func (k *Keeper) Release(int) {}
 // Transfer: a keeper carries no connection.
 func (k *Keeper) Transfer(context.Context, func([]Socket) error) error { return nil }
 
-// dupFile duplicates f's descriptor (close-on-exec).
-func dupFile(f *os.File) (*os.File, error) {
-	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return nil, os.NewSyscallError("fcntl", err)
-	}
-	return os.NewFile(uintptr(fd), f.Name()), nil
-}
-
 // WorkerSocket makes the socket pair between a keeper and a worker: the
 // keeper's end, and the worker's as a file to pass to it (close it in the
 // keeper once the worker started).
 func WorkerSocket() (*net.UnixConn, *os.File, error) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, nil, os.NewSyscallError("socketpair", err)
-	}
-	kf := os.NewFile(uintptr(fds[0]), "keeper")
-	defer kf.Close()
-	c, err := net.FileConn(kf)
-	if err != nil {
-		unix.Close(fds[1])
-		return nil, nil, err
-	}
-	return c.(*net.UnixConn), os.NewFile(uintptr(fds[1]), "worker"), nil
+	return kernel.SeqpacketPair("keeper", "worker")
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -11,8 +11,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/sirupsen/logrus"
-	"golang.org/x/sys/unix"
 )
 
 // The admin socket serves what changes the daemon's state (drains today):
@@ -65,21 +65,11 @@ func credentials(c net.Conn) (peer, error) {
 	if !ok {
 		return peer{}, errors.New("not a unix connection")
 	}
-	raw, err := uc.SyscallConn()
+	cred, err := kernel.PeerCred(uc)
 	if err != nil {
 		return peer{}, err
 	}
-	var cred *unix.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return peer{}, err
-	}
-	if cerr != nil {
-		return peer{}, cerr
-	}
-	return peer{uid: int32(cred.Uid), pid: cred.Pid}, nil
+	return peer{uid: int32(cred.UID), pid: int32(cred.PID)}, nil
 }
 
 // serveAdmin serves h on ln until ctx ends, to root (or this daemon's own

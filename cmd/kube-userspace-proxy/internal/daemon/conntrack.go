@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"errors"
@@ -11,23 +11,10 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
-
-// conntrackSettings are kube-proxy's conntrack sysctls (its --conntrack-*
-// flags and conntrack: fields, with its defaults). Connections through a
-// REDIRECT are conntrack entries like kube-proxy's DNAT ones: a CLOSE_WAIT
-// entry that lives 60 s (the kernel's default) instead of kube-proxy's
-// hour breaks clients that keep half-closed connections.
-type conntrackSettings struct {
-	maxPerCore, min int
-	tcpEstablished  time.Duration
-	tcpCloseWait    time.Duration
-	tcpBeLiberal    bool
-	udpTimeout      time.Duration
-	udpStream       time.Duration
-}
 
 // Where the settings live; tests point these at copies.
 var (
@@ -35,22 +22,13 @@ var (
 	conntrackHashsizePath = "/sys/module/nf_conntrack/parameters/hashsize"
 )
 
-// conntrackMax is kube-proxy's: maxPerCore × CPUs, at least min, at most
-// 1 Mi; 0 (maxPerCore 0) leaves the limit alone.
-func (c conntrackSettings) conntrackMax(cpus int) int {
-	if c.maxPerCore <= 0 {
-		return 0
-	}
-	return min(max(c.maxPerCore*cpus, c.min), 1<<20)
-}
-
-// apply writes what differs from the kernel's values, as kube-proxy does,
+// applyConntrack writes what differs from the kernel's values, as kube-proxy does,
 // and says what it could not: a setting the kernel refuses is a warning
 // naming the sysctl, never a reason not to serve. The table size is
 // host-wide, so it is raised only where the kernel lets this namespace
 // write it (the host's own network namespace). A refusal goes to report,
 // said in the start line, or without one (--sysctls-only) to the log.
-func (c conntrackSettings) apply(log logrus.FieldLogger, report *config.KernelReport) {
+func applyConntrack(c options.Conntrack, log logrus.FieldLogger, report *config.KernelReport) {
 	refused := func(entry *logrus.Entry, err error, what string) {
 		if report == nil {
 			entry.WithError(err).Warn(what)
@@ -59,8 +37,8 @@ func (c conntrackSettings) apply(log logrus.FieldLogger, report *config.KernelRe
 		entry.WithError(err).Debug(what)
 		report.Lacks(config.PieceConntrackSysctl, "kube-proxy's conntrack settings are not all applied (the kernel's values stay; debug log)", err)
 	}
-	if want := c.conntrackMax(runtime.NumCPU()); want > 0 {
-		c.raiseMax(want, log, refused)
+	if want := c.Max(runtime.NumCPU()); want > 0 {
+		raiseConntrackMax(want, log, refused)
 	}
 	secs := func(d time.Duration) int { return int(d / time.Second) }
 	for _, s := range []struct {
@@ -68,11 +46,11 @@ func (c conntrackSettings) apply(log logrus.FieldLogger, report *config.KernelRe
 		value int
 		set   bool
 	}{
-		{"nf_conntrack_tcp_timeout_established", secs(c.tcpEstablished), c.tcpEstablished > 0},
-		{"nf_conntrack_tcp_timeout_close_wait", secs(c.tcpCloseWait), c.tcpCloseWait > 0},
-		{"nf_conntrack_tcp_be_liberal", 1, c.tcpBeLiberal},
-		{"nf_conntrack_udp_timeout", secs(c.udpTimeout), c.udpTimeout > 0},
-		{"nf_conntrack_udp_timeout_stream", secs(c.udpStream), c.udpStream > 0},
+		{"nf_conntrack_tcp_timeout_established", secs(c.TCPEstablished), c.TCPEstablished > 0},
+		{"nf_conntrack_tcp_timeout_close_wait", secs(c.TCPCloseWait), c.TCPCloseWait > 0},
+		{"nf_conntrack_tcp_be_liberal", 1, c.TCPBeLiberal},
+		{"nf_conntrack_udp_timeout", secs(c.UDPTimeout), c.UDPTimeout > 0},
+		{"nf_conntrack_udp_timeout_stream", secs(c.UDPStream), c.UDPStream > 0},
 	} {
 		if !s.set {
 			continue
@@ -88,7 +66,7 @@ func (c conntrackSettings) apply(log logrus.FieldLogger, report *config.KernelRe
 	}
 }
 
-func (c conntrackSettings) raiseMax(want int, log logrus.FieldLogger, refused func(*logrus.Entry, error, string)) {
+func raiseConntrackMax(want int, log logrus.FieldLogger, refused func(*logrus.Entry, error, string)) {
 	entry := log.WithFields(logrus.Fields{"sysctl": "net.netfilter.nf_conntrack_max", "value": want})
 	fi, err := os.Stat(conntrackSysctls.Path("net.netfilter.nf_conntrack_max"))
 	if err != nil {

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"bytes"
@@ -10,6 +10,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
@@ -68,12 +69,12 @@ func testLogger() (*logrus.Logger, *bytes.Buffer) {
 // table size is raised with its hash table; what is 0 stays the kernel's.
 func TestConntrackDefaultsAsKubeProxy(t *testing.T) {
 	dir := fakeSysctls(t)
-	o, err := parseFlags([]string{"--manifests", "x.yaml"}, &bytes.Buffer{})
+	o, err := options.Parse([]string{"--manifests", "x.yaml"}, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	log, _ := testLogger()
-	o.conntrack.apply(log, nil)
+	applyConntrack(o.Conntrack, log, nil)
 	want := map[string]string{
 		"nf_conntrack_tcp_timeout_established": "86400", "nf_conntrack_tcp_timeout_close_wait": "3600",
 		"nf_conntrack_tcp_be_liberal": "0", "nf_conntrack_udp_timeout": "30", "nf_conntrack_udp_timeout_stream": "120",
@@ -107,12 +108,12 @@ conntrack:
 `), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	o, err := parseFlags([]string{"--manifests", "x.yaml", "--config", cfg, "--conntrack-tcp-timeout-close-wait", "2h"}, &bytes.Buffer{})
+	o, err := options.Parse([]string{"--manifests", "x.yaml", "--config", cfg, "--conntrack-tcp-timeout-close-wait", "2h"}, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	log, _ := testLogger()
-	o.conntrack.apply(log, nil)
+	applyConntrack(o.Conntrack, log, nil)
 	want := map[string]string{
 		"nf_conntrack_tcp_timeout_established": "7200", "nf_conntrack_tcp_timeout_close_wait": "7200",
 		"nf_conntrack_tcp_be_liberal": "1", "nf_conntrack_udp_timeout": "45", "nf_conntrack_udp_timeout_stream": "180",
@@ -134,7 +135,7 @@ func TestConntrackReadOnlyKernel(t *testing.T) {
 		t.Fatal(err)
 	}
 	log, buf := testLogger()
-	conntrackSettings{maxPerCore: 32768, min: 131072, tcpEstablished: 24 * time.Hour, tcpCloseWait: time.Hour}.apply(log, nil)
+	applyConntrack(options.Conntrack{MaxPerCore: 32768, Min: 131072, TCPEstablished: 24 * time.Hour, TCPCloseWait: time.Hour}, log, nil)
 	if got := sysctlValue(t, filepath.Join(dir, "nf_conntrack_max")); got != "65536" {
 		t.Errorf("nf_conntrack_max = %s, want it left at 65536", got)
 	}
@@ -155,7 +156,7 @@ func TestConntrackReadOnlyKernel(t *testing.T) {
 	// warning of its own.
 	log, buf = testLogger()
 	report := &config.KernelReport{}
-	conntrackSettings{tcpEstablished: 24 * time.Hour}.apply(log, report)
+	applyConntrack(options.Conntrack{TCPEstablished: 24 * time.Hour}, log, report)
 	if m, ok := report.Missing(config.PieceConntrackSysctl); !ok || !strings.Contains(m.Err.Error(), "nf_conntrack_tcp_timeout_established") {
 		t.Errorf("the report lacks the refused sysctl: %+v %v", m, ok)
 	}

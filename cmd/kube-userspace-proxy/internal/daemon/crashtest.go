@@ -1,6 +1,6 @@
 //go:build crashtest
 
-package main
+package daemon
 
 // Crashes on demand, for the keeper's tests only: this file is built with
 // -tags crashtest alone, so no production binary can be made to crash so.

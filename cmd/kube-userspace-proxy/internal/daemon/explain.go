@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // explain: "this client, this address: which rule catches it, which
 // listener, which endpoint, and why" — offline from manifests (the
@@ -20,6 +20,7 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -250,8 +251,8 @@ func (d *debugServer) explainer() *explainer {
 	return e
 }
 
-// runExplain is the explain subcommand.
-func runExplain(args []string, stdout, stderr io.Writer) int {
+// RunExplain is the explain subcommand; it returns the exit code.
+func RunExplain(args []string, stdout, stderr io.Writer) int {
 	fs := pflag.NewFlagSet("kube-userspace-proxy explain", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.SortFlags = false
@@ -277,13 +278,13 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	}
 	fail := func(err error) int {
 		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %v\n", err)
-		return exitUsage
+		return ExitUsage
 	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, pflag.ErrHelp) {
 			return 0
 		}
-		return exitUsage
+		return ExitUsage
 	}
 	if output != "text" && output != "json" {
 		return fail(fmt.Errorf("--output: want text or json, got %q", output))
@@ -298,8 +299,8 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 	if manifests == "" {
 		return fail(errors.New("--manifests (or --server) is required"))
 	}
-	o := &options{hostnameOverride: node}
-	if o.bindAddress, err = netip.ParseAddr(bind); err != nil {
+	o := &options.Options{HostnameOverride: node}
+	if o.BindAddress, err = netip.ParseAddr(bind); err != nil {
 		return fail(fmt.Errorf("--bind-address: %w", err))
 	}
 	for _, c := range nodePortAddrs {
@@ -307,19 +308,19 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return fail(fmt.Errorf("--nodeport-addresses: %w", err))
 		}
-		o.nodePortCIDRs = append(o.nodePortCIDRs, p)
+		o.NodePortCIDRs = append(o.NodePortCIDRs, p)
 	}
-	o.local.Mode = config.LocalModeClusterCIDR
-	if o.local.CIDRs, err = config.ParseCIDRs(clusterCIDR); err != nil {
+	o.Local.Mode = config.LocalModeClusterCIDR
+	if o.Local.CIDRs, err = config.ParseCIDRs(clusterCIDR); err != nil {
 		return fail(fmt.Errorf("--cluster-cidr: %w", err))
 	}
 	e, err := offlineExplainer(o, nodeIPs, manifests)
 	if err != nil {
-		if errors.As(err, new(usageError)) {
+		if errors.As(err, new(UsageError)) {
 			return fail(err)
 		}
 		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %v\n", err)
-		return exitFailure
+		return ExitFailure
 	}
 	ans := e.explain(q)
 	if output == "json" {
@@ -334,12 +335,12 @@ func runExplain(args []string, stdout, stderr io.Writer) int {
 
 // offlineExplainer explains with the rules and balancers the daemon would
 // make of manifests, without one running.
-func offlineExplainer(o *options, nodeIPs []string, manifests string) (*explainer, error) {
-	e := &explainer{node: o.nodeName(), placeholders: true, offline: true}
+func offlineExplainer(o *options.Options, nodeIPs []string, manifests string) (*explainer, error) {
+	e := &explainer{node: o.NodeName(), placeholders: true, offline: true}
 	for _, s := range nodeIPs {
 		a, err := netip.ParseAddr(s)
 		if err != nil {
-			return nil, usageError{fmt.Errorf("--node-ip: %w", err)}
+			return nil, UsageError{fmt.Errorf("--node-ip: %w", err)}
 		}
 		e.nodeAddrs = append(e.nodeAddrs, a.Unmap())
 	}
@@ -350,14 +351,14 @@ func offlineExplainer(o *options, nodeIPs []string, manifests string) (*explaine
 	if err != nil {
 		return nil, err
 	}
-	e.frontends = proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
+	e.frontends = proxy.Plan(st, o.BindAddress, len(o.NodePortCIDRs) > 0)
 	features := iptables.Features{Comment: true, Addrtype: true, Conntrack: true}
 	e.rules = func(fam int) (iptables.TraceInput, bool, error) {
-		ro := iptables.RenderOptions{Family: fam, Features: features, AllLocal: len(o.nodePortCIDRs) == 0, Placeholders: true,
-			ProxyPorts: config.DefaultPortRange, LocalTraffic: o.local}
+		ro := iptables.RenderOptions{Family: fam, Features: features, AllLocal: len(o.NodePortCIDRs) == 0, Placeholders: true,
+			ProxyPorts: config.DefaultPortRange, LocalTraffic: o.Local}
 		if !ro.AllLocal {
 			for _, a := range e.nodeAddrs {
-				for _, c := range o.nodePortCIDRs {
+				for _, c := range o.NodePortCIDRs {
 					if config.Family(a) == fam && c.Contains(a) {
 						ro.NodePortAddresses = append(ro.NodePortAddresses, a)
 					}
@@ -382,13 +383,13 @@ func explainRemote(server string, q explainQuery, output string, stdout, stderr 
 	resp, err := c.Get(strings.TrimRight(server, "/") + "/debug/explain?" + v.Encode())
 	if err != nil {
 		fmt.Fprintf(stderr, "kube-userspace-proxy explain: asking the daemon: %v\n", err)
-		return exitFailure
+		return ExitFailure
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		fmt.Fprintf(stderr, "kube-userspace-proxy explain: %s: %s\n", resp.Status, strings.TrimSpace(string(body)))
-		return exitFailure
+		return ExitFailure
 	}
 	_, _ = io.Copy(stdout, resp.Body)
 	return 0

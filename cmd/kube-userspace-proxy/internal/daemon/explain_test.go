@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"bytes"
@@ -63,8 +63,8 @@ endpoints:
 func runExplainJSON(t *testing.T, m string, args ...string) explainAnswer {
 	t.Helper()
 	var out, errb bytes.Buffer
-	args = append([]string{"explain", "--manifests", m, "--hostname-override", "node-a", "--node-ip", "192.168.50.1,fd00:50::1", "--output", "json"}, args...)
-	if code := run(args, &out, &errb); code != 0 {
+	args = append([]string{"--manifests", m, "--hostname-override", "node-a", "--node-ip", "192.168.50.1,fd00:50::1", "--output", "json"}, args...)
+	if code := RunExplain(args, &out, &errb); code != 0 {
 		t.Fatalf("explain %v: exit %d: %s", args, code, errb.String())
 	}
 	var a explainAnswer
@@ -171,7 +171,7 @@ func TestExplainOffline(t *testing.T) {
 			}
 		}
 		var out bytes.Buffer
-		if code := run([]string{"explain", "--manifests", m, "--hostname-override", "node-a", "--from", "192.168.50.1", "--to", "192.168.50.1:30053",
+		if code := RunExplain([]string{"--manifests", m, "--hostname-override", "node-a", "--from", "192.168.50.1", "--to", "192.168.50.1:30053",
 			"--protocol", "udp", "--node-ip", "192.168.50.1"}, &out, &bytes.Buffer{}); code != 0 || !strings.Contains(out.String(), "the client is on this node: every endpoint") {
 			t.Fatalf("exit %d:\n%s", code, out.String())
 		}
@@ -186,7 +186,7 @@ func TestExplainOffline(t *testing.T) {
 
 	t.Run("text", func(t *testing.T) {
 		var out bytes.Buffer
-		if code := run([]string{"explain", "--manifests", m, "--from", "10.251.19.20", "--to", "10.96.0.10:80", "--node-ip", "192.168.50.1"}, &out, &bytes.Buffer{}); code != 0 {
+		if code := RunExplain([]string{"--manifests", m, "--from", "10.251.19.20", "--to", "10.96.0.10:80", "--node-ip", "192.168.50.1"}, &out, &bytes.Buffer{}); code != 0 {
 			t.Fatal(code)
 		}
 		for _, want := range []string{"enters nat PREROUTING", "-j REDIRECT --to-ports 31341", "is its clusterIP",
@@ -206,7 +206,7 @@ func TestExplainOffline(t *testing.T) {
 			{"explain", "--from", "10.0.0.1", "--to", "10.96.0.10:80"},
 		} {
 			var errb bytes.Buffer
-			if code := run(args, &bytes.Buffer{}, &errb); code != exitUsage || !strings.Contains(errb.String(), "explain:") {
+			if code := RunExplain(args[1:], &bytes.Buffer{}, &errb); code != ExitUsage || !strings.Contains(errb.String(), "explain:") {
 				t.Fatalf("%v: exit %d, %q", args, code, errb.String())
 			}
 		}

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // The explain answer in words, for a person at a terminal.
 

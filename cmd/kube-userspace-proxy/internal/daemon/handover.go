@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -13,11 +13,12 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
-	"golang.org/x/sys/unix"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // A daemon started beside a running one takes its sockets over (package
@@ -80,9 +81,9 @@ func takeOver(ctx context.Context, path string, profile handover.Profile, log lo
 // successor's must equal for it to take over (docs/operations.md,
 // Upgrades): the node's name, the kind of source, whether it manages the
 // rules, the proxy port range and the families it has rules for.
-func (o *options) handoverProfile(node string, ipt *iptables.Rules) handover.Profile {
+func handoverProfile(o *options.Options, node string, ipt *iptables.Rules) handover.Profile {
 	source := "API server"
-	if o.manifests != "" {
+	if o.Manifests != "" {
 		source = "manifests"
 	}
 	rules, families := "not managed (--iptables=false)", []string{"IPv4", "IPv6"}
@@ -93,7 +94,7 @@ func (o *options) handoverProfile(node string, ipt *iptables.Rules) handover.Pro
 		}
 	}
 	return handover.Profile{"node": node, "source": source, "rules": rules,
-		"proxy port range": o.portRange.String(), "families": strings.Join(families, ",")}
+		"proxy port range": o.PortRange.String(), "families": strings.Join(families, ",")}
 }
 
 // listener is the inherited HTTP listener name on addr, or nil.
@@ -290,23 +291,7 @@ func dupListener(ln net.Listener) (*os.File, error) {
 	if !ok {
 		return nil, errors.New("not a TCP listener")
 	}
-	raw, err := tl.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
-	var f *os.File
-	var ferr error
-	if err := raw.Control(func(fd uintptr) {
-		d, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
-		if err != nil {
-			ferr = os.NewSyscallError("fcntl", err)
-			return
-		}
-		f = os.NewFile(uintptr(d), tl.Addr().String())
-	}); err != nil {
-		return nil, err
-	}
-	return f, ferr
+	return kernel.Dup(tl, tl.Addr().String())
 }
 
 // readyFile is --ready-file: present while this daemon serves (its first

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -399,4 +399,18 @@ func parseServicePortName(s string) (config.ServicePortName, error) {
 		return config.ServicePortName{}, fmt.Errorf("service: want namespace/name or namespace/name:port, got %q", s)
 	}
 	return config.ServicePortName{Namespace: ns, Name: name, Port: port}, nil
+}
+
+// configzHandler serves a configuration fixed at start.
+func configzHandler(conf map[string]any) http.HandlerFunc {
+	body, err := json.MarshalIndent(conf, "", "  ")
+	return func(w http.ResponseWriter, r *http.Request) {
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		_, _ = w.Write(body)
+	}
 }

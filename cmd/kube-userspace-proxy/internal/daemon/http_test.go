@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
@@ -112,11 +113,11 @@ func TestHTTPBindRetriesUnlessHardFail(t *testing.T) {
 
 // /configz shows the effective configuration under kube-proxy's key.
 func TestConfigzShowsEffectiveConfig(t *testing.T) {
-	o, err := parseFlags([]string{"--manifests", "m.yaml", "--conntrack-tcp-timeout-close-wait", "2h", "--nodeport-addresses", "primary"}, io.Discard)
+	o, err := options.Parse([]string{"--manifests", "m.yaml", "--conntrack-tcp-timeout-close-wait", "2h", "--nodeport-addresses", "primary"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &debugServer{p: proxy.New(proxy.Config{}), conf: o.configz("node-1")}
+	d := &debugServer{p: proxy.New(proxy.Config{}), conf: o.Configz("node-1")}
 	srv := httptest.NewServer(d.routes(prometheus.NewRegistry(), false))
 	defer srv.Close()
 	resp, err := http.Get(srv.URL + "/configz")

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // `kube-userspace-proxy keep [flags]`: the keeper, a supervising process
 // that runs the daemon (its worker: this binary with the same flags) and
@@ -12,7 +12,7 @@ package main
 // worker; it reads the worker's crash output (a pipe besides its stderr)
 // only to name a panic, and kills a worker whose heartbeat stops.
 //
-// Who owns what: runKeeper's goroutine owns the worker and its sockets, one
+// Who owns what: RunKeeper's goroutine owns the worker and its sockets, one
 // worker at a time; a worker's Receive goroutine, crash output reader and
 // the handover exchange offered to it end with it.
 
@@ -38,6 +38,7 @@ import (
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/handover"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // crashHooks starts the crashes on demand of a -tags crashtest build
@@ -132,7 +133,7 @@ func (e workerEnd) crashed() bool {
 	if e.panic != "" {
 		return true
 	}
-	if ws, ok := e.state.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+	if kernel.Signaled(e.state) {
 		return true
 	}
 	return e.state.ExitCode() != 0 && e.said.Serving
@@ -147,7 +148,9 @@ func (e workerEnd) cause() string {
 	return c
 }
 
-func runKeeper(args []string, stdout, stderr io.Writer) int {
+// RunKeeper is the keep subcommand: it runs the daemon of args as its
+// worker, again after each crash; it returns the exit code.
+func RunKeeper(args []string, stdout, stderr io.Writer) int {
 	log := logrus.New()
 	log.SetOutput(stderr)
 	log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true})
@@ -155,12 +158,12 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 	hang, args, err := keeperArgs(args)
 	if err != nil {
 		fmt.Fprintf(stderr, "kube-userspace-proxy: %v\n", err)
-		return exitUsage
+		return ExitUsage
 	}
 	exe, err := os.Executable()
 	if err != nil {
 		l.WithError(err).Error("Cannot find this binary to run the worker")
-		return exitFailure
+		return ExitFailure
 	}
 	// The OOM killer is to pick the worker: the keeper below it where it
 	// may lower its score, else equal, and the worker the larger process.
@@ -178,14 +181,14 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 		end, stopping, err := runWorker(exe, args, k, hang, signals, stdout, stderr, l)
 		if err != nil {
 			l.WithError(err).Error("Cannot start the worker")
-			return exitFailure
+			return ExitFailure
 		}
 		if stopping || !end.crashed() {
 			l.WithFields(logrus.Fields{"worker": end.state.Pid(), "end": end.cause()}).Info("The worker ended; so does the keeper")
 			if code := end.state.ExitCode(); code >= 0 {
 				return code
 			}
-			return exitFailure
+			return ExitFailure
 		}
 		if end.said.Serving {
 			delay = 0
@@ -196,7 +199,10 @@ func runKeeper(args []string, stdout, stderr io.Writer) int {
 		l.WithFields(logrus.Fields{"worker": end.state.Pid(), "cause": end.cause(), "lived": end.lived.Round(time.Millisecond).String(),
 			"sockets": k.Held(), "restarts": restarts + 1, "in": delay.String(), "keeperFDs": len(fds), "keeperGoroutines": runtime.NumGoroutine()}).
 			Error("The worker died; starting another on the sockets kept")
-		reapOrphans()
+		// The dead worker's children (iptables-restore, say) came to the
+		// keeper, the container's first process: reaped between workers, so
+		// that no worker's own end is taken.
+		kernel.ReapChildren()
 		select {
 		case <-time.After(delay):
 		case sig := <-signals:
@@ -303,18 +309,6 @@ func runWorker(exe string, args []string, k *handover.Keeper, hang time.Duration
 		panicLine = fmt.Sprintf("hung (no sign of life for %v)", hang)
 	}
 	return workerEnd{state: cmd.ProcessState, panic: panicLine, said: <-saidc, lived: time.Since(start)}, stopping, nil
-}
-
-// reapOrphans waits for the exited processes that were the dead worker's
-// children (iptables-restore, say) and came to the keeper, the container's
-// first process: between workers, so that no worker's own end is taken.
-func reapOrphans() {
-	for {
-		var ws syscall.WaitStatus
-		if pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
-			return
-		}
-	}
 }
 
 // crashLine reads the worker's crash output to its end and returns the

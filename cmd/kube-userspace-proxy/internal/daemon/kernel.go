@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // What the daemon found of the kernel at start: every optional piece it
 // uses, probed by its owner (iptables: the matches and ip6tables; proxy:
@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
@@ -25,8 +26,8 @@ var kernelPieceAvailable = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 // probeConntrackNetlink tells report whether conntrack netlink answers, and
 // what its absence costs with these flags: the UDP entries the rules left
 // stale, the client's address on backend connections, the UDP guard.
-func probeConntrackNetlink(o *options, ipt *iptables.Rules, guard bool, report *config.KernelReport) {
-	if ipt == nil && o.backendSource == clientaddr.Node {
+func probeConntrackNetlink(o *options.Options, ipt *iptables.Rules, guard bool, report *config.KernelReport) {
+	if ipt == nil && o.BackendSource == clientaddr.Node {
 		return // nothing would use it
 	}
 	err := kernel.ProbeConntrack()
@@ -38,7 +39,7 @@ func probeConntrackNetlink(o *options, ipt *iptables.Rules, guard bool, report *
 		report.Lacks(config.PieceConntrackNL, "a UDP client that keeps one source port reaches the listener a Service had before a change "+
 			"until its conntrack entry expires (nf_conntrack_udp_timeout of quiet)", err)
 	}
-	if o.backendSource != clientaddr.Node {
+	if o.BackendSource != clientaddr.Node {
 		report.Lacks(config.PieceConntrackNL, "backends see the node's address, not their clients'", err)
 	}
 	if guard {

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
@@ -22,15 +23,15 @@ const podCIDRWait = 5 * time.Minute
 // resolveLocal completes --detect-local-mode NodeCIDR with this node's pod
 // CIDRs (the Node object, or the Node of --manifests) and says which
 // clients count as this node's. kube-proxy reads them once too.
-func resolveLocal(ctx context.Context, o *options, client kubernetes.Interface, node string, log logrus.FieldLogger) error {
-	if o.local.Mode == config.LocalModeNodeCIDR {
+func resolveLocal(ctx context.Context, o *options.Options, client kubernetes.Interface, node string, log logrus.FieldLogger) error {
+	if o.Local.Mode == config.LocalModeNodeCIDR {
 		var err error
-		if o.local.CIDRs, err = nodePodCIDRs(ctx, client, o.manifests, node, podCIDRWait, log); err != nil {
+		if o.Local.CIDRs, err = nodePodCIDRs(ctx, client, o.Manifests, node, podCIDRWait, log); err != nil {
 			return err
 		}
 	}
-	l := log.WithFields(logrus.Fields{"mode": o.local.Mode, "local": o.local.Describe()})
-	if len(o.local.Matches(4)) == 0 && len(o.local.Matches(6)) == 0 {
+	l := log.WithFields(logrus.Fields{"mode": o.Local.Mode, "local": o.Local.Describe()})
+	if len(o.Local.Matches(4)) == 0 && len(o.Local.Matches(6)) == 0 {
 		l.Warn("Local-traffic detection finds no pod: backends see this node's address on the connections of its pods " +
 			"(kube-proxy's would see the pod's), and only the node's own clients reach the external addresses of " +
 			"externalTrafficPolicy: Local Services with every endpoint; set --cluster-cidr (kubeadm: podSubnet) or --detect-local-mode NodeCIDR")

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 )
 
@@ -39,14 +40,14 @@ func TestLocalDetectionSettings(t *testing.T) {
 		{[]string{"--cluster-cidr", "10.244.0.0/16,10.245.0.0/16"}, "at most one CIDR per IP family", true},
 		{[]string{"--cluster-cidr", "10.244.0.1/16"}, "has host bits set", true},
 	} {
-		o, err := parseFlags(append([]string{"--manifests", "m.yaml"}, tc.args...), io.Discard)
+		o, err := options.Parse(append([]string{"--manifests", "m.yaml"}, tc.args...), io.Discard)
 		switch {
 		case tc.isErr && (err == nil || !strings.Contains(err.Error(), tc.want)):
 			t.Errorf("%v: error %v, want one saying %q", tc.args, err, tc.want)
 		case !tc.isErr && err != nil:
 			t.Errorf("%v: %v", tc.args, err)
-		case !tc.isErr && !strings.Contains(o.local.Describe(), tc.want):
-			t.Errorf("%v: %q, want %q", tc.args, o.local.Describe(), tc.want)
+		case !tc.isErr && !strings.Contains(o.Local.Describe(), tc.want):
+			t.Errorf("%v: %q, want %q", tc.args, o.Local.Describe(), tc.want)
 		}
 	}
 
@@ -59,15 +60,15 @@ func TestLocalDetectionSettings(t *testing.T) {
 		}
 	}
 	write("detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  bridgeInterface: \"\"\n  interfaceNamePrefix: cali\nclusterCIDR: 10.244.0.0/16\n")
-	o, err := parseFlags([]string{"--manifests", "m.yaml", "--config", file}, io.Discard)
+	o, err := options.Parse([]string{"--manifests", "m.yaml", "--config", file}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.local.Mode != config.LocalModeInterfaceNamePrefix || o.local.Interface != "cali" || len(o.configWarnings) != 0 {
-		t.Fatalf("from the file: %+v, warnings %v", o.local, o.configWarnings)
+	if o.Local.Mode != config.LocalModeInterfaceNamePrefix || o.Local.Interface != "cali" || len(o.ConfigWarnings) != 0 {
+		t.Fatalf("from the file: %+v, warnings %v", o.Local, o.ConfigWarnings)
 	}
 	write("detectLocalMode: BridgeInterface\n")
-	if _, err := parseFlags([]string{"--manifests", "m.yaml", "--config", file}, io.Discard); err == nil || !strings.Contains(err.Error(), "detectLocal.bridgeInterface") {
+	if _, err := options.Parse([]string{"--manifests", "m.yaml", "--config", file}, io.Discard); err == nil || !strings.Contains(err.Error(), "detectLocal.bridgeInterface") {
 		t.Fatalf("a BridgeInterface mode without its bridge: %v", err)
 	}
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 // The live page at / on the metrics address, and the two JSON views only it
 // needs: the latest connection log lines and the rules with their counters.

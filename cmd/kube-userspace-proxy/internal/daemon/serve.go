@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -20,6 +20,7 @@ import (
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/iptables"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
@@ -30,7 +31,20 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/ports"
 )
 
-// serve runs the daemon until ctx ends.
+// Exit codes of the command: 1 for a failure at run time, 2 for bad flags
+// or values.
+const (
+	ExitFailure = 1
+	ExitUsage   = 2
+)
+
+// UsageError marks an error caused by the command line or its files, which
+// exits with ExitUsage.
+type UsageError struct{ Err error }
+
+func (e UsageError) Error() string { return e.Err.Error() }
+func (e UsageError) Unwrap() error { return e.Err }
+
 // connLogRate maps --connection-log-rate (0: no limit) to proxy.Config's.
 func connLogRate(flag float64) float64 {
 	if flag <= 0 {
@@ -46,15 +60,17 @@ const guardTimeout = 60 * time.Second
 // httpBindRetry is kube-proxy's pause between binds of its HTTP addresses.
 const httpBindRetry = 5 * time.Second
 
-func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer) error {
+// Serve runs the daemon of o until ctx ends; an error it returns is the
+// daemon's verdict on its run (a UsageError: on its command line).
+func Serve(ctx context.Context, o *options.Options, log *logrus.Logger, stdout io.Writer) error {
 	keepCrashOutput(log) // a panic from here on is named in the keeper's log
-	node := o.nodeName()
+	node := o.NodeName()
 	switch {
-	case o.cleanup:
+	case o.Cleanup:
 		return cleanup(o, log)
-	case o.sysctlsOnly:
+	case o.SysctlsOnly:
 		return setSysctls(o, log)
-	case o.showRules:
+	case o.ShowRules:
 		return showRules(o, node, stdout)
 	}
 	gcCtx, stopGC := context.WithCancel(ctx)
@@ -76,9 +92,9 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	// Everything is checked: take the sockets of a daemon that runs, if
 	// it serves the node as this one would; else leave it alone, and the
 	// node untouched.
-	profile := o.handoverProfile(node, ipt)
+	profile := handoverProfile(o, node, ipt)
 	keeper := keeperLink(log)
-	pred, handoverSocket, err := takeOver(ctx, o.handoverSocket, profile, log.WithField("component", "handover"))
+	pred, handoverSocket, err := takeOver(ctx, o.HandoverSocket, profile, log.WithField("component", "handover"))
 	if err != nil {
 		return err
 	}
@@ -89,33 +105,33 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	events, stopEvents := eventRecorder(ctx, client, node)
 	defer stopEvents()
 	hc := &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
-	if len(o.nodePortCIDRs) > 0 {
-		hc.Addrs = append(iptables.LocalAddrs(4, o.nodePortCIDRs), iptables.LocalAddrs(6, o.nodePortCIDRs)...)
+	if len(o.NodePortCIDRs) > 0 {
+		hc.Addrs = append(iptables.LocalAddrs(4, o.NodePortCIDRs), iptables.LocalAddrs(6, o.NodePortCIDRs)...)
 	}
-	guard := guardAtAccept(ipt, o.families)
+	guard := guardAtAccept(ipt, o.Families)
 	probeConntrackNetlink(o, ipt, guard, report)
 	p := newProxier(o, rules, hc, events, keeper, guard, report, log)
 	pred.inherit(ctx, p)
 	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
-	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.syncPeriod, time.Now()) }
+	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.SyncPeriod, time.Now()) }
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()
-	health, err := startHTTP(httpCtx, o.healthzAddr, pred.listener(httpHealthz, o.healthzAddr), healthMux(p, o.syncPeriod), healthLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "healthz"))
+	health, err := startHTTP(httpCtx, o.HealthzAddr, pred.listener(httpHealthz, o.HealthzAddr), healthMux(p, o.SyncPeriod), healthLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "healthz"))
 	if err != nil {
 		return err
 	}
 	recent := newRecentLog(200)
 	log.AddHook(recent)
-	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.configz(node),
-		health: healthHandler(p, o.syncPeriod, true, true), audit: log.WithField("component", "debug"),
-		drainOnMetrics: o.drainOnMetrics, adminSocket: o.adminSocket, guardTCP: guard, guardUDP: guard && !lacks(report, config.PieceConntrackNL)}
-	metrics, err := startHTTP(httpCtx, o.metricsAddr, pred.listener(httpMetrics, o.metricsAddr), dbg.routes(newRegistry(), o.profiling), metricsLimits, o.bindHardFail, httpBindRetry, log.WithField("component", "metrics"))
+	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.Configz(node),
+		health: healthHandler(p, o.SyncPeriod, true, true), audit: log.WithField("component", "debug"),
+		drainOnMetrics: o.DrainOnMetrics, adminSocket: o.AdminSocket, guardTCP: guard, guardUDP: guard && !lacks(report, config.PieceConntrackNL)}
+	metrics, err := startHTTP(httpCtx, o.MetricsAddr, pred.listener(httpMetrics, o.MetricsAddr), dbg.routes(newRegistry(), o.Profiling), metricsLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "metrics"))
 	if err != nil {
 		stopHTTP()
 		<-health.done
 		return err
 	}
-	adminDone := startAdmin(httpCtx, o.adminSocket, dbg, log)
+	adminDone := startAdmin(httpCtx, o.AdminSocket, dbg, log)
 	defer func() { stopHTTP(); <-health.done; <-metrics.done; <-adminDone }()
 	srcCtx, stopSource := context.WithCancel(ctx)
 	defer stopSource()
@@ -125,23 +141,23 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 	proxierCtx, stopProxier := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopProxier()
 	proxierDone := make(chan struct{})
-	go func() { defer close(proxierDone); p.Run(proxierCtx, o.shutdownGrace) }()
+	go func() { defer close(proxierDone); p.Run(proxierCtx, o.ShutdownGrace) }()
 	if keeper != nil {
 		beating := make(chan struct{})
 		go func() { defer close(beating); heartbeat(proxierCtx, p, keeper, log.WithField("component", "keeper")) }()
 		defer func() { stopProxier(); <-beating }()
 	}
-	watching, err := startSource(srcCtx, manifests, node, client, p, o.minSyncPeriod, o.configSync, events, log)
+	watching, err := startSource(srcCtx, manifests, node, client, p, o.MinSyncPeriod, o.ConfigSync, events, log)
 	if err != nil {
 		stopProxier()
 		<-proxierDone
 		hc.Close()
 		return err
 	}
-	logStarted(log.WithFields(logrus.Fields{"node": node, "manifests": o.manifests, "kubeconfig": o.kubeconfig, "master": o.master}), report)
+	logStarted(log.WithFields(logrus.Fields{"node": node, "manifests": o.Manifests, "kubeconfig": o.Kubeconfig, "master": o.Master}), report)
 	g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
-		addrs: map[string]string{httpHealthz: o.healthzAddr, httpMetrics: o.metricsAddr}, stopHTTP: stopHTTP,
-		ready: readyFile{path: o.readyFile, log: log}, keeper: keeper, log: log.WithField("component", "handover")}
+		addrs: map[string]string{httpHealthz: o.HealthzAddr, httpMetrics: o.MetricsAddr}, stopHTTP: stopHTTP,
+		ready: readyFile{path: o.ReadyFile, log: log}, keeper: keeper, log: log.WithField("component", "handover")}
 	defer g.ready.set(false)
 	handoversDone := serveHandovers(srcCtx, handoverSocket, profile, pred, p, g, log.WithField("component", "handover"))
 	defer func() { stopSource(); <-handoversDone }()
@@ -170,22 +186,22 @@ func serve(ctx context.Context, o *options, log *logrus.Logger, stdout io.Writer
 // /proc/sys is read-only in an unprivileged container. The daemon then
 // finds them set and writes nothing. A refusal here is an error: this
 // container exists to make these settings.
-func setSysctls(o *options, log *logrus.Logger) error {
-	if _, err := ports.Reserve(o.portRange); err != nil {
-		return fmt.Errorf("reserving the proxy port range %s in net.ipv4.ip_local_reserved_ports: %w", o.portRange, err)
+func setSysctls(o *options.Options, log *logrus.Logger) error {
+	if _, err := ports.Reserve(o.PortRange); err != nil {
+		return fmt.Errorf("reserving the proxy port range %s in net.ipv4.ip_local_reserved_ports: %w", o.PortRange, err)
 	}
-	log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
-	o.conntrack.apply(log.WithField("component", "conntrack"), nil)
+	log.WithField("range", o.PortRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+	applyConntrack(o.Conntrack, log.WithField("component", "conntrack"), nil)
 	return nil
 }
 
 // cleanup removes what the daemon put on the node (--cleanup).
-func cleanup(o *options, log *logrus.Logger) error {
+func cleanup(o *options.Options, log *logrus.Logger) error {
 	err := iptables.Cleanup(log)
-	if changed, rerr := ports.Unreserve(o.portRange); rerr != nil {
+	if changed, rerr := ports.Unreserve(o.PortRange); rerr != nil {
 		log.WithError(rerr).Warn("Cannot take the proxy port range out of ip_local_reserved_ports")
 	} else if changed {
-		log.WithField("range", o.portRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
+		log.WithField("range", o.PortRange.String()).Info("Proxy port range no longer reserved (net.ipv4.ip_local_reserved_ports)")
 	}
 	return err
 }
@@ -193,22 +209,22 @@ func cleanup(o *options, log *logrus.Logger) error {
 // checkInputs fails on bad input before the kernel is touched: the bind
 // address, the source, the node's addresses and the local-traffic
 // detection.
-func checkInputs(ctx context.Context, o *options, node string, log *logrus.Logger) (*config.ManifestSource, kubernetes.Interface, error) {
-	if err := checkLocal(o.bindAddress); err != nil {
-		return nil, nil, usageError{fmt.Errorf("%s: %w", o.name("bind-address"), err)}
+func checkInputs(ctx context.Context, o *options.Options, node string, log *logrus.Logger) (*config.ManifestSource, kubernetes.Interface, error) {
+	if err := checkLocal(o.BindAddress); err != nil {
+		return nil, nil, UsageError{fmt.Errorf("%s: %w", o.Name("bind-address"), err)}
 	}
-	for _, w := range o.configWarnings {
+	for _, w := range o.ConfigWarnings {
 		log.Warn(w)
 	}
 	manifests, client, err := checkSource(o, node, log)
 	if err != nil {
 		return nil, nil, err
 	}
-	if o.nodePortPrimary {
-		if o.nodePortCIDRs, err = primaryAddrs(ctx, client, node, 30*time.Second); err != nil {
+	if o.NodePortPrimary {
+		if o.NodePortCIDRs, err = primaryAddrs(ctx, client, node, 30*time.Second); err != nil {
 			return nil, nil, err
 		}
-		log.WithField("addresses", fmt.Sprint(o.nodePortCIDRs)).Info("NodePorts on the node's primary addresses")
+		log.WithField("addresses", fmt.Sprint(o.NodePortCIDRs)).Info("NodePorts on the node's primary addresses")
 	}
 	if err := resolveLocal(ctx, o, client, node, log); err != nil {
 		return nil, nil, err
@@ -234,39 +250,39 @@ func startAdmin(ctx context.Context, path string, dbg *debugServer, log *logrus.
 
 // checkSource checks the manifests (--manifests) or makes the API client:
 // bad input fails here, before the kernel is touched.
-func checkSource(o *options, node string, log *logrus.Logger) (*config.ManifestSource, kubernetes.Interface, error) {
-	if o.manifests != "" {
-		manifests := &config.ManifestSource{Path: o.manifests, Node: node, Log: log.WithField("component", "manifests")}
+func checkSource(o *options.Options, node string, log *logrus.Logger) (*config.ManifestSource, kubernetes.Interface, error) {
+	if o.Manifests != "" {
+		manifests := &config.ManifestSource{Path: o.Manifests, Node: node, Log: log.WithField("component", "manifests")}
 		if err := manifests.Check(); err != nil {
 			return nil, nil, fmt.Errorf("loading --manifests: %w", err)
 		}
 		return manifests, nil, nil
 	}
-	rc, err := config.ClientConfig(o.master, o.kubeconfig)
+	rc, err := config.ClientConfig(o.Master, o.Kubeconfig)
 	if err != nil {
-		return nil, nil, usageError{err}
+		return nil, nil, UsageError{err}
 	}
 	rc.UserAgent = "kube-userspace-proxy"
-	rc.QPS, rc.Burst = o.api.qps, int(o.api.burst)
-	rc.ContentType, rc.AcceptContentTypes = o.api.contentType, o.api.acceptContentTypes
+	rc.QPS, rc.Burst = o.API.QPS, int(o.API.Burst)
+	rc.ContentType, rc.AcceptContentTypes = o.API.ContentType, o.API.AcceptContentTypes
 	client, err := kubernetes.NewForConfig(rc)
 	if err != nil {
-		return nil, nil, usageError{fmt.Errorf("API client: %w", err)}
+		return nil, nil, UsageError{fmt.Errorf("API client: %w", err)}
 	}
 	return nil, client, nil
 }
 
 // setUpProcess sets the scheduling policy and raises the open-file limit.
-func setUpProcess(o *options, log *logrus.Logger) {
-	if o.schedPolicy == "batch" {
-		if n, err := setBatchScheduling(); err != nil {
+func setUpProcess(o *options.Options, log *logrus.Logger) {
+	if o.SchedPolicy == "batch" {
+		if n, err := kernel.SetBatchScheduling(); err != nil {
 			log.WithError(err).Warn("Cannot switch to SCHED_BATCH; running with the normal policy")
 		} else {
 			log.WithField("threads", n).Info("Scheduling policy batch (SCHED_BATCH)")
 		}
 	}
-	if err := os.WriteFile("/proc/self/oom_score_adj", []byte(strconv.Itoa(o.oomScoreAdj)), 0o644); err != nil {
-		log.WithError(err).WithField("oomScoreAdj", o.oomScoreAdj).Warn("Cannot set the daemon's oom_score_adj (lowering it needs CAP_SYS_RESOURCE)")
+	if err := os.WriteFile("/proc/self/oom_score_adj", []byte(strconv.Itoa(o.OOMScoreAdj)), 0o644); err != nil {
+		log.WithError(err).WithField("oomScoreAdj", o.OOMScoreAdj).Warn("Cannot set the daemon's oom_score_adj (lowering it needs CAP_SYS_RESOURCE)")
 	}
 	if limit, err := kernel.RaiseFileLimit(); err != nil {
 		log.WithError(err).Warn("Cannot raise the open-file limit")
@@ -277,8 +293,8 @@ func setUpProcess(o *options, log *logrus.Logger) {
 
 // newRules probes iptables (--iptables), changing nothing on the node, or
 // returns no rules.
-func newRules(o *options, report *config.KernelReport, log *logrus.Logger) (proxy.Rules, *iptables.Rules, error) {
-	if !o.iptables {
+func newRules(o *options.Options, report *config.KernelReport, log *logrus.Logger) (proxy.Rules, *iptables.Rules, error) {
+	if !o.IPTables {
 		log.Warn("--iptables=false: no rules are programmed; only the listeners serve")
 		return nil, nil, nil
 	}
@@ -289,11 +305,11 @@ func newRules(o *options, report *config.KernelReport, log *logrus.Logger) (prox
 		return nil, nil, fmt.Errorf("programming iptables needs CAP_NET_ADMIN: run as root or grant the capability " +
 			"(--iptables=false runs the listeners only)")
 	}
-	if err := checkEphemeralOverlap(o.portRange, o.name("proxy-port-range")); err != nil {
+	if err := checkEphemeralOverlap(o.PortRange, o.Name("proxy-port-range")); err != nil {
 		return nil, nil, err
 	}
-	r, err := iptables.New(iptables.Config{NodePortAddresses: o.nodePortCIDRs, LocalTraffic: o.local, BasicOnly: o.iptablesBasic,
-		ProxyPorts: o.portRange, RestoreCommand: o.restoreCommand, Kernel: report, Log: log.WithField("component", "iptables")})
+	r, err := iptables.New(iptables.Config{NodePortAddresses: o.NodePortCIDRs, LocalTraffic: o.Local, BasicOnly: o.IPTablesBasic,
+		ProxyPorts: o.PortRange, RestoreCommand: o.RestoreCommand, Kernel: report, Log: log.WithField("component", "iptables")})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -304,7 +320,7 @@ func newRules(o *options, report *config.KernelReport, log *logrus.Logger) (prox
 // --iptables): the guard of the proxy port range, the range reserved,
 // kube-proxy's conntrack settings, what could not be done told to report;
 // it sets the families served.
-func prepareNode(o *options, r *iptables.Rules, report *config.KernelReport, log *logrus.Logger) error {
+func prepareNode(o *options.Options, r *iptables.Rules, report *config.KernelReport, log *logrus.Logger) error {
 	if r == nil {
 		return nil
 	}
@@ -313,7 +329,7 @@ func prepareNode(o *options, r *iptables.Rules, report *config.KernelReport, log
 	gctx, cancel := context.WithTimeout(context.Background(), guardTimeout)
 	failed := r.InstallGuards(gctx)
 	cancel()
-	o.families = nil
+	o.Families = nil
 	for _, fam := range r.Families() {
 		if err, bad := failed[fam]; bad {
 			if fam == 4 {
@@ -322,21 +338,21 @@ func prepareNode(o *options, r *iptables.Rules, report *config.KernelReport, log
 			log.WithError(err).Warn("IPv6 disabled: its guard could not be installed, so no IPv6 listener opens")
 			continue
 		}
-		o.families = append(o.families, fam)
+		o.Families = append(o.Families, fam)
 	}
 	// Only once iptables is known to work: a daemon that cannot start
 	// leaves the node's settings alone.
-	if changed, err := ports.Reserve(o.portRange); err != nil {
-		report.Lacks(config.PieceReservedPorts, "the proxy port range "+o.portRange.String()+" is not reserved (net.ipv4.ip_local_reserved_ports): "+
+	if changed, err := ports.Reserve(o.PortRange); err != nil {
+		report.Lacks(config.PieceReservedPorts, "the proxy port range "+o.PortRange.String()+" is not reserved (net.ipv4.ip_local_reserved_ports): "+
 			"outgoing connections of this node may take ports of it, and new connections from other hosts to a socket bound there by port 0 are dropped", err)
 	} else {
 		report.Present(config.PieceReservedPorts)
 		if changed {
-			log.WithField("range", o.portRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
+			log.WithField("range", o.PortRange.String()).Info("Proxy port range reserved (net.ipv4.ip_local_reserved_ports)")
 		}
 	}
 	// Redirected connections are conntrack entries: kube-proxy's timeouts.
-	o.conntrack.apply(log.WithField("component", "conntrack"), report)
+	applyConntrack(o.Conntrack, log.WithField("component", "conntrack"), report)
 	return nil
 }
 
@@ -390,7 +406,7 @@ func guardAtAccept(ipt *iptables.Rules, families []int) bool {
 }
 
 // newProxier makes the proxier of the flags.
-func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, guard bool, report *config.KernelReport, log *logrus.Logger) *proxy.Proxier {
+func newProxier(o *options.Options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, guard bool, report *config.KernelReport, log *logrus.Logger) *proxy.Proxier {
 	var portEvents func(sp *config.ServicePort, reason, message string)
 	if events != nil {
 		portEvents = func(sp *config.ServicePort, reason, message string) { events(sp.Name.Service(), reason, message) }
@@ -402,23 +418,23 @@ func newProxier(o *options, rules proxy.Rules, hc *healthcheck.Server, events fu
 		Keeper:              socketKeeper(keeper),
 		GuardAtAccept:       guard,
 		Kernel:              report,
-		NodePortsRestricted: len(o.nodePortCIDRs) > 0,
-		BindAddress:         o.bindAddress,
-		Families:            o.families,
-		PortRange:           o.portRange,
-		TCPIdleTimeout:      o.tcpIdleTimeout,
-		ParkIdleAfter:       parkIdleAfter(o.parkIdleAfter),
-		Outlier:             o.outlier,
-		UDPTimeout:          o.udpTimeout,
-		UDPMaxFlows:         o.udpMaxFlows,
-		MinSyncPeriod:       o.minSyncPeriod,
-		SyncPeriod:          o.syncPeriod,
+		NodePortsRestricted: len(o.NodePortCIDRs) > 0,
+		BindAddress:         o.BindAddress,
+		Families:            o.Families,
+		PortRange:           o.PortRange,
+		TCPIdleTimeout:      o.TCPIdleTimeout,
+		ParkIdleAfter:       parkIdleAfter(o.ParkIdleAfter),
+		Outlier:             o.Outlier,
+		UDPTimeout:          o.UDPTimeout,
+		UDPMaxFlows:         o.UDPMaxFlows,
+		MinSyncPeriod:       o.MinSyncPeriod,
+		SyncPeriod:          o.SyncPeriod,
 		Log:                 log.WithField("component", "proxier"),
 		ConnLog:             log.WithField("component", "conn"),
-		ConnLogMode:         dataplane.ConnLogMode(o.connLog),
-		ConnLogRate:         connLogRate(o.connLogRate),
-		BackendSource:       o.backendSource,
-		LocalTraffic:        o.local,
+		ConnLogMode:         dataplane.ConnLogMode(o.ConnLog),
+		ConnLogRate:         connLogRate(o.ConnLogRate),
+		BackendSource:       o.BackendSource,
+		LocalTraffic:        o.Local,
 	})
 }
 
@@ -443,13 +459,13 @@ func startSource(ctx context.Context, manifests *config.ManifestSource, node str
 
 // showRules prints the rules for --manifests as iptables-restore input,
 // touching nothing: optional matches are assumed present.
-func showRules(o *options, node string, w io.Writer) error {
-	st, _, err := config.LoadManifests(o.manifests, node)
+func showRules(o *options.Options, node string, w io.Writer) error {
+	st, _, err := config.LoadManifests(o.Manifests, node)
 	if err != nil {
 		return err
 	}
-	frontends := proxy.Plan(st, o.bindAddress, len(o.nodePortCIDRs) > 0)
-	local := o.local
+	frontends := proxy.Plan(st, o.BindAddress, len(o.NodePortCIDRs) > 0)
+	local := o.Local
 	if local.Mode == config.LocalModeNodeCIDR {
 		local.CIDRs = st.PodCIDRs
 	}
@@ -457,16 +473,16 @@ func showRules(o *options, node string, w io.Writer) error {
 		ro := iptables.RenderOptions{
 			Family:       fam,
 			Features:     iptables.Features{Comment: true, Addrtype: true, Conntrack: true},
-			AllLocal:     len(o.nodePortCIDRs) == 0,
+			AllLocal:     len(o.NodePortCIDRs) == 0,
 			Placeholders: true,
-			ProxyPorts:   o.portRange,
+			ProxyPorts:   o.PortRange,
 			LocalTraffic: local,
 		}
 		if !ro.AllLocal {
-			ro.NodePortAddresses = iptables.LocalAddrs(fam, o.nodePortCIDRs)
+			ro.NodePortAddresses = iptables.LocalAddrs(fam, o.NodePortCIDRs)
 		}
 		bin := map[int]string{4: "iptables-restore", 6: "ip6tables-restore"}[fam]
-		fmt.Fprintf(w, "# IPv%d: %s --noflush input for %s (node %s)\n", fam, bin, o.manifests, node)
+		fmt.Fprintf(w, "# IPv%d: %s --noflush input for %s (node %s)\n", fam, bin, o.Manifests, node)
 		fmt.Fprint(w, iptables.Render(frontends, ro).RestoreInput())
 		for _, j := range iptables.JumpRules(ro.Features, fam) {
 			fmt.Fprintf(w, "# and, once: %s\n", j)

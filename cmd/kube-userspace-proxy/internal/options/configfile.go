@@ -1,4 +1,4 @@
-package main
+package options
 
 import (
 	"encoding/json"

@@ -1,4 +1,4 @@
-package main
+package options
 
 import (
 	"bytes"
@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 func writeConfig(t *testing.T, content string) string {
@@ -39,21 +38,21 @@ parkIdleAfter: 250ms
 shutdownGrace: 9s
 outlierDetection: {consecutiveFailures: 3, baseEjectionTime: 10s, maxEjectionTime: 1m}
 `)
-	o, err := parseFlags([]string{"--config", f, "--sync-period", "60s", "--hostname-override", "from-flag"}, &bytes.Buffer{})
+	o, err := Parse([]string{"--config", f, "--sync-period", "60s", "--hostname-override", "from-flag"}, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.kubeconfig != "/etc/kube/config" || o.bindAddress.String() != "10.0.0.5" || o.healthzAddr != "0.0.0.0:12256" ||
-		o.metricsAddr != "127.0.0.1:12249" || o.portRange.String() != "40000-40100" || len(o.nodePortCIDRs) != 1 ||
-		o.minSyncPeriod != 2*time.Second || o.udpTimeout != 10*time.Second || o.tcpIdleTimeout != time.Hour || o.shutdownGrace != 9*time.Second ||
-		o.parkIdleAfter != 250*time.Millisecond {
+	if o.Kubeconfig != "/etc/kube/config" || o.BindAddress.String() != "10.0.0.5" || o.HealthzAddr != "0.0.0.0:12256" ||
+		o.MetricsAddr != "127.0.0.1:12249" || o.PortRange.String() != "40000-40100" || len(o.NodePortCIDRs) != 1 ||
+		o.MinSyncPeriod != 2*time.Second || o.UDPTimeout != 10*time.Second || o.TCPIdleTimeout != time.Hour || o.ShutdownGrace != 9*time.Second ||
+		o.ParkIdleAfter != 250*time.Millisecond {
 		t.Fatalf("file values not applied: %+v", o)
 	}
-	if o.outlier != (balance.OutlierConfig{ConsecutiveFailures: 3, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: time.Minute}) {
-		t.Fatalf("outlierDetection not applied: %+v", o.outlier)
+	if o.Outlier != (balance.OutlierConfig{ConsecutiveFailures: 3, BaseEjectionTime: 10 * time.Second, MaxEjectionTime: time.Minute}) {
+		t.Fatalf("outlierDetection not applied: %+v", o.Outlier)
 	}
-	if o.syncPeriod != 60*time.Second || o.nodeName() != "from-flag" {
-		t.Fatalf("flags must override the file: syncPeriod %s node %s", o.syncPeriod, o.nodeName())
+	if o.SyncPeriod != 60*time.Second || o.NodeName() != "from-flag" {
+		t.Fatalf("flags must override the file: syncPeriod %s node %s", o.SyncPeriod, o.NodeName())
 	}
 }
 
@@ -73,34 +72,10 @@ func TestConfigFileRejectsBadFields(t *testing.T) {
 		{"kind: KubeProxyConfiguration\noutlierDetection: {interval: 1s}\n", `unknown field "outlierDetection.interval"`},
 	} {
 		f := writeConfig(t, tc.content)
-		_, err := parseFlags([]string{"--config", f}, &bytes.Buffer{})
+		_, err := Parse([]string{"--config", f}, &bytes.Buffer{})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: got %v, want an error containing %q", tc.content, err, tc.want)
 		}
-	}
-	var stderr bytes.Buffer
-	if code := run([]string{"--config", writeConfig(t, "mdoe: ipvs\n")}, &bytes.Buffer{}, &stderr); code != exitUsage {
-		t.Errorf("bad config file: exit %d, want %d", code, exitUsage)
-	}
-}
-
-// --park-idle-after 0 turns parking off: proxy.Config says so with a
-// negative duration (its zero is the default).
-func TestParkIdleAfterZeroMeansNever(t *testing.T) {
-	for flag, want := range map[string]time.Duration{"0": -1, "250ms": 250 * time.Millisecond} {
-		o, err := parseFlags([]string{"--manifests", "x", "--park-idle-after", flag}, &bytes.Buffer{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := parkIdleAfter(o.parkIdleAfter); got != want {
-			t.Errorf("--park-idle-after %s: proxy.Config.ParkIdleAfter %v, want %v", flag, got, want)
-		}
-	}
-	if o, err := parseFlags([]string{"--manifests", "x"}, &bytes.Buffer{}); err != nil || o.parkIdleAfter != dataplane.DefaultParkIdleAfter {
-		t.Errorf("default --park-idle-after %v (%v), want %v", o.parkIdleAfter, err, dataplane.DefaultParkIdleAfter)
-	}
-	if _, err := parseFlags([]string{"--manifests", "x", "--park-idle-after", "-1s"}, &bytes.Buffer{}); err == nil {
-		t.Error("a negative --park-idle-after was accepted")
 	}
 }
 
@@ -180,23 +155,23 @@ winkernel:
 // the daemon with kube-proxy's defaults and without a single warning: a
 // zero means the default, as in kube-proxy.
 func TestKubeadmConfigConf(t *testing.T) {
-	o, err := parseFlags([]string{"--config", writeConfig(t, kubeadmConfigConf)}, &bytes.Buffer{})
+	o, err := Parse([]string{"--config", writeConfig(t, kubeadmConfigConf)}, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defaults, err := parseFlags([]string{"--kubeconfig", "/var/lib/kube-proxy/kubeconfig.conf"}, &bytes.Buffer{})
+	defaults, err := Parse([]string{"--kubeconfig", "/var/lib/kube-proxy/kubeconfig.conf"}, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(o.configWarnings) > 0 {
-		t.Errorf("warnings for kubeadm's config.conf: %q", o.configWarnings)
+	if len(o.ConfigWarnings) > 0 {
+		t.Errorf("warnings for kubeadm's config.conf: %q", o.ConfigWarnings)
 	}
-	got, want := o.configz("n"), defaults.configz("n")
+	got, want := o.Configz("n"), defaults.Configz("n")
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("kubeadm's config.conf does not give the defaults:\n got %v\nwant %v", got, want)
 	}
-	if o.healthzAddr != "0.0.0.0:10256" || o.metricsAddr != "127.0.0.1:10249" || o.syncPeriod != 30*time.Second ||
-		o.oomScoreAdj != -999 || o.conntrack.tcpCloseWait != time.Hour || o.configSync != 15*time.Minute {
+	if o.HealthzAddr != "0.0.0.0:10256" || o.MetricsAddr != "127.0.0.1:10249" || o.SyncPeriod != 30*time.Second ||
+		o.OOMScoreAdj != -999 || o.Conntrack.TCPCloseWait != time.Hour || o.ConfigSync != 15*time.Minute {
 		t.Errorf("not kube-proxy's defaults: %+v", o)
 	}
 }
@@ -204,7 +179,7 @@ func TestKubeadmConfigConf(t *testing.T) {
 // The fields of kube-proxy's other modes and the ones that cannot apply
 // here are named in one warning each; the ones that apply are applied.
 func TestConfigFileWarnsWhatDoesNotApply(t *testing.T) {
-	o, err := parseFlags([]string{"--config", writeConfig(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
+	o, err := Parse([]string{"--config", writeConfig(t, `apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 clientConnection: {kubeconfig: /k, qps: 50, burst: 100, contentType: application/json}
 mode: ipvs
@@ -221,7 +196,7 @@ conntrack: {maxPerCore: 0, tcpCloseWaitTimeout: 0s}
 	if err != nil {
 		t.Fatal(err)
 	}
-	joined := strings.Join(o.configWarnings, "\n")
+	joined := strings.Join(o.ConfigWarnings, "\n")
 	for _, want := range []string{`mode: "ipvs"`, "ipvs: scheduler, strictARP: settings of kube-proxy's ipvs mode", "featureGates: SomeGate",
 		"iptables.masqueradeBit", "iptables.localhostNodePorts"} {
 		if !strings.Contains(joined, want) {
@@ -231,12 +206,12 @@ conntrack: {maxPerCore: 0, tcpCloseWaitTimeout: 0s}
 	if strings.Contains(joined, "nftables") {
 		t.Errorf("nftables: holds only zero values, yet warned:\n%s", joined)
 	}
-	if len(o.configWarnings) != 5 {
-		t.Errorf("%d warnings, want 5:\n%s", len(o.configWarnings), joined)
+	if len(o.ConfigWarnings) != 5 {
+		t.Errorf("%d warnings, want 5:\n%s", len(o.ConfigWarnings), joined)
 	}
-	if o.api.qps != 50 || o.api.burst != 100 || o.api.contentType != "application/json" || o.logFormat != "json" ||
-		o.logLevel != "debug" || o.oomScoreAdj != -500 || o.configSync != time.Hour || !o.nodePortPrimary ||
-		o.syncPeriod != time.Minute || o.conntrack.maxPerCore != 0 || o.conntrack.tcpCloseWait != 0 {
+	if o.API.QPS != 50 || o.API.Burst != 100 || o.API.ContentType != "application/json" || o.LogFormat != "json" ||
+		o.LogLevel != "debug" || o.OOMScoreAdj != -500 || o.ConfigSync != time.Hour || !o.NodePortPrimary ||
+		o.SyncPeriod != time.Minute || o.Conntrack.MaxPerCore != 0 || o.Conntrack.TCPCloseWait != 0 {
 		t.Errorf("fields not applied: %+v", o)
 	}
 }
@@ -250,12 +225,12 @@ func TestProxyPortRangeOverlapsRefused(t *testing.T) {
 		{"--proxy-port-range 40000-40999 --metrics-bind-address 127.0.0.1:40500", "this daemon's own --metrics-bind-address (40500)"},
 		{"--proxy-port-range 2000+500", "etcd (2379)"},
 	} {
-		_, err := parseFlags(append([]string{"--manifests", "m.yaml"}, strings.Fields(tc.args)...), &bytes.Buffer{})
+		_, err := Parse(append([]string{"--manifests", "m.yaml"}, strings.Fields(tc.args)...), &bytes.Buffer{})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want an error naming %s", tc.args, err, tc.want)
 		}
 	}
-	if _, err := parseFlags([]string{"--manifests", "m.yaml", "--proxy-port-range", "45000-59999"}, &bytes.Buffer{}); err != nil {
+	if _, err := Parse([]string{"--manifests", "m.yaml", "--proxy-port-range", "45000-59999"}, &bytes.Buffer{}); err != nil {
 		t.Errorf("the default range refused: %v", err)
 	}
 }
