@@ -22,22 +22,22 @@ const module = "github.com/kube-userspace-proxy/kube-userspace-proxy"
 // floors: a package imports packages of lower floors only (a higher
 // number); two on one floor never import each other.
 var floors = map[string]int{
-	"cmd/kube-userspace-proxy":                   10,
-	"cmd/kube-userspace-proxy/internal/daemon":   20,
-	"cmd/kube-userspace-proxy/internal/options":  25,
-	"proxy":                                      30,
-	"proxy/dataplane":                            40,
-	"iptables":                                   40,
-	"proxy/balance":                              50,
-	"proxy/proxyproto":                           50,
-	"proxy/ports":                                50,
-	"proxy/clientaddr":                           50,
-	"proxy/syncrunner":                           50,
-	"proxy/healthcheck":                          50,
-	"proxy/handover":                             50,
-	"proxy/internal/sock":                        60,
-	"proxy/kernel":                               70,
-	"config":                                     80,
+	"cmd/kube-userspace-proxy":                  10,
+	"cmd/kube-userspace-proxy/internal/daemon":  20,
+	"cmd/kube-userspace-proxy/internal/options": 25,
+	"proxy":               30,
+	"proxy/dataplane":     40,
+	"iptables":            40,
+	"proxy/balance":       50,
+	"proxy/proxyproto":    50,
+	"proxy/ports":         50,
+	"proxy/clientaddr":    50,
+	"proxy/syncrunner":    50,
+	"proxy/healthcheck":   50,
+	"proxy/handover":      50,
+	"proxy/internal/sock": 60,
+	"proxy/kernel":        70,
+	"config":              80,
 }
 
 // kernelOwners may import golang.org/x/sys/unix and unsafe, and use
