@@ -73,111 +73,153 @@ func Serve(ctx context.Context, o *options.Options, log *logrus.Logger, stdout i
 	case o.ShowRules:
 		return showRules(o, node, stdout)
 	}
-	gcCtx, stopGC := context.WithCancel(ctx)
-	gc, gcDone := tuneGC(gcCtx, log, gcTunePeriod)
-	defer func() { stopGC(); <-gcDone }()
-	manifests, client, err := checkInputs(ctx, o, node, log)
-	if err != nil {
-		return err
-	}
-	setUpProcess(o, log)
-	if crashHooks != nil {
-		crashHooks(log)
-	}
-	report := &config.KernelReport{}
-	rules, ipt, err := newRules(o, report, log)
-	if err != nil {
-		return err
-	}
-	// Everything is checked: take the sockets of a daemon that runs, if
-	// it serves the node as this one would; else leave it alone, and the
-	// node untouched.
-	profile := handoverProfile(o, node, ipt)
-	keeper := keeperLink(log)
-	pred, handoverSocket, err := takeOver(ctx, o.HandoverSocket, profile, log.WithField("component", "handover"))
-	if err != nil {
-		return err
-	}
-	defer pred.close()
-	if err := prepareNode(o, ipt, report, log); err != nil {
-		return err
-	}
-	events, stopEvents := eventRecorder(ctx, client, node)
-	defer stopEvents()
-	hc := &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
-	if len(o.NodePortCIDRs) > 0 {
-		hc.Addrs = append(iptables.LocalAddrs(4, o.NodePortCIDRs), iptables.LocalAddrs(6, o.NodePortCIDRs)...)
-	}
-	guard := guardAtAccept(ipt, o.Families)
-	probeConntrackNetlink(o, ipt, guard, report)
-	p := newProxier(o, rules, hc, events, keeper, guard, report, log)
-	pred.inherit(ctx, p)
-	gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
-	hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.SyncPeriod, time.Now()) }
-	httpCtx, stopHTTP := context.WithCancel(context.Background())
-	defer stopHTTP()
-	health, err := startHTTP(httpCtx, o.HealthzAddr, pred.listener(httpHealthz, o.HealthzAddr), healthMux(p, o.SyncPeriod), healthLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "healthz"))
-	if err != nil {
-		return err
-	}
-	recent := newRecentLog(200)
-	log.AddHook(recent)
-	dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.Configz(node),
-		health: healthHandler(p, o.SyncPeriod, true, true), audit: log.WithField("component", "debug"),
-		drainOnMetrics: o.DrainOnMetrics, adminSocket: o.AdminSocket, guardTCP: guard, guardUDP: guard && !lacks(report, config.PieceConntrackNL)}
-	metrics, err := startHTTP(httpCtx, o.MetricsAddr, pred.listener(httpMetrics, o.MetricsAddr), dbg.routes(newRegistry(), o.Profiling), metricsLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "metrics"))
-	if err != nil {
-		stopHTTP()
-		<-health.done
-		return err
-	}
-	adminDone := startAdmin(httpCtx, o.AdminSocket, dbg, log)
-	defer func() { stopHTTP(); <-health.done; <-metrics.done; <-adminDone }()
-	srcCtx, stopSource := context.WithCancel(ctx)
+	var (
+		gc                 *gcTuner
+		manifests          *config.ManifestSource
+		client             kubernetes.Interface
+		report             = &config.KernelReport{}
+		rules              proxy.Rules
+		ipt                *iptables.Rules
+		profile            handover.Profile
+		keeper             *handover.KeeperLink
+		pred               *predecessor
+		handoverSocket     string
+		events             func(svc config.ServiceName, reason, message string)
+		hc                 *healthcheck.Server
+		guard              bool // the daemon guards the proxy ports itself
+		p                  *proxy.Proxier
+		health, metrics    *httpServing
+		stopHTTP           context.CancelFunc
+		ready              = readyFile{path: o.ReadyFile, log: log}
+		proxierDone        = make(chan struct{})
+		stopProxier        context.CancelFunc
+		proxierCtx         context.Context
+		srcCtx, stopSource = context.WithCancel(ctx)
+	)
 	defer stopSource()
-	// The proxier's sync goroutine starts first: a source hands it the first
-	// State only once it has the whole picture. It stops with ctx, but not
-	// before a handover under way has moved the connections (below).
-	proxierCtx, stopProxier := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopProxier()
-	proxierDone := make(chan struct{})
-	go func() { defer close(proxierDone); p.Run(proxierCtx, o.ShutdownGrace) }()
-	if keeper != nil {
-		beating := make(chan struct{})
-		go func() { defer close(beating); heartbeat(proxierCtx, p, keeper, log.WithField("component", "keeper")) }()
-		defer func() { stopProxier(); <-beating }()
-	}
-	watching, err := startSource(srcCtx, manifests, node, client, p, o.MinSyncPeriod, o.ConfigSync, events, log)
-	if err != nil {
-		stopProxier()
-		<-proxierDone
-		hc.Close()
+	run := group{log: log, members: []member{
+		{"garbage collection tuner", func() (func(), error) {
+			gcCtx, stopGC := context.WithCancel(ctx)
+			var gcDone <-chan struct{}
+			gc, gcDone = tuneGC(gcCtx, log, gcTunePeriod)
+			return func() { stopGC(); <-gcDone }, nil
+		}},
+		{"inputs", func() (_ func(), err error) {
+			manifests, client, err = checkInputs(ctx, o, node, log)
+			return nil, err
+		}},
+		{"process", func() (func(), error) {
+			setUpProcess(o, log)
+			if crashHooks != nil {
+				crashHooks(log)
+			}
+			return nil, nil
+		}},
+		{"rules", func() (_ func(), err error) {
+			rules, ipt, err = newRules(o, report, log)
+			return nil, err
+		}},
+		// Everything is checked: take the sockets of a daemon that runs,
+		// if it serves the node as this one would; else leave it alone,
+		// and the node untouched.
+		{"predecessor", func() (_ func(), err error) {
+			profile = handoverProfile(o, node, ipt)
+			keeper = keeperLink(log)
+			pred, handoverSocket, err = takeOver(ctx, o.HandoverSocket, profile, log.WithField("component", "handover"))
+			return pred.close, err
+		}},
+		{"node", func() (func(), error) { return nil, prepareNode(o, ipt, report, log) }},
+		{"events", func() (func(), error) {
+			var stopEvents func()
+			events, stopEvents = eventRecorder(ctx, client, node)
+			return stopEvents, nil
+		}},
+		{"proxier", func() (func(), error) {
+			hc = &healthcheck.Server{Log: log.WithField("component", "healthcheck")}
+			if len(o.NodePortCIDRs) > 0 {
+				hc.Addrs = append(iptables.LocalAddrs(4, o.NodePortCIDRs), iptables.LocalAddrs(6, o.NodePortCIDRs)...)
+			}
+			guard = guardAtAccept(ipt, o.Families)
+			probeConntrackNetlink(o, ipt, guard, report)
+			p = newProxier(o, rules, hc, events, keeper, guard, report, log)
+			pred.inherit(ctx, p)
+			gc.whenQuiet(func() bool { return p.Quiet(gcQuietFor) })
+			hc.Healthy = func() bool { return proxyHealthy(p.Health(), o.SyncPeriod, time.Now()) }
+			return nil, nil
+		}},
+		{"HTTP", func() (func(), error) {
+			var httpCtx context.Context
+			httpCtx, stopHTTP = context.WithCancel(context.Background())
+			var err error
+			health, err = startHTTP(httpCtx, o.HealthzAddr, pred.listener(httpHealthz, o.HealthzAddr), healthMux(p, o.SyncPeriod), healthLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "healthz"))
+			if err != nil {
+				stopHTTP()
+				return nil, err
+			}
+			recent := newRecentLog(200)
+			log.AddHook(recent)
+			dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.Configz(node),
+				health: healthHandler(p, o.SyncPeriod, true, true), audit: log.WithField("component", "debug"),
+				drainOnMetrics: o.DrainOnMetrics, adminSocket: o.AdminSocket, guardTCP: guard, guardUDP: guard && !lacks(report, config.PieceConntrackNL)}
+			metrics, err = startHTTP(httpCtx, o.MetricsAddr, pred.listener(httpMetrics, o.MetricsAddr), dbg.routes(newRegistry(), o.Profiling), metricsLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "metrics"))
+			if err != nil {
+				stopHTTP()
+				<-health.done
+				return nil, err
+			}
+			adminDone := startAdmin(httpCtx, o.AdminSocket, dbg, log)
+			return func() { stopHTTP(); <-health.done; <-metrics.done; <-adminDone }, nil
+		}},
+		{"readiness file", func() (func(), error) { return func() { ready.set(false) }, nil }},
+		// The proxier's sync goroutine starts before the source: a source
+		// hands it the first State only once it has the whole picture. It
+		// stops only once a handover under way has moved the connections
+		// (the handovers stop first).
+		{"sync goroutine", func() (func(), error) {
+			proxierCtx, stopProxier = context.WithCancel(context.WithoutCancel(ctx))
+			go func() { defer close(proxierDone); p.Run(proxierCtx, o.ShutdownGrace) }()
+			return func() {
+				stopProxier()
+				<-proxierDone // after the connections drained
+				hc.Close()    // the sync goroutine fed it: after that is done
+			}, nil
+		}},
+		{"keeper heartbeat", func() (func(), error) {
+			if keeper == nil {
+				return nil, nil
+			}
+			beating := make(chan struct{})
+			go func() { defer close(beating); heartbeat(proxierCtx, p, keeper, log.WithField("component", "keeper")) }()
+			return func() { stopProxier(); <-beating }, nil
+		}},
+		{"source", func() (func(), error) {
+			watching, err := startSource(srcCtx, manifests, node, client, p, o.MinSyncPeriod, o.ConfigSync, events, log)
+			if err != nil {
+				return nil, err
+			}
+			return func() { stopSource(); <-watching }, nil
+		}},
+		// A stop during a handover's transfer of connections lets the
+		// transfer end (bounded) before the proxier drains and closes what
+		// is left: a rollout stops the old pod once the new one is ready,
+		// mid-transfer.
+		{"handovers", func() (func(), error) {
+			logStarted(log.WithFields(logrus.Fields{"node": node, "manifests": o.Manifests, "kubeconfig": o.Kubeconfig, "master": o.Master}), report)
+			g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
+				addrs: map[string]string{httpHealthz: o.HealthzAddr, httpMetrics: o.MetricsAddr}, stopHTTP: stopHTTP,
+				ready: ready, keeper: keeper, log: log.WithField("component", "handover")}
+			handoversDone := serveHandovers(srcCtx, handoverSocket, profile, pred, p, g, log.WithField("component", "handover"))
+			return func() { stopSource(); <-handoversDone }, nil
+		}},
+	}}
+	if err := run.start(); err != nil {
 		return err
 	}
-	logStarted(log.WithFields(logrus.Fields{"node": node, "manifests": o.Manifests, "kubeconfig": o.Kubeconfig, "master": o.Master}), report)
-	g := &giver{p: p, http: map[string]*httpServing{httpHealthz: health, httpMetrics: metrics},
-		addrs: map[string]string{httpHealthz: o.HealthzAddr, httpMetrics: o.MetricsAddr}, stopHTTP: stopHTTP,
-		ready: readyFile{path: o.ReadyFile, log: log}, keeper: keeper, log: log.WithField("component", "handover")}
-	defer g.ready.set(false)
-	handoversDone := serveHandovers(srcCtx, handoverSocket, profile, pred, p, g, log.WithField("component", "handover"))
-	defer func() { stopSource(); <-handoversDone }()
-	// A stop during a handover's transfer of connections lets the transfer
-	// end (bounded) before the proxier drains and closes what is left: a
-	// rollout stops the old pod once the new one is ready, mid-transfer.
-	go func() {
-		select {
-		case <-ctx.Done():
-		case <-proxierDone:
-			return // it ended by itself
-		}
-		<-handoversDone
-		stopProxier()
-	}()
-
-	<-proxierDone // after ctx ends and connections drained
-	hc.Close()    // the sync goroutine fed it: after that is done
-	stopSource()
-	<-watching
+	select {
+	case <-ctx.Done():
+	case <-proxierDone: // it ended by itself
+	}
+	run.stop()
 	log.Info("Stopped")
 	return nil
 }
