@@ -2,6 +2,7 @@ package config
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"sync"
@@ -28,7 +29,23 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 )
 
-// ClientConfig returns the API server connection: --master and --kubeconfig
+// ErrNotInCluster is ClientConfig's error when neither a master nor a
+// kubeconfig is given and the process does not run in a pod.
+var ErrNotInCluster = errors.New("no API server or kubeconfig given, and not running in a pod")
+
+// KubeconfigError is ClientConfig's error when the master or kubeconfig
+// given cannot be loaded.
+type KubeconfigError struct {
+	Path string // the kubeconfig's; "" with a master alone
+	Err  error
+}
+
+func (e *KubeconfigError) Error() string {
+	return fmt.Sprintf("loading kubeconfig %q: %v", e.Path, e.Err)
+}
+func (e *KubeconfigError) Unwrap() error { return e.Err }
+
+// ClientConfig returns the API server connection: master and kubeconfig
 // when given, else the in-cluster service account. It asks for protobuf, as
 // kube-proxy does: decoding JSON watch events was most of the CPU of a churn
 // at 10k Services.
@@ -37,10 +54,10 @@ func ClientConfig(master, kubeconfig string) (*rest.Config, error) {
 	var err error
 	if master == "" && kubeconfig == "" {
 		if cfg, err = rest.InClusterConfig(); err != nil {
-			return nil, fmt.Errorf("no --kubeconfig or --master and not running in a pod: %w", err)
+			return nil, fmt.Errorf("%w: %w", ErrNotInCluster, err)
 		}
 	} else if cfg, err = clientcmd.BuildConfigFromFlags(master, kubeconfig); err != nil {
-		return nil, fmt.Errorf("loading --kubeconfig %q: %w", kubeconfig, err)
+		return nil, &KubeconfigError{Path: kubeconfig, Err: err}
 	}
 	cfg.ContentType = "application/vnd.kubernetes.protobuf"
 	cfg.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"

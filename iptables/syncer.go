@@ -99,12 +99,16 @@ func New(cfg Config) (*Rules, error) {
 	return r, nil
 }
 
+// ErrBasicOnly is a kernel report's reason for an optional match left
+// unused because Config.BasicOnly asks for the basic matches only.
+var ErrBasicOnly = errors.New("off: the basic matches only were asked for")
+
 // reportFeatures tells report which optional matches the families have,
 // and what each missing one costs.
 func (r *Rules) reportFeatures(report *config.KernelReport) {
 	var off error
 	if r.cfg.BasicOnly {
-		off = errors.New("off by --iptables-basic-only")
+		off = ErrBasicOnly
 	}
 	for _, m := range []struct {
 		piece config.KernelPiece

@@ -8,6 +8,8 @@ package daemon
 // start line, each missing piece with what it costs.
 
 import (
+	"errors"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 
@@ -66,7 +68,11 @@ func logStarted(entry *logrus.Entry, report *config.KernelReport) {
 	}
 	for _, piece := range missing {
 		if m, _ := report.Missing(piece); m.Err != nil {
-			entry.WithField("piece", piece).WithError(m.Err).Debug("Kernel piece missing")
+			err := m.Err
+			if errors.Is(err, iptables.ErrBasicOnly) {
+				err = errors.New("off by --iptables-basic-only")
+			}
+			entry.WithField("piece", piece).WithError(err).Debug("Kernel piece missing")
 		}
 	}
 	// The message stays "Started" (scripts wait for it); the level and the

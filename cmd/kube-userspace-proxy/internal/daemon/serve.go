@@ -301,7 +301,13 @@ func checkSource(o *options.Options, node string, log *logrus.Logger) (*config.M
 		return manifests, nil, nil
 	}
 	rc, err := config.ClientConfig(o.Master, o.Kubeconfig)
-	if err != nil {
+	var kerr *config.KubeconfigError
+	switch {
+	case errors.As(err, &kerr):
+		return nil, nil, UsageError{fmt.Errorf("loading %s %q: %w", o.Name("kubeconfig"), kerr.Path, kerr.Err)}
+	case errors.Is(err, config.ErrNotInCluster):
+		return nil, nil, UsageError{fmt.Errorf("no %s or %s, and not running in a pod: %w", o.Name("kubeconfig"), o.Name("master"), err)}
+	case err != nil:
 		return nil, nil, UsageError{err}
 	}
 	rc.UserAgent = "kube-userspace-proxy"
