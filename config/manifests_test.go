@@ -14,9 +14,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 	"github.com/sirupsen/logrus"
 	"go.uber.org/goleak"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

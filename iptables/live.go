@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	goipt "github.com/coreos/go-iptables/iptables"
+
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 

@@ -5,9 +5,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
-
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // The devpaasy Service (ClusterIP 10.0.0.41:8080, NodePort 31341), its

@@ -4,8 +4,9 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
 
 // Sync metrics keep kube-proxy's names and labels, so existing dashboards

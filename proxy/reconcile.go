@@ -32,13 +32,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/sirupsen/logrus"
+
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/clientaddr"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/healthcheck"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/proxyproto"
-	"github.com/sirupsen/logrus"
 )
 
 // reconciler owns the frontends. Everything but mu's fields is the sync

@@ -17,11 +17,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/sirupsen/logrus"
+
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
-	"github.com/sirupsen/logrus"
 )
 
 // tcpClose is the kernel's TCP state CLOSE (testutil.TCPState).

@@ -6,10 +6,11 @@ import (
 	"slices"
 	"sort"
 
+	"github.com/sirupsen/logrus"
+
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
-	"github.com/sirupsen/logrus"
 )
 
 func lessFrontend(a, b config.Frontend) bool {

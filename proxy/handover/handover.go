@@ -53,8 +53,9 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // Version is the exchange's version; a successor and a running daemon

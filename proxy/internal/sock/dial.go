@@ -11,8 +11,9 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // DialTCP connects to ep within timeout, or until ctx is done, from the

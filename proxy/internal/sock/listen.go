@@ -10,8 +10,9 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // Listener is a listening TCP socket whose accepted sockets inherit

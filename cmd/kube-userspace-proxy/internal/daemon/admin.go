@@ -11,8 +11,9 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/kernel"
 )
 
 // The admin socket serves what changes the daemon's state (drains today):

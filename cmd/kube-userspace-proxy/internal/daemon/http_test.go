@@ -11,10 +11,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
-	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/cmd/kube-userspace-proxy/internal/options"
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy"
 )
 
 // A drain changes state: a page in a browser must not be able to send one.
