@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test check lint differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -20,11 +20,24 @@ build:
 demo: setup-demo build
 	BIN=$(BIN) KEEP=$(KEEP) ./test/demo.sh
 
+# The linter beyond vet (.golangci.yml says what it checks and why).
+LINT_VERSION := v2.15.0
+lint: setup-check
+	$(BIN)/tools/golangci-lint run ./...
+
+# The fast loop while working (~2 minutes once the linter is built):
+# formatting, build, vet, the linter, the import rule and the unit tests of
+# the packages below the proxier (docs/architecture.md).
+LEAF_PKGS := ./config/ ./proxy/balance/ ./proxy/proxyproto/ ./proxy/ports/ ./proxy/clientaddr/ ./proxy/syncrunner/ \
+	./proxy/kernel/ ./proxy/healthcheck/ ./proxy/handover/ ./proxy/dataplane/ ./cmd/kube-userspace-proxy/internal/options/ ./test/layers/
+check: setup-check fmt-check build vet lint
+	$(GO) test -race -count=1 $(LEAF_PKGS)
+
 # The whole suite: formatting, vet, every test with the race detector, the
 # end-to-end tests once more as on a kernel without netfilter extras, a short
 # fuzz run of the manifests parser, the demo, the benchmarks' smoke runs and
 # the few-minute subset of Kubernetes' own e2e suite (docs/conformance.md).
-test: setup-test fmt-check vet build image-check
+test: setup-test fmt-check vet lint build image-check
 	$(GO) test -race -count=1 -timeout 40m $(PKGS)
 	$(MAKE) test-basic-kernel
 	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/

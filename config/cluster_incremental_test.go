@@ -29,7 +29,11 @@ func TestClusterSourceIncrementalEqualsFull(t *testing.T) {
 	}
 	slice := func(j, owner, n int) *discovery.EndpointSlice {
 		es := &discovery.EndpointSlice{
-			ObjectMeta:  metav1.ObjectMeta{Name: fmt.Sprintf("e%d", j), Namespace: "ns", Labels: map[string]string{LabelServiceName: fmt.Sprintf("s%d", owner)}},
+			ObjectMeta: metav1.ObjectMeta{
+				Name:      fmt.Sprintf("e%d", j),
+				Namespace: "ns",
+				Labels:    map[string]string{LabelServiceName: fmt.Sprintf("s%d", owner)},
+			},
 			AddressType: discovery.AddressTypeIPv4,
 			Ports:       []discovery.EndpointPort{{Name: ptr("a"), Port: ptr(int32(8080))}, {Name: ptr("b"), Port: ptr(int32(53))}},
 		}

@@ -63,7 +63,9 @@ func TestCheckDumpRunsNiced(t *testing.T) {
 	save := filepath.Join(dir, "save")
 	// The priority is set just after the process starts: wait (up to 10 s)
 	// for it when asked to, then print it.
-	script := "#!/bin/sh\nif [ \"$WAIT_FOR_NICE\" = 1 ]; then i=0; while [ \"$(nice)\" = 0 ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; fi\necho \"# nice $(nice)\"\n"
+	script := "#!/bin/sh\n" +
+		"if [ \"$WAIT_FOR_NICE\" = 1 ]; then i=0; while [ \"$(nice)\" = 0 ] && [ $i -lt 1000 ]; do sleep 0.01; i=$((i+1)); done; fi\n" +
+		"echo \"# nice $(nice)\"\n"
 	if err := os.WriteFile(save, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}

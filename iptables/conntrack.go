@@ -180,7 +180,7 @@ func listenerPorts(targets map[udpTarget]uint16) map[netip.AddrPort]map[uint16]b
 // the listener its address has now (e.ReplyPort, the listener a REDIRECT
 // sent it to; 0: not known).
 func (f *udpFilter) match(e kernel.UDPEntry) bool {
-	if !(f.ports[e.Dst.Port()] || f.addrs[e.Dst]) {
+	if !f.ports[e.Dst.Port()] && !f.addrs[e.Dst] {
 		return false
 	}
 	if f.current == nil || e.ReplyPort == 0 {

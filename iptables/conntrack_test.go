@@ -194,7 +194,11 @@ func TestDeleteUDPConntrackInNamespace(t *testing.T) {
 	}
 	const tcpEntries = 300
 	for i := 0; i < tcpEntries; i++ {
-		if err := h.ConntrackCreate(netlink.ConntrackTable, unix.AF_INET, flow(unix.IPPROTO_TCP, fmt.Sprintf("10.1.%d.%d:40000", i/200, i%200+1), "10.96.0.10:53")); err != nil {
+		if err := h.ConntrackCreate(
+			netlink.ConntrackTable,
+			unix.AF_INET,
+			flow(unix.IPPROTO_TCP, fmt.Sprintf("10.1.%d.%d:40000", i/200, i%200+1), "10.96.0.10:53"),
+		); err != nil {
 			t.Fatalf("create TCP entry %d: %v", i, err)
 		}
 	}
@@ -327,7 +331,11 @@ func BenchmarkUDPConntrackCleanup(b *testing.B) {
 		}
 	}
 	for i := 0; i < tcpEntries; i++ {
-		create(unix.IPPROTO_TCP, netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), uint16(1024+i%60000)), netip.MustParseAddrPort("10.96.0.10:80"))
+		create(
+			unix.IPPROTO_TCP,
+			netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), uint16(1024+i%60000)),
+			netip.MustParseAddrPort("10.96.0.10:80"),
+		)
 	}
 	filter := &udpFilter{addrs: map[netip.AddrPort]bool{netip.MustParseAddrPort("10.96.0.10:53"): true}, ports: map[uint16]bool{}}
 	b.ResetTimer()

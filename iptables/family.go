@@ -188,7 +188,14 @@ func (f *family) run(ctx context.Context, bin string, args []string, stdin strin
 // sync writes the rules of frontends: it brings the records up to date,
 // plans the write from what is installed or live (writePlan), and commits
 // the plan. It returns the rule counts per table.
-func (f *family) sync(ctx context.Context, frontends []config.Frontend, opts RenderOptions, verify bool, h *hint, log logrus.FieldLogger) (nat, filter int, err error) {
+func (f *family) sync(
+	ctx context.Context,
+	frontends []config.Frontend,
+	opts RenderOptions,
+	verify bool,
+	h *hint,
+	log logrus.FieldLogger,
+) (nat, filter int, err error) {
 	live, err := f.check(ctx, opts, verify, log)
 	if err != nil {
 		return 0, 0, err

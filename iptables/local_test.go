@@ -92,7 +92,8 @@ func TestShortCircuitForLocalClients(t *testing.T) {
 					{"NodePort from the node", Packet{Src: node, Dst: node, Port: 31341, Protocol: "tcp", FromNode: true, DstLocal: true}, every},
 					{"NodePort from a local pod", Packet{Src: pod, Dst: node, Port: 31341, Protocol: "tcp", DstLocal: true, InInterface: m.podIf}, every},
 					{"NodePort from outside", Packet{Src: ext, Dst: node, Port: 31341, Protocol: "tcp", DstLocal: true, InInterface: "eth0"}, localOnly},
-					{"ClusterIP from outside", Packet{Src: ext, Dst: netip.MustParseAddr("10.0.0.41"), Port: 8080, Protocol: "tcp", InInterface: "eth0"}, ports[config.KindInternal] + ports[config.KindAll]},
+					{"ClusterIP from outside", Packet{Src: ext, Dst: netip.MustParseAddr("10.0.0.41"), Port: 8080, Protocol: "tcp", InInterface: "eth0"},
+						ports[config.KindInternal] + ports[config.KindAll]},
 				} {
 					res := Trace(in, tc.p)
 					if res.NAT.Target != "REDIRECT" || res.NAT.ToPort != tc.want {
@@ -121,10 +122,16 @@ func TestShortCircuitChainsOnlyWhenNeeded(t *testing.T) {
 	fes, ports := localPolicyFrontends(t, false)
 	in := TraceInput{Rules: Render(fes, all4), Features: allFeatures}
 	ip := netip.MustParseAddr("203.0.113.10")
-	if res := Trace(in, Packet{Src: netip.MustParseAddr("10.251.19.20"), Dst: ip, Port: 8080, Protocol: "tcp", InInterface: "veth1"}); res.NAT.ToPort != ports[config.KindExternal] {
+	if res := Trace(
+		in,
+		Packet{Src: netip.MustParseAddr("10.251.19.20"), Dst: ip, Port: 8080, Protocol: "tcp", InInterface: "veth1"},
+	); res.NAT.ToPort != ports[config.KindExternal] {
 		t.Errorf("a pod without detection: %+v, want the local-only frontend %s", res.NAT, ports[config.KindExternal])
 	}
-	if res := Trace(in, Packet{Src: netip.MustParseAddr("192.168.50.1"), Dst: ip, Port: 8080, Protocol: "tcp", FromNode: true}); res.NAT.ToPort != ports[config.KindInternal] {
+	if res := Trace(
+		in,
+		Packet{Src: netip.MustParseAddr("192.168.50.1"), Dst: ip, Port: 8080, Protocol: "tcp", FromNode: true},
+	); res.NAT.ToPort != ports[config.KindInternal] {
 		t.Errorf("the node: %+v, want every endpoint's frontend %s", res.NAT, ports[config.KindInternal])
 	}
 	if c := in.Rules.Nat[ChainPortalsContainer]; len(c) == 0 || strings.Contains(strings.Join(c, "\n"), ChainLocalPortals) {

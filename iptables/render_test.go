@@ -195,7 +195,11 @@ func TestRenderSourceRanges(t *testing.T) {
 		ClusterIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.5")},
 		ExternalIPs:     []netip.Addr{netip.MustParseAddr("203.0.113.9")},
 		LoadBalancerIPs: []netip.Addr{netip.MustParseAddr("203.0.113.10"), netip.MustParseAddr("2001:db8::10")},
-		SourceRanges:    []netip.Prefix{netip.MustParsePrefix("10.244.1.0/24"), netip.MustParsePrefix("192.0.2.0/28"), netip.MustParsePrefix("2001:db8:1::/48")},
+		SourceRanges: []netip.Prefix{
+			netip.MustParsePrefix("10.244.1.0/24"),
+			netip.MustParsePrefix("192.0.2.0/28"),
+			netip.MustParsePrefix("2001:db8:1::/48"),
+		},
 	}
 	fe := config.Frontend{Service: sp, Kind: config.KindAll, Family: 4, Protocol: config.TCP, Listen: netip.MustParseAddrPort("0.0.0.0:45001")}
 	rs := Render([]config.Frontend{fe}, all4)

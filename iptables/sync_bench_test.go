@@ -67,7 +67,9 @@ func BenchmarkCheckAt10k(b *testing.B) {
 		b.Fatal(err)
 	}
 	f.save = filepath.Join(dir, "save")
-	script := "#!/bin/sh\ncase \"$*\" in *nat*) sed -n '/^\\*nat/,/^COMMIT/p' " + dir + "/save.txt;; *) sed -n '/^\\*filter/,/^COMMIT/p' " + dir + "/save.txt;; esac\n"
+	script := "#!/bin/sh\ncase \"$*\" in\n" +
+		"*nat*) sed -n '/^\\*nat/,/^COMMIT/p' " + dir + "/save.txt;;\n" +
+		"*) sed -n '/^\\*filter/,/^COMMIT/p' " + dir + "/save.txt;;\nesac\n"
 	if err := os.WriteFile(f.save, []byte(script), 0o755); err != nil {
 		b.Fatal(err)
 	}

@@ -76,7 +76,11 @@ func New(cfg Config) (*Rules, error) {
 		return nil, err
 	}
 	r.families = append(r.families, v4)
-	log.WithFields(logrus.Fields{"family": 4, "comment": v4.features.Comment, "addrtype": v4.features.Addrtype, "conntrack": v4.features.Conntrack}).Info("iptables probed")
+	log.WithFields(
+		logrus.Fields{"family": 4, "comment": v4.features.Comment, "addrtype": v4.features.Addrtype, "conntrack": v4.features.Conntrack},
+	).Info(
+		"iptables probed",
+	)
 	if v4.features.Conntrack && cfg.ProxyPorts.Size == 0 {
 		return nil, errors.New("iptables: a proxy port range is required for the guard of proxy ports")
 	}

@@ -139,7 +139,12 @@ func (p *Proxier) Explain(fe config.Frontend, as string, client netip.Addr) Expl
 	bal, node, zone := p.rec.balancerOf(fe)
 	x := explain(fe, as, client, node, zone, bal, bal != nil)
 	if fe.Protocol == config.TCP && client.IsValid() {
-		x.BackendSees = p.dp.Source().Describe(clientaddr.NewPolicy(p.cfg.BackendSource, dataplane.KeyOf(fe).Kind, fe.Service), fe.Protocol == config.UDP, as == AsClusterIP, client)
+		x.BackendSees = p.dp.Source().Describe(
+			clientaddr.NewPolicy(p.cfg.BackendSource, dataplane.KeyOf(fe).Kind, fe.Service),
+			fe.Protocol == config.UDP,
+			as == AsClusterIP,
+			client,
+		)
 	}
 	return x
 }

@@ -213,7 +213,7 @@ func TestUDPFailoverFromDeadEndpoint(t *testing.T) {
 	answered := 0
 	for i := 0; i < 20; i++ {
 		c := dialUDP(t, h.addr("dns")) // a fresh source port: a fresh flow
-		if _, err := c.Write([]byte(fmt.Sprintf("q%d", i))); err != nil {
+		if _, err := fmt.Fprintf(c, "q%d", i); err != nil {
 			t.Fatal(err)
 		}
 		_ = c.SetReadDeadline(time.Now().Add(time.Second))

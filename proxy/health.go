@@ -27,7 +27,7 @@ func (p *Proxier) Health() Health {
 	p.mu.Lock()
 	queuedAt := earliest(p.queuedAt, p.applyingAt)
 	p.mu.Unlock()
-	lastUpdated, lastErr, unwrittenAt := p.writer.status()
+	lastUpdated, unwrittenAt, lastErr := p.writer.status()
 	listenFailures, nodeDeleting := p.rec.health()
 	return Health{LastUpdated: lastUpdated, QueuedAt: earliest(queuedAt, unwrittenAt), LastErr: lastErr, ListenFailures: listenFailures,
 		OutOfFiles: p.dp.OutOfFilesWithin(10 * time.Second), NodeDeleting: nodeDeleting}

@@ -407,7 +407,11 @@ func frontendKeys(keys []dataplane.Key, name config.ServicePortName, sp *config.
 			continue
 		}
 		if split {
-			keys = append(keys, dataplane.Key{Name: name, Kind: config.KindInternal, Family: fam}, dataplane.Key{Name: name, Kind: config.KindExternal, Family: fam})
+			keys = append(
+				keys,
+				dataplane.Key{Name: name, Kind: config.KindInternal, Family: fam},
+				dataplane.Key{Name: name, Kind: config.KindExternal, Family: fam},
+			)
 		} else {
 			keys = append(keys, dataplane.Key{Name: name, Kind: config.KindAll, Family: fam})
 		}

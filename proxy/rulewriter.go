@@ -267,7 +267,7 @@ func (rw *ruleWriter) stop(err error) []*ruleWrite {
 
 // status is the rule writer's part of Health: the last write's outcome and
 // the oldest change whose write is under way or queued.
-func (rw *ruleWriter) status() (lastUpdated time.Time, lastErr error, unwrittenAt time.Time) {
+func (rw *ruleWriter) status() (lastUpdated, unwrittenAt time.Time, lastErr error) {
 	rw.mu.Lock()
 	defer rw.mu.Unlock()
 	for _, w := range []*ruleWrite{rw.writing, rw.queued} {
@@ -275,7 +275,7 @@ func (rw *ruleWriter) status() (lastUpdated time.Time, lastErr error, unwrittenA
 			unwrittenAt = earliest(unwrittenAt, w.queuedAt)
 		}
 	}
-	return rw.lastUpdated, rw.lastErr, unwrittenAt
+	return rw.lastUpdated, unwrittenAt, rw.lastErr
 }
 
 // activity counts the syncs and rule writes under way, for Proxier.Quiet.

@@ -13,6 +13,7 @@
 #   test/setup.sh conformance  test + what a kubelet node needs: runc, the CNI
 #                         plugins, nftables (kube-proxy's reference mode),
 #                         busybox and gcc (the lab's images)
+#   test/setup.sh check   Go and the linter only (make check, make lint)
 #
 # Go: when `go` (in PATH or /usr/local/go/bin) is missing or older than go.mod
 # asks (Debian 12's golang-go is 1.19), the toolchain go.mod names is fetched
@@ -35,7 +36,8 @@ case "$job" in
   bench-cluster) want=("${test_[@]}" perf:linux-perf nft:nftables) ;;
   ci) want=("${test_[@]}" chromium:chromium "${conformance[@]}") ;;
   conformance) want=("${test_[@]}" "${conformance[@]}") ;;
-  *) echo "usage: $0 demo|test|bench|bench-cluster|ci|conformance" >&2; exit 2 ;;
+  check) want=(make:make git:git) ;;
+  *) echo "usage: $0 demo|test|bench|bench-cluster|ci|conformance|check" >&2; exit 2 ;;
 esac
 
 need=()
@@ -90,3 +92,16 @@ if ! go_version_ok "$want_go"; then
   chmod +x "$GO_DIR"/bin/* "$GO_DIR"/pkg/tool/*/* 2>/dev/null || true
   go_version_ok "$want_go" || { echo "setup: the installed Go does not run" >&2; exit 1; }
 fi
+
+# The linter (make lint, part of make check and make test): golangci-lint of
+# the version the Makefile names, built from the module proxy into bin/tools
+# (~2 minutes the first time).
+case "$job" in
+  test|ci|check)
+    lint_version=$(sed -n 's/^LINT_VERSION *:= *//p' Makefile)
+    if ! bin/tools/golangci-lint version 2>/dev/null | grep -q "version ${lint_version#v} "; then
+      echo "setup: building golangci-lint $lint_version into bin/tools"
+      GOBIN=$PWD/bin/tools go install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$lint_version"
+    fi
+    ;;
+esac

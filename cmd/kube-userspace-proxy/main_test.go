@@ -105,7 +105,19 @@ func TestSIGTERMStopsCleanly(t *testing.T) {
 	// and settings are not ours (the reserved ports included: checked below).
 	const reservedFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
 	reservedBefore, _ := os.ReadFile(reservedFile)
-	cmd := daemonCmd("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
+	cmd := daemonCmd(
+		"--manifests",
+		f,
+		"--bind-address",
+		"127.0.0.1",
+		"--iptables=false",
+		"--shutdown-grace",
+		"200ms",
+		"--healthz-bind-address",
+		"127.0.0.1:0",
+		"--metrics-bind-address",
+		"127.0.0.1:0",
+	)
 	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -188,7 +200,21 @@ func TestRecoversFromFileLimit(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "m.yaml")
 	os.WriteFile(f, []byte(fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\n"+
 		"apiVersion: v1\nkind: Endpoints\nmetadata: {name: a}\nsubsets: [{addresses: [{ip: 127.0.0.1}], ports: [{port: %d}]}]\n", backend.Addr().(*net.TCPAddr).Port)), 0o644)
-	cmd := daemonCmd("--manifests", f, "--bind-address", "127.0.0.1", "--iptables=false", "--shutdown-grace", "200ms", "--log-level", "debug", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0")
+	cmd := daemonCmd(
+		"--manifests",
+		f,
+		"--bind-address",
+		"127.0.0.1",
+		"--iptables=false",
+		"--shutdown-grace",
+		"200ms",
+		"--log-level",
+		"debug",
+		"--healthz-bind-address",
+		"127.0.0.1:0",
+		"--metrics-bind-address",
+		"127.0.0.1:0",
+	)
 	cmd.Env = append(cmd.Env, "KUP_NOFILE=48")
 	var stderr testutil.Buffer
 	cmd.Stderr = &stderr

@@ -62,19 +62,19 @@ func (c *connLogLimit) pass() (bool, int64) {
 
 // logEnd writes l's line, if --connection-log wants it and its rate
 // limit lets it.
-func (f *Frontend) logEnd(l endLine) {
-	if !f.dp.cfg.logConn(l.protocol, l.cause) {
+func (fe *Frontend) logEnd(l endLine) {
+	if !fe.dp.cfg.logConn(l.protocol, l.cause) {
 		return
 	}
-	ok, dropped := f.dp.connLogLimit.pass()
+	ok, dropped := fe.dp.connLogLimit.pass()
 	if !ok {
 		return
 	}
 	if dropped > 0 {
-		f.dp.cfg.connLog().WithField("dropped", dropped).Warn("Connection log lines dropped over the rate limit (--connection-log-rate)")
+		fe.dp.cfg.connLog().WithField("dropped", dropped).Warn("Connection log lines dropped over the rate limit (--connection-log-rate)")
 	}
 	fields := logrus.Fields{
-		"service":   f.key.Name.String(),
+		"service":   fe.key.Name.String(),
 		"client":    l.client.String(),
 		"protocol":  string(l.protocol),
 		"bytesUp":   l.up,
@@ -102,7 +102,7 @@ func (f *Frontend) logEnd(l endLine) {
 			fields["dialErrors"] = strings.Join(l.dialErrors, ", ")
 		}
 	}
-	log := f.dp.cfg.connLog()
+	log := fe.dp.cfg.connLog()
 	if l.err != nil {
 		log = log.WithError(l.err)
 	}

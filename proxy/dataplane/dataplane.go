@@ -372,7 +372,7 @@ func (d *Dataplane) bindAnew(bind func() error) error {
 
 // countSource counts whose address the backend of client's connection saw, and says at debug
 // level why it was not the client's when it should have been.
-func (f *Frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
+func (fe *Frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wanted bool) {
 	switch {
 	case wanted && !dialed.Sees.IsValid():
 		backendSources.WithLabelValues("fallback").Inc()
@@ -380,7 +380,7 @@ func (f *Frontend) countSource(client, ep netip.AddrPort, dialed sock.Dialed, wa
 		if err == nil {
 			err = errors.New("the source NAT is not available for this client and endpoint (see the start log)")
 		}
-		f.debug(logrus.Fields{"client": client, "endpoint": ep}, err, "Backend sees the node's address, not the client's")
+		fe.debug(logrus.Fields{"client": client, "endpoint": ep}, err, "Backend sees the node's address, not the client's")
 	case dialed.Sees.IsValid():
 		backendSources.WithLabelValues("client").Inc()
 	default:

@@ -161,8 +161,8 @@ func (fe *Frontend) Discard() {
 // source is the Source of a dial to ep for a connection from client to
 // dst (invalid: not known, a UDP flow's), and whether the client's address
 // is wanted (a Source that cannot give it is a fallback).
-func (f *Frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
-	return f.dp.source.Source(f.sourcePolicy.Load(), client, dst, ep)
+func (fe *Frontend) source(client, dst, ep netip.AddrPort) (sock.Source, bool) {
+	return fe.dp.source.Source(fe.sourcePolicy.Load(), client, dst, ep)
 }
 
 // Key is the key fe serves.

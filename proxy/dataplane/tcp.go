@@ -40,24 +40,24 @@ var DefaultDialTimeouts = []time.Duration{250 * time.Millisecond, 500 * time.Mil
 // serveTCP has the dataplane's acceptor take the listener's connections: a
 // listener has no goroutine of its own. Accept errors such as EMFILE back
 // off (5 ms doubling to 1 s) instead of spinning.
-func (f *Frontend) serveTCP(ln *sock.Listener) error {
-	acc, err := f.dp.acceptor()
+func (fe *Frontend) serveTCP(ln *sock.Listener) error {
+	acc, err := fe.dp.acceptor()
 	if err != nil {
 		return err
 	}
-	return ln.Serve(acc, f.accepted, func(err error, retryIn time.Duration) {
+	return ln.Serve(acc, fe.accepted, func(err error, retryIn time.Duration) {
 		if sock.IsFileLimit(err) {
-			f.dp.budget.ranOut()
+			fe.dp.budget.ranOut()
 		}
-		f.log().WithError(err).WithField("retryIn", retryIn).Warn("Accept failed")
+		fe.log().WithError(err).WithField("retryIn", retryIn).Warn("Accept failed")
 	})
 }
 
 // accepted takes one connection from the acceptor's goroutine; it hands the
 // work to a worker and never blocks.
-func (f *Frontend) accepted(client *sock.Conn, from netip.AddrPort) {
-	f.m.get().accepted.Inc()
-	if !f.dp.budget.admitTCP() {
+func (fe *Frontend) accepted(client *sock.Conn, from netip.AddrPort) {
+	fe.m.get().accepted.Inc()
+	if !fe.dp.budget.admitTCP() {
 		// Over the descriptor budget: a reset now keeps the reserve for
 		// accepts, rule syncs and the API watch.
 		budgetRefusals.Inc()
@@ -65,77 +65,77 @@ func (f *Frontend) accepted(client *sock.Conn, from netip.AddrPort) {
 		client.Close()
 		return
 	}
-	c := f.dp.conns.add(f, from)
-	f.dp.workers.Go(func() { f.handleTCP(c, client) })
+	c := fe.dp.conns.add(fe, from)
+	fe.dp.workers.Go(func() { fe.handleTCP(c, client) })
 }
 
 // handleTCP dials a backend for the connection and starts the copies; the
 // pair then belongs to them (splice). It runs the upstream copy itself, the
 // downstream one runs on a copier.
-func (f *Frontend) handleTCP(c *connRecord, client *sock.Conn) {
-	dst := client.OriginalDst(f.listen)
+func (fe *Frontend) handleTCP(c *connRecord, client *sock.Conn) {
+	dst := client.OriginalDst(fe.listen)
 	c.setOrigDst(dst)
 	// A listener on a NodePort is meant to be reached directly; one of the
 	// range only through a rule.
-	if f.dp.cfg.GuardAtAccept && !f.onNodePort && client.ReachedDirectly(dst, c.Client.Addr()) {
+	if fe.dp.cfg.GuardAtAccept && !fe.onNodePort && client.ReachedDirectly(dst, c.Client.Addr()) {
 		unredirectedResets.Inc()
-		f.logUnredirected(c.Client)
+		fe.logUnredirected(c.Client)
 		_ = client.SetResetOnClose()
 		client.Close()
-		c.finish(f, 0, 0, CauseNotRedirected)
-		f.dp.conns.remove(c)
+		c.finish(fe, 0, 0, CauseNotRedirected)
+		fe.dp.conns.remove(c)
 		return
 	}
 
-	backend, failed := f.dialBackend(c)
+	backend, failed := fe.dialBackend(c)
 	if backend == nil {
 		// A reset tells the client at once that nothing is there, instead of
 		// an accepted connection that silently closes or hangs.
 		_ = client.SetResetOnClose()
 		client.Close()
-		c.finish(f, 0, 0, failed)
-		f.dp.conns.remove(c)
+		c.finish(fe, 0, 0, failed)
+		fe.dp.conns.remove(c)
 		return
 	}
-	f.splice(c, c.setPair(client, backend))
+	fe.splice(c, c.setPair(client, backend))
 }
 
 // logUnredirected says what GuardAtAccept did to a peer (a TCP reset, a
 // UDP flow dropped), within the rate limit of its protocol (the
 // dataplane's unredirectedTCP, unredirectedUDP), and how many went unsaid
 // before it.
-func (f *Frontend) logUnredirected(peer netip.AddrPort) {
-	limit, what := f.dp.unredirectedTCP, "Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
-	if f.protocol == config.UDP {
-		limit, what = f.dp.unredirectedUDP, "Dropped a UDP flow from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
+func (fe *Frontend) logUnredirected(peer netip.AddrPort) {
+	limit, what := fe.dp.unredirectedTCP, "Reset a connection from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
+	if fe.protocol == config.UDP {
+		limit, what = fe.dp.unredirectedUDP, "Dropped a UDP flow from another host to a proxy port that no rule redirected (no conntrack match for the guard)"
 	}
 	ok, unsaid := limit.pass()
 	if !ok {
 		return
 	}
-	f.log().WithFields(logrus.Fields{"peer": peer, "listener": f.listen, "notSaidBefore": unsaid}).Warn(what)
+	fe.log().WithFields(logrus.Fields{"peer": peer, "listener": fe.listen, "notSaidBefore": unsaid}).Warn(what)
 }
 
 // dialBackend tries up to len(DialTimeouts) endpoints, each with its own
 // timeout; every retry asks the balancer again, bypassing affinity. Without
 // a backend it says why.
-func (f *Frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
+func (fe *Frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 	client := c.Client.Addr()
 	dst := c.origDst()
-	timeouts := f.dp.cfg.dialTimeouts()
+	timeouts := fe.dp.cfg.dialTimeouts()
 	for attempt, timeout := range timeouts {
-		ep, why, ok := f.bal.Pick(client, attempt)
+		ep, why, ok := fe.bal.Pick(client, attempt)
 		if !ok {
-			f.m.get().noEndpoints.Inc()
+			fe.m.get().noEndpoints.Inc()
 			return nil, CauseNoEndpoints
 		}
 		if attempt > 0 {
-			f.m.get().retries.Inc()
+			fe.m.get().retries.Inc()
 		}
 		c.setBackend(ep, why, attempt)
 		start := time.Now()
-		dialAttempts.WithLabelValues(f.m.service, ep.String()).Inc()
-		src, wanted := f.source(c.Client, dst, ep)
+		dialAttempts.WithLabelValues(fe.m.service, ep.String()).Inc()
+		src, wanted := fe.source(c.Client, dst, ep)
 		if attempt > 0 {
 			// An attempt that timed out may have left the endpoint
 			// half-open on the client's port: its late SYN-ACK would meet
@@ -144,43 +144,43 @@ func (f *Frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 			// the client's address from a port of its own.
 			src.Port = 0
 		}
-		conn, dialed, err := sock.DialTCPFrom(f.dp.ctx, ep, timeout, src)
+		conn, dialed, err := sock.DialTCPFrom(fe.dp.ctx, ep, timeout, src)
 		if err == nil {
-			err = f.sendProxyHeader(conn, c)
+			err = fe.sendProxyHeader(conn, c)
 		}
 		if err == nil {
-			if f.dp.cfg.parkIdleAfter() <= 0 {
+			if fe.dp.cfg.parkIdleAfter() <= 0 {
 				// No copy returns for idleness (halfCopy.run turns
 				// probing on then): from the start.
 				_ = conn.KeepAlive()
 			}
 			c.setDialed(time.Since(start), dialed.Sees)
-			f.countSource(c.Client, ep, dialed, wanted)
-			f.report(ep, "")
+			fe.countSource(c.Client, ep, dialed, wanted)
+			fe.report(ep, "")
 			return conn, causeNone
 		}
-		f.bal.Done(ep) // the pick counted it active
+		fe.bal.Done(ep) // the pick counted it active
 		failure := sock.DialFailure(err)
 		c.addDialFailure(ep, failure)
-		dialFailures.WithLabelValues(f.m.service, ep.String(), failure).Inc()
-		f.debug(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}, err, "Dial failed")
-		if f.dp.ctx.Err() != nil {
+		dialFailures.WithLabelValues(fe.m.service, ep.String(), failure).Inc()
+		fe.debug(logrus.Fields{"client": c.Client, "endpoint": ep, "attempt": attempt + 1, "failure": failure}, err, "Dial failed")
+		if fe.dp.ctx.Err() != nil {
 			return nil, CauseShutdown
 		}
 		if sock.IsFileLimit(err) {
 			// Out of descriptors: not the endpoint's fault, and trying
 			// more endpoints only makes it worse.
-			f.dp.budget.ranOut()
+			fe.dp.budget.ranOut()
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
 		if sock.IsNoLocalPort(err) {
 			// No port left towards ep: the node's limit, no ejection;
 			// another endpoint has ports of its own.
-			f.dp.ranOutOfLocalPorts(f.log(), ep)
+			fe.dp.ranOutOfLocalPorts(fe.log(), ep)
 			continue
 		}
-		f.report(ep, failure)
+		fe.report(ep, failure)
 	}
 	return nil, CauseDialFailed
 }
@@ -188,8 +188,8 @@ func (f *Frontend) dialBackend(c *connRecord) (*sock.Conn, Cause) {
 // sendProxyHeader sends the PROXY protocol header the Service asks for, if
 // any, before any client byte: one send on the fresh connection, no round
 // trip; a retry on another endpoint sends it again. On error conn is closed.
-func (f *Frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
-	v, _ := f.proxyProto.Load().(string)
+func (fe *Frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
+	v, _ := fe.proxyProto.Load().(string)
 	if v == "" {
 		return nil
 	}
@@ -207,15 +207,15 @@ func (f *Frontend) sendProxyHeader(conn *sock.Conn, c *connRecord) error {
 // report tells the balancer how a dial to ep (or a UDP flow's traffic) went:
 // failure is empty for a success, else what went wrong. An ejection is
 // logged and counted; so is an endpoint's return from one.
-func (f *Frontend) report(ep netip.AddrPort, failure string) {
-	ejectedFor, recovered := f.bal.Report(ep, failure != "")
+func (fe *Frontend) report(ep netip.AddrPort, failure string) {
+	ejectedFor, recovered := fe.bal.Report(ep, failure != "")
 	switch {
 	case ejectedFor > 0:
-		endpointEjections.WithLabelValues(f.m.service, ep.String()).Inc()
-		f.log().WithFields(logrus.Fields{"endpoint": ep, "failure": failure, "ejectedFor": ejectedFor.String()}).
+		endpointEjections.WithLabelValues(fe.m.service, ep.String()).Inc()
+		fe.log().WithFields(logrus.Fields{"endpoint": ep, "failure": failure, "ejectedFor": ejectedFor.String()}).
 			Warn("Endpoint ejected after failures in a row; new connections go to the others")
 	case recovered:
-		f.log().WithField("endpoint", ep).Info("Endpoint back in rotation")
+		fe.log().WithField("endpoint", ep).Info("Endpoint back in rotation")
 	}
 }
 
@@ -255,17 +255,17 @@ func (pr *tcpPair) endCause() Cause { return Cause(pr.cause.Load()) }
 // downstream one on a copier, the upstream one here. It returns when the
 // upstream copy finished or parked; the last copy to finish closes the
 // pair and logs it.
-func (f *Frontend) splice(c *connRecord, pr *tcpPair) {
-	f.halves(c, pr)
-	f.dp.copiers.Go(pr.down.run)
+func (fe *Frontend) splice(c *connRecord, pr *tcpPair) {
+	fe.halves(c, pr)
+	fe.dp.copiers.Go(pr.down.run)
 	pr.up.run()
 }
 
 // halves sets up the pair's two directions.
-func (f *Frontend) halves(c *connRecord, pr *tcpPair) {
-	pr.up = halfCopy{f: f, c: c, pr: pr, dst: pr.backend, src: pr.client,
+func (fe *Frontend) halves(c *connRecord, pr *tcpPair) {
+	pr.up = halfCopy{f: fe, c: c, pr: pr, dst: pr.backend, src: pr.client,
 		eofCause: CauseClientClosed, resetCause: CauseClientReset, count: c.addUp}
-	pr.down = halfCopy{f: f, c: c, pr: pr, dst: pr.client, src: pr.backend,
+	pr.down = halfCopy{f: fe, c: c, pr: pr, dst: pr.client, src: pr.backend,
 		eofCause: CauseBackendClosed, resetCause: CauseBackendReset, count: c.addDown}
 }
 

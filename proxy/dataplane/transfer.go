@@ -177,14 +177,14 @@ func (pr *tcpPair) resumeDetached(f *Frontend) {
 
 // transferPair gives a stopped pair to the dataplane's sink, or back to its
 // directions when there is none.
-func (f *Frontend) transferPair(c *connRecord, pr *tcpPair) {
+func (fe *Frontend) transferPair(c *connRecord, pr *tcpPair) {
 	st := c.state()
 	pr.detach.mu.Lock()
 	st.UpClosed, st.DownClosed = pr.up.closed, pr.down.closed
 	pr.detach.mu.Unlock()
-	sink := f.dp.transferSink.Load()
+	sink := fe.dp.transferSink.Load()
 	if sink == nil || !(*sink)(&detachedPair{c: c, state: st}) {
-		pr.resumeDetached(f)
+		pr.resumeDetached(fe)
 	}
 }
 

@@ -243,7 +243,11 @@ func (d *differ) setUp() error {
 			return err
 		}
 	}
-	if _, err := d.kube.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: diffNamespace}}, metav1.CreateOptions{}); err != nil {
+	if _, err := d.kube.CoreV1().Namespaces().Create(
+		ctx,
+		&v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: diffNamespace}},
+		metav1.CreateOptions{},
+	); err != nil {
 		return err
 	}
 	netexec := func(name string, http, udp int) v1.Container {

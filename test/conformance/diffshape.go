@@ -215,7 +215,8 @@ func (s shape) name() string { return fmt.Sprintf("s%d", s.Case) }
 // size orders shapes for shrinking: fewer is smaller.
 func (s shape) size() int {
 	n := len(s.Ports)*4 + len(s.Endpoints)*3
-	for _, b := range []bool{s.ExternalIP, s.LBIP, s.SourceRange != "", s.ETPLocal, s.ITPLocal, s.Affinity != 0, s.DualStack, s.PreferClose, s.Edit != nil, s.Headless, s.OtherProxy} {
+	for _, b := range []bool{s.ExternalIP, s.LBIP, s.SourceRange != "", s.ETPLocal, s.ITPLocal, s.Affinity != 0,
+		s.DualStack, s.PreferClose, s.Edit != nil, s.Headless, s.OtherProxy} {
 		if b {
 			n++
 		}
@@ -323,9 +324,10 @@ func (s shape) service() *v1.Service {
 	if s.ExternalIP {
 		svc.Spec.ExternalIPs = []string{s.externalIP()}
 	}
-	if s.SourceRange == "allow" {
+	switch s.SourceRange {
+	case "allow":
 		svc.Spec.LoadBalancerSourceRanges = []string{bridgeAddr + "/32"}
-	} else if s.SourceRange == "deny" {
+	case "deny":
 		svc.Spec.LoadBalancerSourceRanges = []string{diffDenyRange}
 	}
 	if s.ETPLocal {

@@ -48,7 +48,8 @@ func TestGenerateIsDeterministicAndCoversTheDimensions(t *testing.T) {
 				t.Errorf("case %d: the edit makes an invalid shape: %+v", c, e)
 			}
 		}
-		if svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && svc.Spec.Type == v1.ServiceTypeClusterIP && len(svc.Spec.ExternalIPs) == 0 {
+		if svc.Spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal && svc.Spec.Type == v1.ServiceTypeClusterIP &&
+			len(svc.Spec.ExternalIPs) == 0 {
 			t.Errorf("case %d: externalTrafficPolicy Local on a ClusterIP Service without external IPs", c)
 		}
 	}
@@ -118,7 +119,11 @@ func TestKnownDifferencesMatchTheLine(t *testing.T) {
 			t.Errorf("line %q lacks %q", line, want)
 		}
 	}
-	d := &differ{known: []knownDiff{{pattern: "x", reason: "on purpose", re: regexp.MustCompile(`^outcome: ours=refused kube-proxy=timeout \| outside → node-port.*etp=Local`)}}}
+	d := &differ{
+		known: []knownDiff{
+			{pattern: "x", reason: "on purpose", re: regexp.MustCompile(`^outcome: ours=refused kube-proxy=timeout \| outside → node-port.*etp=Local`)},
+		},
+	}
 	if d.explain(df) != "on purpose" {
 		t.Error("the pattern does not explain its difference")
 	}

@@ -146,7 +146,18 @@ func main() {
 
 // runOne brings a lab up with proxy as the Service proxy, runs the suite
 // and takes the lab down again, whatever happened.
-func runOne(ctx context.Context, repo string, b *binaries, tars []string, proxy string, nodes int, focus string, skips []skip, procs int, keep bool) ([]result, error) {
+func runOne(
+	ctx context.Context,
+	repo string,
+	b *binaries,
+	tars []string,
+	proxy string,
+	nodes int,
+	focus string,
+	skips []skip,
+	procs int,
+	keep bool,
+) ([]result, error) {
 	sweep(labDir, false)
 	l := &lab{dir: labDir, log: os.Stdout, nodes: nodes, keepLogs: filepath.Join(os.TempDir(), "kup-conformance-logs", proxy)}
 	defer l.close(keep)

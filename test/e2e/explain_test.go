@@ -99,7 +99,8 @@ func TestExplainPredictsTheNextConnection(t *testing.T) {
 		{"NodePort from outside", "ext", "192.168.50.2", "192.168.50.1:31341", "http://192.168.50.1:31341/", "PREROUTING", "", "nodePort", 4},
 		{"externalIP", "ext", "192.168.50.2", "203.0.113.10:80", "http://203.0.113.10:80/", "PREROUTING", "KUBE-PORTALS-CONTAINER", "externalIP", 4},
 		{"LoadBalancer IP", "ext", "192.168.50.2", "203.0.113.11:80", "http://203.0.113.11:80/", "PREROUTING", "KUBE-PORTALS-CONTAINER", "loadBalancerIP", 4},
-		{"IPv6 ClusterIP from a pod", "client", "fd00:251::20", "[fd00:96::10]:80", "http://[fd00:96::10]:80/", "PREROUTING", "KUBE-PORTALS-CONTAINER", "clusterIP", 6},
+		{"IPv6 ClusterIP from a pod", "client", "fd00:251::20", "[fd00:96::10]:80", "http://[fd00:96::10]:80/",
+			"PREROUTING", "KUBE-PORTALS-CONTAINER", "clusterIP", 6},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			reachesBoth(t, l, tc.ns, tc.url)
@@ -194,7 +195,8 @@ func TestExplainPredictsTheNextConnection(t *testing.T) {
 	t.Run("text and the CLI", func(t *testing.T) {
 		out := l.MustExec("node", filepath.Join(binDir, "kube-userspace-proxy"), "explain", "--server", "http://127.0.0.1:10249",
 			"--from", "10.251.19.20", "--to", "10.96.0.10:80")
-		for _, want := range []string{"enters nat PREROUTING", "KUBE-PORTALS-CONTAINER, rule", "packets,", "is its clusterIP", "SELECTED", "The next connection from 10.251.19.20 goes to"} {
+		for _, want := range []string{"enters nat PREROUTING", "KUBE-PORTALS-CONTAINER, rule", "packets,", "is its clusterIP", "SELECTED",
+			"The next connection from 10.251.19.20 goes to"} {
 			if !strings.Contains(out, want) {
 				t.Fatalf("explain text lacks %q:\n%s", want, out)
 			}

@@ -165,7 +165,14 @@ func TestBlackholedEndpointEjected(t *testing.T) {
 		t.Fatal("no ejection logged")
 	}
 	// Seen on the debug page and in the metrics.
-	if _, page := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !regexp.MustCompile(`10\.251\.19\.8:9999 .*EJECTED until`).MatchString(page) {
+	if _, page := l.get(
+		"node",
+		"http://127.0.0.1:10249/debug/services?format=text",
+	); !regexp.MustCompile(
+		`10\.251\.19\.8:9999 .*EJECTED until`,
+	).MatchString(
+		page,
+	) {
 		t.Errorf("/debug/services does not show the ejection:\n%s", page)
 	}
 	if v := metricSum(scrape(t, l), "kube_userspace_proxy_endpoints_ejected", map[string]string{"endpoint": "10.251.19.8:9999"}); v != 1 {

@@ -283,7 +283,8 @@ func TestHandoverRefusesNothing(t *testing.T) {
 		t.Errorf("only %d connections tried", tries)
 	}
 	for _, p := range []*Proc{second, third} {
-		if !strings.Contains(p.Output(), "Took the predecessor's connections") || !strings.Contains(grepLines(p.Output(), "Took the predecessor"), "connections=") {
+		if !strings.Contains(p.Output(), "Took the predecessor's connections") ||
+			!strings.Contains(grepLines(p.Output(), "Took the predecessor"), "connections=") {
 			t.Errorf("no adoption logged:\n%s", tail(p.Output(), 2000))
 		}
 	}

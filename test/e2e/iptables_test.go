@@ -273,7 +273,11 @@ func TestKill9RestartLeavesOneCopy(t *testing.T) {
 	// The portal rule's packet counter: a chain the restarted daemon finds
 	// as it wants it is not written again, and keeps its counters.
 	portalPackets := func() int {
-		m := regexp.MustCompile(`(?m)^\[(\d+):\d+\] -A KUBE-PORTALS-CONTAINER -d 10\.96\.0\.10/32 `).FindStringSubmatch(l.MustExec("node", "iptables-save", "-c", "-t", "nat"))
+		m := regexp.MustCompile(
+			`(?m)^\[(\d+):\d+\] -A KUBE-PORTALS-CONTAINER -d 10\.96\.0\.10/32 `,
+		).FindStringSubmatch(
+			l.MustExec("node", "iptables-save", "-c", "-t", "nat"),
+		)
 		if m == nil {
 			t.Fatalf("no portal rule for 10.96.0.10:\n%s", l.MustExec("node", "iptables-save", "-t", "nat"))
 		}
@@ -305,7 +309,8 @@ func TestKill9RestartLeavesOneCopy(t *testing.T) {
 	if b, a := norm(before), norm(after); len(a) != len(b) {
 		t.Fatalf("%d rules before kill -9, %d after restart:\n%s", len(b), len(a), after)
 	}
-	for _, jump := range []string{"-j KUBE-PORTALS-CONTAINER", "-j KUBE-PORTALS-HOST", "-j KUBE-NODEPORT-CONTAINER", "-j KUBE-NODEPORT-HOST", "-j KUBE-PORTALS-GUARD"} {
+	for _, jump := range []string{"-j KUBE-PORTALS-CONTAINER", "-j KUBE-PORTALS-HOST", "-j KUBE-NODEPORT-CONTAINER", "-j KUBE-NODEPORT-HOST",
+		"-j KUBE-PORTALS-GUARD"} {
 		want := 1
 		if basicKernel && jump == "-j KUBE-PORTALS-GUARD" {
 			want = 0 // no conntrack match: the daemon guards the ports
@@ -745,7 +750,13 @@ func TestEarlierLayoutReplaced(t *testing.T) {
 	l.MustExec("node", "iptables", "-w", "-N", "KUBE-PORTALS-GUARD-1F")
 	l.MustExec("node", "iptables", "-w", "-A", "KUBE-PORTALS-GUARD", "-j", "KUBE-PORTALS-GUARD-1F")
 	l.MustExec("node", "iptables", "-w", "-A", "KUBE-PORTALS-GUARD-1F", "!", "-i", "lo", "-p", "tcp", "--dport", "8080", "-j", "DROP")
-	l.MustExec("node", append(append([]string{"iptables", "-w", "-I", "INPUT"}, jumpComment("keep proxy ports reachable only through service addresses")...), "-j", "KUBE-PORTALS-GUARD")...)
+	l.MustExec(
+		"node",
+		append(
+			append([]string{"iptables", "-w", "-I", "INPUT"}, jumpComment("keep proxy ports reachable only through service addresses")...),
+			"-j",
+			"KUBE-PORTALS-GUARD",
+		)...)
 	l.MustExec("node", "iptables", "-w", "-t", "nat", "-N", "KUBE-PORTALS-CONTAINER")
 	l.MustExec("node", "iptables", "-w", "-t", "nat", "-N", "KUBE-PORTALS-CONTAINER-00")
 	l.MustExec("node", "iptables", "-w", "-t", "nat", "-A", "KUBE-PORTALS-CONTAINER", "-j", "KUBE-PORTALS-CONTAINER-00")

@@ -143,7 +143,8 @@ func oomKill(t *testing.T, pid int) {
 		// Empty once the process is gone.
 		testutil.WaitFor(t, "the OOM cgroup empty", 10*time.Second, 50*time.Millisecond, func() bool { return os.Remove(cg) == nil })
 	})
-	for _, w := range []struct{ file, v string }{{"memory.limit_in_bytes", "209715200"}, {"memory.memsw.limit_in_bytes", "209715200"}, {"cgroup.procs", strconv.Itoa(pid)}} {
+	for _, w := range []struct{ file, v string }{{"memory.limit_in_bytes", "209715200"}, {"memory.memsw.limit_in_bytes", "209715200"},
+		{"cgroup.procs", strconv.Itoa(pid)}} {
 		err := os.WriteFile(filepath.Join(cg, w.file), []byte(w.v), 0o644)
 		if err != nil && w.file != "memory.memsw.limit_in_bytes" { // without swap accounting: no such file
 			t.Fatalf("%s: %v", w.file, err)

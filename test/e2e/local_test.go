@@ -125,7 +125,11 @@ func TestLocalClientsOfLocalServices(t *testing.T) {
 		_ = d.Cmd.Process.Signal(syscall.SIGTERM)
 		_ = d.Cmd.Wait()
 		d = l.Daemon(append([]string{"--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node"}, args...)...)
-		waitFor(t, args[1]+": the pod → LoadBalancer IP served by pod2", func() bool { return strings.HasPrefix(l.Curl("client", "http://203.0.113.11/"), "pod2") })
+		waitFor(
+			t,
+			args[1]+": the pod → LoadBalancer IP served by pod2",
+			func() bool { return strings.HasPrefix(l.Curl("client", "http://203.0.113.11/"), "pod2") },
+		)
 		waitFor(t, args[1]+": the pod → NodePort (IPv6) served by pod2", func() bool {
 			return strings.HasPrefix(l.Curl("client", "http://[fd00:251::1]:31341/"), "pod2")
 		})

@@ -282,13 +282,21 @@ endpoints: [{addresses: [10.251.19.12]}, {addresses: [10.251.19.8]}]
 		return strings.Contains(body, conn.LocalAddr().String())
 	}
 	waitFor(t, "the connection in /debug/connections", live)
-	if _, text := l.get("node", "http://127.0.0.1:10249/debug/connections?format=text"); !strings.Contains(text, "SENT TO") || !strings.Contains(text, "10.96.0.10:80") {
+	if _, text := l.get(
+		"node",
+		"http://127.0.0.1:10249/debug/connections?format=text",
+	); !strings.Contains(text, "SENT TO") ||
+		!strings.Contains(text, "10.96.0.10:80") {
 		t.Errorf("text table:\n%s", text)
 	}
 	conn.Close()
 	waitFor(t, "the connection to leave the table", func() bool { return !live() })
 
-	if _, svcs := l.get("node", "http://127.0.0.1:10249/debug/services?format=text"); !strings.Contains(svcs, "lab/web:http") || !strings.Contains(svcs, "10.251.19.12:8080(ready,serving)") {
+	if _, svcs := l.get(
+		"node",
+		"http://127.0.0.1:10249/debug/services?format=text",
+	); !strings.Contains(svcs, "lab/web:http") ||
+		!strings.Contains(svcs, "10.251.19.12:8080(ready,serving)") {
 		t.Errorf("/debug/services:\n%s", svcs)
 	}
 	// The JSON has structured fields, not packed strings.

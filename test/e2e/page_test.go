@@ -122,7 +122,8 @@ func TestLivePageInChromium(t *testing.T) {
 
 	// A shared link explains at once; the answer is the daemon's own.
 	page = l.dom(t, chromium, "node", "http://127.0.0.1:10249/?from=10.251.19.20&to=10.96.0.10:80&protocol=TCP", 2*time.Second)
-	for _, want := range []string{`id="explain-result" class="" data-status="200"`, "is its clusterIP", "KUBE-PORTALS-CONTAINER, rule", "The next connection from 10.251.19.20 goes to"} {
+	for _, want := range []string{`id="explain-result" class="" data-status="200"`, "is its clusterIP", "KUBE-PORTALS-CONTAINER, rule",
+		"The next connection from 10.251.19.20 goes to"} {
 		if !strings.Contains(page, want) {
 			t.Fatalf("the explain answer lacks %q:\n%s", want, page)
 		}

@@ -20,9 +20,27 @@ func writeSoakRecord(dir string, samples []soakSample, events []soakEvent, errs 
 	var tsv strings.Builder
 	tsv.WriteString("minutes\tworker\tworker_fds\tworker_rss_kib\tgoroutines\tconns\tflows\tunowned_fds\tunowned_goroutines\tkeeper_fds\tkeeper_rss_kib\tlive_conntrack\tlistening\trules\tclient_ops\terrors\tunexplained\n")
 	for _, s := range samples {
-		fmt.Fprintf(&tsv, "%.1f\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\n", s.at.Minutes(), s.worker, s.workerFDs, s.workerRSSKiB, s.goroutines,
-			s.conns, s.flows, s.unownedFDs, s.unownedGoroutines,
-			s.keeperFDs, s.keeperRSSKiB, s.conntrack, s.listening, s.rules, s.connsTried, s.errors, s.unexplained)
+		fmt.Fprintf(
+			&tsv,
+			"%.1f\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\n",
+			s.at.Minutes(),
+			s.worker,
+			s.workerFDs,
+			s.workerRSSKiB,
+			s.goroutines,
+			s.conns,
+			s.flows,
+			s.unownedFDs,
+			s.unownedGoroutines,
+			s.keeperFDs,
+			s.keeperRSSKiB,
+			s.conntrack,
+			s.listening,
+			s.rules,
+			s.connsTried,
+			s.errors,
+			s.unexplained,
+		)
 	}
 	var txt strings.Builder
 	kinds := map[string]int{}

@@ -29,11 +29,32 @@ func sourceManifest() string {
 		return strings.ReplaceAll(s, `- {addresses: ["fd00:251::8"], nodeName: node}`, `- {addresses: ["fd00:251::8"], nodeName: other}`)
 	}
 	dual := "  clusterIPs: [%s]\n  ipFamilies: [IPv4, IPv6]\n"
-	web := service("web", "NodePort", "10.96.0.10,fd00:96::10", fmt.Sprintf(dual, `10.96.0.10, "fd00:96::10"`), webPorts) + other(slices("web", webSlicePorts, true))
-	local := "---\n" + service("local", "LoadBalancer", "10.96.0.11", "  externalIPs: [203.0.113.10]\n  externalTrafficPolicy: Local\n",
-		strings.ReplaceAll(webPorts, "31341", "31342")) + "status: {loadBalancer: {ingress: [{ip: 203.0.113.12}]}}\n" + other(slices("local", webSlicePorts, false))
-	opaque := "---\n" + strings.Replace(service("opaque", "ClusterIP", "10.96.0.12", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`),
-		"metadata: {name: opaque, namespace: lab}", "metadata: {name: opaque, namespace: lab, annotations: {kube-userspace-proxy.io/backend-source-address: node}}", 1) +
+	web := service(
+		"web",
+		"NodePort",
+		"10.96.0.10,fd00:96::10",
+		fmt.Sprintf(dual, `10.96.0.10, "fd00:96::10"`),
+		webPorts,
+	) + other(
+		slices("web", webSlicePorts, true),
+	)
+	local := "---\n" + service(
+		"local",
+		"LoadBalancer",
+		"10.96.0.11",
+		"  externalIPs: [203.0.113.10]\n  externalTrafficPolicy: Local\n",
+		strings.ReplaceAll(
+			webPorts,
+			"31341",
+			"31342",
+		),
+	) + "status: {loadBalancer: {ingress: [{ip: 203.0.113.12}]}}\n" + other(slices("local", webSlicePorts, false))
+	opaque := "---\n" + strings.Replace(
+		service("opaque", "ClusterIP", "10.96.0.12", "", `{name: http, port: 80, targetPort: 8080, protocol: TCP}`),
+		"metadata: {name: opaque, namespace: lab}",
+		"metadata: {name: opaque, namespace: lab, annotations: {kube-userspace-proxy.io/backend-source-address: node}}",
+		1,
+	) +
 		other(slices("opaque", `{name: http, port: 8080, protocol: TCP}`, false))
 	retry := "---\n" + service("retry", "ClusterIP", "10.96.0.14", "", `{name: http, port: 80, targetPort: 8081, protocol: TCP}`) +
 		slices("retry", `{name: http, port: 8081, protocol: TCP}`, false)
@@ -202,7 +223,7 @@ func TestBackendSeesTheClient(t *testing.T) {
 		if err != nil {
 			t.Fatalf("connection %d at once from port 40000: %v", i, err)
 		}
-		if !strings.Contains(body, "(client 10.251.19.20:") && !(basicKernel && strings.Contains(body, "(client 10.251.19.1:")) {
+		if !strings.Contains(body, "(client 10.251.19.20:") && (!basicKernel || !strings.Contains(body, "(client 10.251.19.1:")) {
 			t.Fatalf("connection %d at once from port 40000: the backend answered %q, want it to see 10.251.19.20", i, body)
 		}
 	}
@@ -336,7 +357,8 @@ func TestBackendBehindAnotherNode(t *testing.T) {
 	// is done, which may be while the test runs.
 	routing := func() string {
 		var out strings.Builder
-		for _, args := range [][]string{{"ip", "rule"}, {"ip", "-6", "rule"}, {"ip", "route", "show", "table", "all"}, {"ip", "-6", "route", "show", "table", "all"}} {
+		for _, args := range [][]string{{"ip", "rule"}, {"ip", "-6", "rule"}, {"ip", "route", "show", "table", "all"},
+			{"ip", "-6", "route", "show", "table", "all"}} {
 			for _, line := range strings.Split(l.MustExec("node", args...), "\n") {
 				if strings.Contains(line, "fe80::") && strings.Contains(line, "proto kernel") {
 					continue
@@ -584,8 +606,12 @@ func TestBackendSourceWithoutDetection(t *testing.T) {
 	writeManifest(t, m, sourceManifest())
 	d := l.Daemon("--manifests", m, "--min-sync-period", "100ms", "--hostname-override", "node")
 	waitFor(t, "web served", func() bool { return l.Curl("client", "http://10.96.0.10/") != "" })
-	if line := grepLines(d.Output(), "Local-traffic detection finds no pod"); !strings.Contains(line, "backends see this node's address on the connections of its pods") ||
-		!strings.Contains(line, "--cluster-cidr") || !strings.Contains(line, "level=warning") {
+	if line := grepLines(
+		d.Output(),
+		"Local-traffic detection finds no pod",
+	); !strings.Contains(line, "backends see this node's address on the connections of its pods") ||
+		!strings.Contains(line, "--cluster-cidr") ||
+		!strings.Contains(line, "level=warning") {
 		t.Fatalf("the start log does not say what no detection costs:\n%s", tail(d.Output(), 3000))
 	}
 	seesOnly(t, l, "client", "http://10.96.0.10/", "10.251.19.1", 8)

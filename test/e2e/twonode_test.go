@@ -164,7 +164,13 @@ func TestTwoNodes(t *testing.T) {
 		})
 		// explain says why, from the installed rules.
 		q := url.Values{"from": {"10.251.19.20"}, "to": {"203.0.113.50:80"}, "format": {"text"}}
-		if _, text := cl.get("node", "http://127.0.0.1:10249/debug/explain?"+q.Encode()); !strings.Contains(text, "outside the Service's loadBalancerSourceRanges") {
+		if _, text := cl.get(
+			"node",
+			"http://127.0.0.1:10249/debug/explain?"+q.Encode(),
+		); !strings.Contains(
+			text,
+			"outside the Service's loadBalancerSourceRanges",
+		) {
 			t.Fatalf("explain:\n%s", text)
 		}
 	})
@@ -202,7 +208,9 @@ func TestTwoNodes(t *testing.T) {
 			}
 			n.Spec.Taints = nil
 			if on {
-				n.Spec.Taints = []v1.Taint{{Key: "ToBeDeletedByClusterAutoscaler", Value: strconv.Itoa(int(time.Now().Unix())), Effect: v1.TaintEffectNoSchedule}}
+				n.Spec.Taints = []v1.Taint{
+					{Key: "ToBeDeletedByClusterAutoscaler", Value: strconv.Itoa(int(time.Now().Unix())), Effect: v1.TaintEffectNoSchedule},
+				}
 			}
 			if _, err := cl.admin.CoreV1().Nodes().Update(cl.ctx, n, metav1.UpdateOptions{}); err != nil {
 				t.Fatal(err)

@@ -177,7 +177,11 @@ func TestImportRuleCatches(t *testing.T) {
 			t.Errorf("%s: %q, want one saying %q", tc.name, got, tc.want)
 		}
 	}
-	if got := violations([]pkg{{path: "proxy", imports: []string{"proxy/dataplane", "config"}}, {path: "proxy/kernel", kernel: []string{"k.go imports unsafe"}}}); len(got) != 0 {
+	if got := violations(
+		[]pkg{{path: "proxy", imports: []string{"proxy/dataplane", "config"}}, {path: "proxy/kernel", kernel: []string{"k.go imports unsafe"}}},
+	); len(
+		got,
+	) != 0 {
 		t.Errorf("a downward import and the kernel's own use: %q", got)
 	}
 	for _, name := range []string{"SIGTERM", "EADDRINUSE", "Stat_t", "Errno"} {

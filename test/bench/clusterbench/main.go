@@ -226,7 +226,13 @@ func (b *bench) run(ctx context.Context) error {
 		if _, err := b.client.CoreV1().Services("bench").Create(ctx, service(taxTarget, taxTargetIP), metav1.CreateOptions{}); err != nil {
 			return err
 		}
-		if _, err := b.client.DiscoveryV1().EndpointSlices("bench").Create(ctx, slice(taxTarget, []string{"10.244.0.1"}, 8080), metav1.CreateOptions{}); err != nil {
+		if _, err := b.client.DiscoveryV1().EndpointSlices(
+			"bench",
+		).Create(
+			ctx,
+			slice(taxTarget, []string{"10.244.0.1"}, 8080),
+			metav1.CreateOptions{},
+		); err != nil {
 			return err
 		}
 		if b.bare, err = b.newBare(); err != nil {

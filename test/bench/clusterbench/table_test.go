@@ -15,7 +15,12 @@ func TestTableKeepsTheColumnsARunDidNotMeasure(t *testing.T) {
 	if again.String() != first.String() {
 		t.Fatalf("the table does not read back as written:\n%s\n---\n%s", first.String(), again.String())
 	}
-	again.set("kp", "`run 2`", []string{"start", "add", "tax"}, func(r string) string { return map[string]string{"start": "8 s", "add": "7 ms", "tax": "0.9×"}[r] })
+	again.set(
+		"kp",
+		"`run 2`",
+		[]string{"start", "add", "tax"},
+		func(r string) string { return map[string]string{"start": "8 s", "add": "7 ms", "tax": "0.9×"}[r] },
+	)
 	got := again.String()
 	for _, want := range []string{
 		"| start | 1 s | 8 s |",

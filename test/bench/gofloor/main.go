@@ -286,7 +286,7 @@ type pipe struct {
 // an error, it closes the connection.
 func (l *loop) pump(c *conn) {
 	ok := l.move(c, 0) && l.move(c, 1)
-	if ok && !(c.shut[0] && c.shut[1]) {
+	if ok && (!c.shut[0] || !c.shut[1]) {
 		return
 	}
 	for d, fd := range c.fd {

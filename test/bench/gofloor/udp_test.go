@@ -79,7 +79,7 @@ func TestUDPFlowsKeepTheirOwnBackendSocket(t *testing.T) {
 	}
 	for k := range n {
 		for i, c := range clients {
-			if _, err := c.Write([]byte(fmt.Sprintf("client %d datagram %d", i, k))); err != nil {
+			if _, err := fmt.Fprintf(c, "client %d datagram %d", i, k); err != nil {
 				t.Fatal(err)
 			}
 		}

@@ -618,7 +618,13 @@ func tally(res *result, probes []probe, t0 time.Time) {
 		switch {
 		case p.err != nil:
 			if res.failed < 3 {
-				fmt.Fprintf(os.Stderr, "probe at %v (the handover or kill at 0), failed after %v: %v\n", p.at.Sub(t0).Round(time.Millisecond), p.d.Round(time.Millisecond), p.err)
+				fmt.Fprintf(
+					os.Stderr,
+					"probe at %v (the handover or kill at 0), failed after %v: %v\n",
+					p.at.Sub(t0).Round(time.Millisecond),
+					p.d.Round(time.Millisecond),
+					p.err,
+				)
 			}
 			res.failed++
 		case p.at.Add(p.d).Before(t0): // over before the event; one that spans it waited through it

@@ -35,7 +35,8 @@ func scrape(sched [4]int, schedSum float64, gcPause [4]int, gcSum float64, cycle
 	}
 	hist("kube_userspace_proxy_go_sched_latency_seconds", sched, schedSum)
 	hist("kube_userspace_proxy_go_gc_pause_seconds", gcPause, gcSum)
-	for name, v := range map[string]float64{"go_gc_cycles_total_gc_cycles_total": cycles, "go_gc_heap_allocs_bytes_total": bytes, "go_gc_heap_allocs_objects_total": objects} {
+	for name, v := range map[string]float64{"go_gc_cycles_total_gc_cycles_total": cycles,
+		"go_gc_heap_allocs_bytes_total": bytes, "go_gc_heap_allocs_objects_total": objects} {
 		b.WriteString("# TYPE " + name + " counter\n" + name + " " + ftoa(v) + "\n")
 	}
 	return b.String()

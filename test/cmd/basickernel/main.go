@@ -73,7 +73,12 @@ func denyNetfilterNetlink() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("PR_SET_NO_NEW_PRIVS: %w", err)
 	}
-	if _, _, errno := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC, uintptr(unsafe.Pointer(&fprog))); errno != 0 {
+	if _, _, errno := unix.Syscall(
+		unix.SYS_SECCOMP,
+		unix.SECCOMP_SET_MODE_FILTER,
+		unix.SECCOMP_FILTER_FLAG_TSYNC,
+		uintptr(unsafe.Pointer(&fprog)),
+	); errno != 0 {
 		return fmt.Errorf("seccomp: %w", errno)
 	}
 	return nil

@@ -146,7 +146,8 @@ func TestConntrackReadOnlyKernel(t *testing.T) {
 		t.Errorf("close_wait = %s, want 3600", got)
 	}
 	out := buf.String()
-	for _, want := range []string{"host-wide and read-only in this network namespace", "sysctl=net.netfilter.nf_conntrack_tcp_timeout_established", "is nf_conntrack loaded?"} {
+	for _, want := range []string{"host-wide and read-only in this network namespace",
+		"sysctl=net.netfilter.nf_conntrack_tcp_timeout_established", "is nf_conntrack loaded?"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("log lacks %q:\n%s", want, out)
 		}

@@ -92,7 +92,8 @@ func TestExplainOffline(t *testing.T) {
 		{"IPv6 ClusterIP", "fd00:251::20", "[fd00:96::10]:80", "tcp", "PREROUTING", "KUBE-PORTALS-CONTAINER", "clusterIP", "lab/web:http", false},
 		{"IPv6 NodePort", "fd00:50::2", "[fd00:50::1]:31341", "tcp", "PREROUTING", "", "nodePort", "lab/web:http", false},
 		{"UDP NodePort, policy Local", "192.168.50.2", "192.168.50.1:30053", "udp", "PREROUTING", "", "nodePort", "lab/local", true},
-		{"UDP ClusterIP of a Local NodePort Service", "10.251.19.20", "10.96.0.30:53", "udp", "PREROUTING", "KUBE-PORTALS-CONTAINER", "clusterIP", "lab/local", false},
+		{"UDP ClusterIP of a Local NodePort Service", "10.251.19.20", "10.96.0.30:53", "udp",
+			"PREROUTING", "KUBE-PORTALS-CONTAINER", "clusterIP", "lab/local", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a := runExplainJSON(t, m, "--from", tc.from, "--to", tc.to, "--protocol", tc.protocol)
@@ -135,7 +136,8 @@ func TestExplainOffline(t *testing.T) {
 		// the NodePort is a rule, on the listed addresses only.
 		a := runExplainJSON(t, m, "--from", "192.168.50.2", "--to", "192.168.50.1:31341", "--nodeport-addresses", "192.168.50.0/24")
 		last := a.Rules.Nat[len(a.Rules.Nat)-1]
-		if a.Service == nil || a.Service.As != "nodePort" || last.Chain != "KUBE-NODEPORT-CONTAINER" || a.Rules.NAT.ToPort != "PROXY_PORT(lab/web:http/all/IPv4)" {
+		if a.Service == nil || a.Service.As != "nodePort" || last.Chain != "KUBE-NODEPORT-CONTAINER" ||
+			a.Rules.NAT.ToPort != "PROXY_PORT(lab/web:http/all/IPv4)" {
 			t.Fatalf("%+v; caught by %s %q", a.Rules.NAT, last.Chain, last.Rule)
 		}
 	})
@@ -171,8 +173,20 @@ func TestExplainOffline(t *testing.T) {
 			}
 		}
 		var out bytes.Buffer
-		if code := RunExplain([]string{"--manifests", m, "--hostname-override", "node-a", "--from", "192.168.50.1", "--to", "192.168.50.1:30053",
-			"--protocol", "udp", "--node-ip", "192.168.50.1"}, &out, &bytes.Buffer{}); code != 0 || !strings.Contains(out.String(), "the client is on this node: every endpoint") {
+		if code := RunExplain([]string{
+			"--manifests",
+			m,
+			"--hostname-override",
+			"node-a",
+			"--from",
+			"192.168.50.1",
+			"--to",
+			"192.168.50.1:30053",
+			"--protocol",
+			"udp",
+			"--node-ip",
+			"192.168.50.1",
+		}, &out, &bytes.Buffer{}); code != 0 || !strings.Contains(out.String(), "the client is on this node: every endpoint") {
 			t.Fatalf("exit %d:\n%s", code, out.String())
 		}
 	})
@@ -186,7 +200,11 @@ func TestExplainOffline(t *testing.T) {
 
 	t.Run("text", func(t *testing.T) {
 		var out bytes.Buffer
-		if code := RunExplain([]string{"--manifests", m, "--from", "10.251.19.20", "--to", "10.96.0.10:80", "--node-ip", "192.168.50.1"}, &out, &bytes.Buffer{}); code != 0 {
+		if code := RunExplain(
+			[]string{"--manifests", m, "--from", "10.251.19.20", "--to", "10.96.0.10:80", "--node-ip", "192.168.50.1"},
+			&out,
+			&bytes.Buffer{},
+		); code != 0 {
 			t.Fatal(code)
 		}
 		for _, want := range []string{"enters nat PREROUTING", "-j REDIRECT --to-ports 31341", "is its clusterIP",

@@ -127,7 +127,13 @@ func describeNext(say func(string, ...any), client string, x *proxy.Explanation)
 	}
 	if n.Pin != nil {
 		if n.PinIgnored != "" {
-			say("Affinity: %s was pinned to %s until %s; the pin is not followed: %s.", client, n.Pin.Endpoint, n.Pin.Expires.Format(time.RFC3339), n.PinIgnored)
+			say(
+				"Affinity: %s was pinned to %s until %s; the pin is not followed: %s.",
+				client,
+				n.Pin.Endpoint,
+				n.Pin.Expires.Format(time.RFC3339),
+				n.PinIgnored,
+			)
 		} else {
 			say("Affinity: %s is pinned to %s until %s (ClientIP, timeout %s).", client, n.Pin.Endpoint, n.Pin.Expires.Format(time.RFC3339), x.AffinityTimeout)
 		}

@@ -240,7 +240,15 @@ func (g *giver) Release(successor int) {
 
 // serveHandovers tells the predecessor once this daemon serves, then
 // hands over to the next successor that asks, until ctx ends.
-func serveHandovers(ctx context.Context, path string, profile handover.Profile, pred *predecessor, p *proxy.Proxier, g *giver, log logrus.FieldLogger) <-chan struct{} {
+func serveHandovers(
+	ctx context.Context,
+	path string,
+	profile handover.Profile,
+	pred *predecessor,
+	p *proxy.Proxier,
+	g *giver,
+	log logrus.FieldLogger,
+) <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -282,7 +282,16 @@ func (s *httpServing) lend() (*os.File, error) {
 // logged and the bind retried every retry until it succeeds, as
 // kube-proxy does, so that a daemon started beside a running one takes
 // the address over once the other is gone.
-func startHTTP(ctx context.Context, addr string, inherited net.Listener, h http.Handler, limits serverLimits, hardFail bool, retry time.Duration, log logrus.FieldLogger) (*httpServing, error) {
+func startHTTP(
+	ctx context.Context,
+	addr string,
+	inherited net.Listener,
+	h http.Handler,
+	limits serverLimits,
+	hardFail bool,
+	retry time.Duration,
+	log logrus.FieldLogger,
+) (*httpServing, error) {
 	done := make(chan struct{})
 	s := &httpServing{done: done}
 	if addr == "" {

@@ -34,8 +34,10 @@ func TestDrainRequestGuards(t *testing.T) {
 		{"a GET (a link, an image)", http.MethodGet, map[string]string{drainHeader: "drain"}, url, http.StatusMethodNotAllowed},
 		{"a form's POST: no header", http.MethodPost, nil, url, http.StatusForbidden},
 		{"a foreign page's script", http.MethodPost, map[string]string{drainHeader: "drain", "Origin": "http://evil.example"}, url, http.StatusForbidden},
-		{"a bad service", http.MethodPost, map[string]string{drainHeader: "drain"}, "http://127.0.0.1:10249/debug/drain?service=web&endpoint=10.0.0.1:80", http.StatusBadRequest},
-		{"a bad endpoint", http.MethodDelete, map[string]string{drainHeader: "drain"}, "http://127.0.0.1:10249/debug/drain?service=ns/web&endpoint=x", http.StatusBadRequest},
+		{"a bad service", http.MethodPost, map[string]string{drainHeader: "drain"},
+			"http://127.0.0.1:10249/debug/drain?service=web&endpoint=10.0.0.1:80", http.StatusBadRequest},
+		{"a bad endpoint", http.MethodDelete, map[string]string{drainHeader: "drain"},
+			"http://127.0.0.1:10249/debug/drain?service=ns/web&endpoint=x", http.StatusBadRequest},
 		{"the operator's curl, an unknown endpoint", http.MethodPost, map[string]string{drainHeader: "drain"}, url, http.StatusNotFound},
 		{"same origin", http.MethodDelete, map[string]string{drainHeader: "drain", "Origin": "http://127.0.0.1:10249"}, url, http.StatusNotFound},
 	} {

@@ -216,7 +216,15 @@ func RunKeeper(args []string, stdout, stderr io.Writer) int {
 // holds (through the handover exchange on a socket pair of its own) and
 // passing signals on;
 // stopping says a signal was passed on.
-func runWorker(exe string, args []string, k *handover.Keeper, hang time.Duration, signals <-chan os.Signal, stdout, stderr io.Writer, l logrus.FieldLogger) (workerEnd, bool, error) {
+func runWorker(
+	exe string,
+	args []string,
+	k *handover.Keeper,
+	hang time.Duration,
+	signals <-chan os.Signal,
+	stdout, stderr io.Writer,
+	l logrus.FieldLogger,
+) (workerEnd, bool, error) {
 	c, wf, err := handover.WorkerSocket()
 	if err != nil {
 		return workerEnd{}, false, err

@@ -44,7 +44,13 @@ func resolveLocal(ctx context.Context, o *options.Options, client kubernetes.Int
 // nodePodCIDRs returns this node's spec.podCIDRs: from the API server,
 // waiting up to wait for the controller manager to allocate them, or from
 // the Node document of the manifests.
-func nodePodCIDRs(ctx context.Context, client kubernetes.Interface, manifests, node string, wait time.Duration, log logrus.FieldLogger) ([]netip.Prefix, error) {
+func nodePodCIDRs(
+	ctx context.Context,
+	client kubernetes.Interface,
+	manifests, node string,
+	wait time.Duration,
+	log logrus.FieldLogger,
+) ([]netip.Prefix, error) {
 	if client == nil {
 		st, _, err := config.LoadManifests(manifests, node)
 		if err != nil {

@@ -68,7 +68,11 @@ func TestLocalDetectionSettings(t *testing.T) {
 		t.Fatalf("from the file: %+v, warnings %v", o.Local, o.ConfigWarnings)
 	}
 	write("detectLocalMode: BridgeInterface\n")
-	if _, err := options.Parse([]string{"--manifests", "m.yaml", "--config", file}, io.Discard); err == nil || !strings.Contains(err.Error(), "detectLocal.bridgeInterface") {
+	if _, err := options.Parse(
+		[]string{"--manifests", "m.yaml", "--config", file},
+		io.Discard,
+	); err == nil ||
+		!strings.Contains(err.Error(), "detectLocal.bridgeInterface") {
 		t.Fatalf("a BridgeInterface mode without its bridge: %v", err)
 	}
 }

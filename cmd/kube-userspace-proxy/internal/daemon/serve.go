@@ -151,7 +151,16 @@ func Serve(ctx context.Context, o *options.Options, log *logrus.Logger, stdout i
 			var httpCtx context.Context
 			httpCtx, stopHTTP = context.WithCancel(context.Background())
 			var err error
-			health, err = startHTTP(httpCtx, o.HealthzAddr, pred.listener(httpHealthz, o.HealthzAddr), healthMux(p, o.SyncPeriod), healthLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "healthz"))
+			health, err = startHTTP(
+				httpCtx,
+				o.HealthzAddr,
+				pred.listener(httpHealthz, o.HealthzAddr),
+				healthMux(p, o.SyncPeriod),
+				healthLimits,
+				o.BindHardFail,
+				httpBindRetry,
+				log.WithField("component", "healthz"),
+			)
 			if err != nil {
 				stopHTTP()
 				return nil, err
@@ -161,7 +170,16 @@ func Serve(ctx context.Context, o *options.Options, log *logrus.Logger, stdout i
 			dbg := &debugServer{p: p, rules: ipt, node: node, log: recent, conf: o.Configz(node),
 				health: healthHandler(p, o.SyncPeriod, true, true), audit: log.WithField("component", "debug"),
 				drainOnMetrics: o.DrainOnMetrics, adminSocket: o.AdminSocket, guardTCP: guard, guardUDP: guard && !lacks(report, config.PieceConntrackNL)}
-			metrics, err = startHTTP(httpCtx, o.MetricsAddr, pred.listener(httpMetrics, o.MetricsAddr), dbg.routes(newRegistry(), o.Profiling), metricsLimits, o.BindHardFail, httpBindRetry, log.WithField("component", "metrics"))
+			metrics, err = startHTTP(
+				httpCtx,
+				o.MetricsAddr,
+				pred.listener(httpMetrics, o.MetricsAddr),
+				dbg.routes(newRegistry(), o.Profiling),
+				metricsLimits,
+				o.BindHardFail,
+				httpBindRetry,
+				log.WithField("component", "metrics"),
+			)
 			if err != nil {
 				stopHTTP()
 				<-health.done
@@ -454,7 +472,16 @@ func guardAtAccept(ipt *iptables.Rules, families []int) bool {
 }
 
 // newProxier makes the proxier of the flags.
-func newProxier(o *options.Options, rules proxy.Rules, hc *healthcheck.Server, events func(svc config.ServiceName, reason, message string), keeper *handover.KeeperLink, guard bool, report *config.KernelReport, log *logrus.Logger) *proxy.Proxier {
+func newProxier(
+	o *options.Options,
+	rules proxy.Rules,
+	hc *healthcheck.Server,
+	events func(svc config.ServiceName, reason, message string),
+	keeper *handover.KeeperLink,
+	guard bool,
+	report *config.KernelReport,
+	log *logrus.Logger,
+) *proxy.Proxier {
 	var portEvents func(sp *config.ServicePort, reason, message string)
 	if events != nil {
 		portEvents = func(sp *config.ServicePort, reason, message string) { events(sp.Name.Service(), reason, message) }
@@ -488,7 +515,16 @@ func newProxier(o *options.Options, rules proxy.Rules, hc *healthcheck.Server, e
 
 // startSource starts the manifests source (already checked) or the cluster
 // source, feeding p.
-func startSource(ctx context.Context, manifests *config.ManifestSource, node string, client kubernetes.Interface, p config.Sink, minSyncPeriod, resync time.Duration, events func(svc config.ServiceName, reason, message string), log *logrus.Logger) (<-chan struct{}, error) {
+func startSource(
+	ctx context.Context,
+	manifests *config.ManifestSource,
+	node string,
+	client kubernetes.Interface,
+	p config.Sink,
+	minSyncPeriod, resync time.Duration,
+	events func(svc config.ServiceName, reason, message string),
+	log *logrus.Logger,
+) (<-chan struct{}, error) {
 	if manifests != nil {
 		manifests.Sink = p
 		done, err := manifests.Start(ctx)

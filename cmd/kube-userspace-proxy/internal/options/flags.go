@@ -166,19 +166,54 @@ func (o *Options) define(fs *pflag.FlagSet) *rawFlags {
 	fs.StringSliceVar(&raw.nodePortAddrs, "nodeport-addresses", nil, "Serve NodePorts only on node addresses inside these CIDRs (comma-separated), or on the node's primary addresses (primary: the Node's InternalIPs, with --manifests the addresses of the default routes); default: every local address.")
 	fs.IntVar(&o.Conntrack.MaxPerCore, "conntrack-max-per-core", 32768, "As kube-proxy's: conntrack entries per CPU for nf_conntrack_max (raised, never lowered; host-wide, so only from the host's network namespace). 0 leaves the limit alone.")
 	fs.IntVar(&o.Conntrack.Min, "conntrack-min", 131072, "As kube-proxy's: the least nf_conntrack_max, whatever the CPUs.")
-	fs.DurationVar(&o.Conntrack.TCPEstablished, "conntrack-tcp-timeout-established", 24*time.Hour, "As kube-proxy's: nf_conntrack_tcp_timeout_established (0: leave as is).")
-	fs.DurationVar(&o.Conntrack.TCPCloseWait, "conntrack-tcp-timeout-close-wait", time.Hour, "As kube-proxy's: nf_conntrack_tcp_timeout_close_wait (0: leave as is).")
-	fs.BoolVar(&o.Conntrack.TCPBeLiberal, "conntrack-tcp-be-liberal", false, "As kube-proxy's: set nf_conntrack_tcp_be_liberal (out-of-window packets are not marked INVALID).")
+	fs.DurationVar(
+		&o.Conntrack.TCPEstablished,
+		"conntrack-tcp-timeout-established",
+		24*time.Hour,
+		"As kube-proxy's: nf_conntrack_tcp_timeout_established (0: leave as is).",
+	)
+	fs.DurationVar(
+		&o.Conntrack.TCPCloseWait,
+		"conntrack-tcp-timeout-close-wait",
+		time.Hour,
+		"As kube-proxy's: nf_conntrack_tcp_timeout_close_wait (0: leave as is).",
+	)
+	fs.BoolVar(
+		&o.Conntrack.TCPBeLiberal,
+		"conntrack-tcp-be-liberal",
+		false,
+		"As kube-proxy's: set nf_conntrack_tcp_be_liberal (out-of-window packets are not marked INVALID).",
+	)
 	fs.DurationVar(&o.Conntrack.UDPTimeout, "conntrack-udp-timeout", 0, "As kube-proxy's: nf_conntrack_udp_timeout (0: leave as is).")
 	fs.DurationVar(&o.Conntrack.UDPStream, "conntrack-udp-timeout-stream", 0, "As kube-proxy's: nf_conntrack_udp_timeout_stream (0: leave as is).")
 	fs.IntVar(&o.OOMScoreAdj, "oom-score-adj", -999, "As kube-proxy's: the daemon's oom_score_adj, in [-1000, 1000] (lowering it needs CAP_SYS_RESOURCE: a warning when refused).")
 	fs.DurationVar(&o.ConfigSync, "config-sync-period", 15*time.Minute, "As kube-proxy's: how often the informers re-deliver what they hold (an unchanged object costs nothing; 0: never).")
 	fs.Float32Var(&o.API.QPS, "kube-api-qps", 5, "As kube-proxy's: queries per second to the API server.")
 	fs.Int32Var(&o.API.Burst, "kube-api-burst", 10, "As kube-proxy's: the burst of queries to the API server.")
-	fs.StringVar(&o.API.ContentType, "kube-api-content-type", "application/vnd.kubernetes.protobuf", "As kube-proxy's: the content type of requests to the API server.")
-	fs.StringVar(&o.API.AcceptContentTypes, "kube-api-accept-content-types", "application/vnd.kubernetes.protobuf,application/json", "The content types accepted from the API server (clientConnection.acceptContentTypes).")
-	fs.BoolVar(&o.BindHardFail, "bind-address-hard-fail", false, "As kube-proxy's: exit when the healthz or metrics address cannot be bound; otherwise log it and retry every 5 s (a daemon started beside a running one then serves them once it is gone).")
-	fs.BoolVar(&o.SysctlsOnly, "sysctls-only", false, "Set the node's settings the daemon needs (the proxy port range in ip_local_reserved_ports, the conntrack sysctls) and exit: for a privileged init container, so that the daemon itself runs unprivileged (docs/deploy).")
+	fs.StringVar(
+		&o.API.ContentType,
+		"kube-api-content-type",
+		"application/vnd.kubernetes.protobuf",
+		"As kube-proxy's: the content type of requests to the API server.",
+	)
+	fs.StringVar(
+		&o.API.AcceptContentTypes,
+		"kube-api-accept-content-types",
+		"application/vnd.kubernetes.protobuf,application/json",
+		"The content types accepted from the API server (clientConnection.acceptContentTypes).",
+	)
+	fs.BoolVar(
+		&o.BindHardFail,
+		"bind-address-hard-fail",
+		false,
+		"As kube-proxy's: exit when the healthz or metrics address cannot be bound; otherwise log it and retry every 5 s (a daemon started beside a running one then serves them once it is gone).",
+	)
+	fs.BoolVar(
+		&o.SysctlsOnly,
+		"sysctls-only",
+		false,
+		"Set the node's settings the daemon needs (the proxy port range in ip_local_reserved_ports, the conntrack sysctls) and exit: for a privileged init container, so that the daemon itself runs unprivileged (docs/deploy).",
+	)
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "Remove every iptables rule and chain the proxy installs (IPv4 and IPv6), then exit.")
 	fs.BoolVar(&o.ShowRules, "show-rules", false, "Print the iptables-restore input the proxy would install for --manifests (proxy ports as placeholders) and exit; needs no root and changes nothing.")
 	fs.BoolVar(&o.IPTables, "iptables", true, "Program iptables rules. With false only the listeners run (connect to them directly).")
