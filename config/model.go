@@ -7,6 +7,10 @@
 //
 //	st, skipped, err := config.LoadManifests("docs/examples/devpaasy.yaml", "node-a")
 //	proxier.Update(st)
+//
+// It owns the model (State, ServicePort, Frontend — the plain data between
+// the proxier and the rules) and the two sources; it imports nothing of
+// this project, and every other package may import it.
 package config
 
 import (

@@ -10,6 +10,10 @@
 //
 // The rule text comes from Render, a pure function, so the rules for a
 // manifests file can be shown without root (--show-rules).
+//
+// It owns the nat and filter rules it installs and the UDP conntrack
+// entries it cleans; it imports config and the kernel layer (package
+// proxy/kernel), never package proxy: cmd wires the two.
 package iptables
 
 import (

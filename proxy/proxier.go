@@ -1,21 +1,24 @@
-// Package proxy serves Kubernetes service ports from userspace: one local
-// listener per service port, a balancer choosing endpoints, TCP spliced and
-// UDP relayed to them, and (through a Rules implementation) kernel rules that
-// redirect service addresses into the listeners.
+// Package proxy is the orchestration: it turns the States a config source
+// gives it into frontends (package dataplane) and one rule write per sync
+// (through Rules, package iptables in the daemon), and carries a handover's
+// steps out on its sync goroutine.
 //
 // Typical use:
 //
-//	p := proxy.New(proxy.Config{Rules: rules, PortRange: proxy.DefaultPortRange})
+//	p := proxy.New(proxy.Config{Rules: rules})
 //	go p.Run(ctx, grace) // the sync goroutine: listeners follow each State
 //	p.Update(state)      // from a config source (a config.Sink), any number of times
 //
 // A Proxier is four owners, each with its own state, lock and goroutines:
 //
-//	Proxier     the change intake (Update) and the sync goroutine (Run)
-//	reconciler  the frontends: one Delta in, listeners and one rule write out (reconcile.go, frontend.go, publish.go)
+//	Proxier     the change intake (Update) and the sync goroutine (Run, paced by package syncrunner)
+//	reconciler  the frontends: one Delta in, listeners and one rule write out (reconcile.go, carryout.go, publish.go)
 //	ruleWriter  the rule writes, one at a time on a goroutine of its own (rulewriter.go)
 //	dataplane   what connections share: accept loop, workers, parker,
-//	            connection table, descriptor budget, port allocator (dataplane.go)
+//	            connection table, descriptor budget, port allocator (package dataplane)
+//
+// It imports the data path (dataplane), the leaf packages below it and
+// config; never iptables (cmd wires the two) or cmd.
 package proxy
 
 import (

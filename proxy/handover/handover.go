@@ -37,6 +37,9 @@
 // Who owns what: Serve's goroutine owns the listening unix socket and one
 // exchange at a time; a Predecessor (Take) owns its connection and the
 // descriptors it received until the caller takes them (Socket.File).
+//
+// It knows sockets, not proxies: it imports the kernel layer (package
+// kernel: SCM_RIGHTS, peer credentials) and nothing else of this project.
 package handover
 
 import (

@@ -5,7 +5,8 @@
 // of the Service on them, whose proxy is healthy.
 //
 // The Server is fed by the proxier's sync goroutine (Sync) and owns its
-// listeners and their goroutines until Close.
+// listeners and their goroutines until Close. It imports nothing of this
+// project.
 package healthcheck
 
 import (

@@ -1,7 +1,8 @@
 // Package sock is the proxy's raw socket layer: every system call the data
 // path makes, errno handling, socket addresses in the kernel's layout and
-// descriptor ownership live here, so that the rest of package proxy reads
-// as ordinary Go.
+// descriptor ownership live here, so that the data path (package
+// dataplane) reads as ordinary Go. It imports the kernel layer (package
+// kernel: conntrack requests, sysctls) and nothing else of this project.
 //
 // What it offers:
 //
