@@ -1,5 +1,16 @@
 package proxy
 
+// The reconciler carries a sync's plan out on the frontends here, forward
+// and each step once:
+//
+//	carryOut         close what must go first, retake NodePorts held elsewhere
+//	  → servePort    per port of the plan, per key: the frontend (opened by
+//	                 the dataplane, for one that is missing), then
+//	  → ServeAs      what the plan decided for it (package dataplane)
+//	  then removed frontends stop; out comes the ruleWrite (rulewriter.go)
+//	written          once the rule writer is done: replaced frontends stop,
+//	                 closed ones give their ports back
+
 import (
 	"fmt"
 	"runtime"
@@ -9,17 +20,6 @@ import (
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/dataplane"
 )
-
-// The reconciler carries a sync's plan out on the frontends here, forward
-// and each step once:
-//
-//	carryOut         close what must go first, retake NodePorts held elsewhere
-//	  → serve        per port of the plan, per key: the frontend (opened by
-//	                 the dataplane, for one that is missing), then
-//	  → ServeAs      what the plan decided for it (package dataplane)
-//	  then removed frontends stop; out comes the ruleWrite (rulewriter.go)
-//	written          once the rule writer is done: replaced frontends stop,
-//	                 closed ones give their ports back
 
 // carryOut does p to the frontends, in the order that refuses or drops
 // nothing it need not: the frontends closing leave the live set, those that
@@ -54,7 +54,7 @@ func (r *reconciler) carryOut(p *syncPlan, start time.Time) (w *ruleWrite, kept 
 	r.zone = p.st.Zone
 	view := p.view
 	for _, ps := range p.serve {
-		view = r.serve(view, p, ps, retaken)
+		view = r.servePort(view, p, ps, retaken)
 	}
 	for _, fe := range p.gone {
 		fe.Stop()
@@ -83,10 +83,10 @@ func (r *reconciler) retakeNodePort(key dataplane.Key, sp *config.ServicePort) *
 	return nf
 }
 
-// serve makes sure a frontend serves ps.sp for each of its keys (opening
+// servePort makes sure a frontend serves ps.sp for each of its keys (opening
 // the ones missing, or taking the one retaken), has it take what p decided,
 // and appends them to view.
-func (r *reconciler) serve(view []config.Frontend, p *syncPlan, ps portServe, retaken map[dataplane.Key]*dataplane.Frontend) []config.Frontend {
+func (r *reconciler) servePort(view []config.Frontend, p *syncPlan, ps portServe, retaken map[dataplane.Key]*dataplane.Frontend) []config.Frontend {
 	sp := ps.sp
 	for _, ks := range ps.keys {
 		key := ks.key
@@ -95,7 +95,7 @@ func (r *reconciler) serve(view []config.Frontend, p *syncPlan, ps portServe, re
 		if fe == nil {
 			if fe = retaken[key]; fe == nil {
 				var err error
-				if fe, err = r.open(key, sp, p.st.Node); err != nil {
+				if fe, err = r.openFrontend(key, sp, p.st.Node); err != nil {
 					failed.Err = err
 					view = append(view, failed)
 					continue
@@ -131,9 +131,9 @@ func (r *reconciler) serve(view []config.Frontend, p *syncPlan, ps portServe, re
 	return view
 }
 
-// open opens key's listener and says what went wrong: the listener (the
+// openFrontend opens key's listener and says what went wrong: the listener (the
 // sync goroutine retries) or its NodePort (also an Event on the Service).
-func (r *reconciler) open(key dataplane.Key, sp *config.ServicePort, node string) (*dataplane.Frontend, error) {
+func (r *reconciler) openFrontend(key dataplane.Key, sp *config.ServicePort, node string) (*dataplane.Frontend, error) {
 	fe, err := r.dp.Open(key, sp)
 	if err != nil {
 		r.cfg.log().WithField("service", key.Name.String()).WithError(err).Error("Cannot open listener; service port not served, retrying")
@@ -167,10 +167,9 @@ func (r *reconciler) written(w *ruleWrite) {
 	r.lines.flush(r.cfg.log())
 	if w.bulk {
 		// A bulk sync (a start, a restore of many Services) and its rule
-		// write leave tens of MB of garbage; collected later, it would land
-		// on the next small change, whose sync then shares the CPU with the
-		// mark phase (at 10k: +15-25 ms, in ~40 % of the changes measured
-		// right after a load; at 1k, +5 ms in every one). Collect it now.
+		// write leave much garbage; collected later, it would land on the
+		// next small change, whose sync then shares the CPU with the mark
+		// phase. Collect it now.
 		start := time.Now()
 		runtime.GC()
 		r.cfg.log().WithField("took", time.Since(start).String()).Debug("Collected a bulk sync's garbage")

@@ -13,14 +13,14 @@ package proxy
 //	                 order, so that a restart opens the same ports), and
 //	                 what each frontend takes (its endpoints, settings, a
 //	                 predecessor's picks)
-//	  → carryOut     (frontend.go) do it: close, retake NodePorts, open what
+//	  → carryOut     (carryout.go) do it: close, retake NodePorts, open what
 //	                 is missing, each frontend takes what the plan decided
 //	                 (its balancer, its UDP flows, its port refusing where
 //	                 none serves); out comes the ruleWrite, which the rule
 //	                 writer carries out (rulewriter.go)
 //	  → publish      (publish.go) the health checks, the view readers see,
 //	                 the log, the metrics
-//	written (frontend.go), once the rule writer is done: replaced frontends
+//	written (carryout.go), once the rule writer is done: replaced frontends
 //	stop, closed ones give their ports back, a bulk sync's garbage is
 //	collected.
 
@@ -95,8 +95,7 @@ func newReconciler(cfg *Config, dp *dataplane.Dataplane) *reconciler {
 // and what was replaced stops once the write is done (written).
 //
 // A removed frontend stops accepting before the rules change, so its Service
-// is refused at once instead of after the rule transaction (30-45 ms at 10k
-// service ports). The port of a closed frontend goes back to the allocator
+// is refused at once instead of after the rule transaction. The port of a closed frontend goes back to the allocator
 // only after a rule write made after its closing succeeded, so no new
 // listener can inherit its traffic.
 func (r *reconciler) apply(d config.Delta, verify bool) *ruleWrite {
@@ -108,7 +107,7 @@ func (r *reconciler) apply(d config.Delta, verify bool) *ruleWrite {
 }
 
 // syncPlan is what one sync does to the frontends, decided before any of it
-// is done (plan) and then carried out (carryOut, frontend.go). Nothing in it is
+// is done (plan) and then carried out (carryOut, carryout.go). Nothing in it is
 // changed on the way: it is the sync's record.
 type syncPlan struct {
 	st     *config.State
@@ -187,8 +186,8 @@ func (r *reconciler) plan(d config.Delta, verify bool) *syncPlan {
 // at the State synced last and says, and those of the frontends that
 // failed, to be tried again (nil: visit every port). A full visit is kept
 // for what only it does: verify the rules and choose endpoints again for a
-// new zone. One NodePort held by another process used to make every sync a
-// full one: at 10k service ports 30-60 ms instead of 1.
+// new zone; a frontend that failed (a NodePort held by another process) is
+// retried without it.
 func (r *reconciler) changedSince(d config.Delta, verify bool) []config.ServicePortName {
 	last, st := r.synced, d.To
 	if verify || last == nil || d.From != last || d.All() || st.Zone != r.zone || st.Node != last.Node {

@@ -24,8 +24,8 @@ type Rules interface {
 
 // ChangeSyncer is implemented by Rules that can be told what changed since
 // their last Sync (iptables.Rules): the frontends of the changed service
-// ports are fresh, the tail of frontends; every other frontend is as it was.
-// At 10k service ports looking at every frontend cost 5-12 ms per sync.
+// ports are fresh, the tail of frontends; every other frontend is as it was,
+// so a sync's cost follows its change, not the node's Services.
 type ChangeSyncer interface {
 	SyncChanged(ctx context.Context, frontends []config.Frontend, changed []config.ServicePortName, fresh []config.Frontend) error
 }
@@ -91,12 +91,12 @@ func (w *ruleWrite) merge(next *ruleWrite) *ruleWrite {
 }
 
 // ruleWriter writes the rules on a goroutine of its own, one write at a
-// time: a Service's rules take 15-40 ms to write at 10k service ports (most
-// of it iptables-restore exiting after its commit), and the slice that
-// follows the Service must not wait for that to reach its balancer. Writes
+// time: a rule write takes tens of milliseconds on a big node (most of it
+// iptables-restore exiting after its commit), and the slice that follows
+// the Service must not wait for that to reach its balancer. Writes
 // submitted while one is under way merge into the one that follows. It also
 // runs the periodic check of the installed rules (RuleChecker), one at a
-// time: at 10k service ports reading them back takes a second.
+// time: reading them back takes long on a big node.
 type ruleWriter struct {
 	rules    Rules // nil: nothing to write
 	log      logrus.FieldLogger

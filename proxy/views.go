@@ -1,12 +1,9 @@
 package proxy
 
 import (
-	"errors"
 	"net/netip"
 	"slices"
 	"sort"
-
-	"github.com/sirupsen/logrus"
 
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/config"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/proxy/balance"
@@ -125,16 +122,6 @@ func (r *reconciler) balancerOf(fe config.Frontend) (bal *balance.Balancer, node
 	return bal, r.viewNode, r.viewZone
 }
 
-// eachLive calls fn for every live frontend, holding r.mu: fn must not
-// block.
-func (r *reconciler) eachLive(fn func(*dataplane.Frontend)) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, fe := range r.frontends {
-		fn(fe)
-	}
-}
-
 // Plan returns the frontends st needs, without opening anything: ports are 0
 // except where the listener would sit on the NodePort. It is what
 // --show-rules renders.
@@ -155,34 +142,15 @@ func Plan(st *config.State, bind netip.Addr, nodePortsRestricted bool) []config.
 	return out
 }
 
-// ErrUnknownEndpoint is Drain's answer for a service port or endpoint that
-// no listener serves.
-var ErrUnknownEndpoint = errors.New("no listener of this service port has this endpoint")
-
-// Drain stops (drained) or resumes new picks of endpoint ep on every listener
-// of the service port name, while the connections to it go on. It returns how
-// many are still open. The drain lasts while the endpoint stays in the
-// Service; a listener opened anew (its Service's addresses changed) starts
-// without it.
-func (p *Proxier) Drain(name config.ServicePortName, ep netip.AddrPort, drained bool) (active int, err error) {
-	found := false
-	p.rec.eachLive(func(fe *dataplane.Frontend) {
-		if fe.Key().Name != name || !fe.Balancer().SetDrained(ep, drained) {
-			return
-		}
-		found = true
-		for _, h := range fe.Balancer().Health() {
-			if h.Endpoint == ep {
-				active += h.Active
-			}
-		}
-	})
-	if !found {
-		return 0, ErrUnknownEndpoint
-	}
-	p.cfg.log().WithFields(logrus.Fields{"service": name.String(), "endpoint": ep, "drained": drained, "active": active}).Info("Endpoint drain set by hand")
-	return active, nil
-}
-
 // Connections returns every live TCP connection, oldest first.
 func (p *Proxier) Connections() []dataplane.ConnInfo { return p.dp.Connections() }
+
+// eachLive calls fn for every live frontend, holding r.mu: fn must not
+// block.
+func (r *reconciler) eachLive(fn func(*dataplane.Frontend)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, fe := range r.frontends {
+		fn(fe)
+	}
+}

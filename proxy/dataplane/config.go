@@ -64,12 +64,10 @@ func (c *Config) logConn(protocol config.Protocol, cause Cause) bool {
 }
 
 // DefaultParkIdleAfter: an idle connection costs no goroutine after this.
-// A pause of one costs an epoll_ctl and a goroutine hand-off (~2 µs more
-// than a wake-up in Go's poller, BenchmarkParkedWake), small beside a
-// pause this long. Shorter is less memory in a burst of new connections:
+// A pause of one costs an epoll_ctl and a goroutine hand-off, small beside
+// a pause this long. Shorter is less memory in a burst of new connections:
 // every copy holds its goroutine's stack until it parks, and the Go heap
-// keeps the high-water mark (100 ms: 6-7 KiB a connection at 1 000 opened
-// at once, 25 ms: 3 KiB).
+// keeps the high-water mark.
 const DefaultParkIdleAfter = 25 * time.Millisecond
 
 func (c *Config) parkIdleAfter() time.Duration {

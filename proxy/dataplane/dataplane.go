@@ -55,7 +55,7 @@ type Dataplane struct {
 	// the source NAT that shows backends their clients (package
 	// clientaddr); closed by the task start adds.
 	source *clientaddr.Chooser
-	// inherited are the sockets a predecessor lent (handover.go);
+	// inherited are the sockets a predecessor lent (inherit.go);
 	// nil without one. Set before start.
 	inherited *inherited
 	// transferSink takes the pairs stopped for a successor (transfer.go);
@@ -74,7 +74,7 @@ type Dataplane struct {
 	// without the guard or without conntrack netlink.
 	conntrack *kernel.Conntrack
 	// letGo has the keeper close its duplicates of sockets whose ports
-	// are bound anew (keeper.go); nil without a keeper. Set before start.
+	// are bound anew (proxy's keeper.go); nil without a keeper. Set before Start.
 	// letGoUntil is until when a bind that finds such a port in use tries
 	// again (bindAnew). Both on the sync goroutine.
 	letGo      func([]SocketKey)
@@ -304,9 +304,9 @@ func (d *Dataplane) inherit(key Key, role string, proto config.Protocol, bind ne
 	return d.inherited.take(key, role, proto, bind)
 }
 
-// serve has fe serve on ln: a TCP listener through the accept loop, a UDP
+// startServing has fe serve on ln: a TCP listener through the accept loop, a UDP
 // socket with a read loop of its own.
-func (d *Dataplane) serve(fe *Frontend, ln listener) error {
+func (d *Dataplane) startServing(fe *Frontend, ln listener) error {
 	if ln.tcp != nil {
 		fe.tcp = &tcpServer{ln: ln.tcp}
 		if err := fe.serveTCP(ln.tcp); err != nil {

@@ -79,8 +79,8 @@ type tcpServer struct {
 	ln *sock.Listener
 }
 
-// log is the frontend's logger, made when something is said: a fields
-// map kept per frontend cost 6 MB at 10 000 Services.
+// log is the frontend's logger, made when something is said: a fields map
+// kept per frontend would cost memory for every Service.
 func (fe *Frontend) log() logrus.FieldLogger {
 	return fe.dp.cfg.log().WithFields(logrus.Fields{
 		"service": fe.key.Name.String(), "protocol": fe.protocol, "family": fe.key.Family, "kind": fe.key.Kind, "listen": fe.listen.Port(),
@@ -132,7 +132,7 @@ func (fe *Frontend) ServeAs(sp *config.ServicePort, s Serve) error {
 	}
 	if ln := fe.opened; ln.port != 0 && len(s.Endpoints) > 0 { // without endpoints refuseIf closes it
 		fe.opened = listener{}
-		if err := fe.dp.serve(fe, ln); err != nil {
+		if err := fe.dp.startServing(fe, ln); err != nil {
 			return err
 		}
 	}

@@ -71,7 +71,7 @@ func (fe *Frontend) refuseIf(refuse bool) error {
 		if err != nil {
 			return err
 		}
-		return fe.dp.serve(fe, ln)
+		return fe.dp.startServing(fe, ln)
 	}
 	var h *sock.Hold
 	err := fe.dp.bindAnew(func() (err error) {

@@ -100,8 +100,8 @@ var (
 
 // feMetrics are one frontend's metrics, resolved once, on first use: looking
 // labels up per datagram would cost more than the datagram, and creating them
-// up front cost ~6 KiB and 23 exposition lines per service port whether or not
-// it ever saw traffic (60 MB and 230 000 lines at 10k service ports).
+// up front would cost memory and exposition lines for every service port,
+// whether or not it ever saw traffic.
 type feMetrics struct {
 	service string
 	proto   config.Protocol

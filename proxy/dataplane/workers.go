@@ -7,9 +7,8 @@ import (
 
 // workers runs per-connection functions on goroutines that outlive one
 // connection. A fresh goroutine starts with a small stack and grows it, by
-// copying, on its way through a dial and a copy; at 8k connections/s
-// goroutine start, stack growth and exit took ~4.5 % of the proxy's CPU
-// (measured with net.Dial). A parked worker keeps its grown stack. Workers idle for longer than maxIdle exit, so a burst
+// copying, on its way through a dial and a copy; a parked worker keeps its
+// grown stack. Workers idle for longer than maxIdle exit, so a burst
 // leaves no lasting goroutines behind, and at most maxParked wait at a time,
 // so that a storm of short connections leaves no pile of parked stacks.
 //

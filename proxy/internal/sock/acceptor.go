@@ -12,8 +12,8 @@ import (
 // Acceptor accepts the connections of many listeners on one goroutine.
 //
 // A listener parked in an accept goroutine of its own costs a goroutine's
-// stack and Go's poller state, ~8 KiB: 80 MB at 10 000 Services, most of the
-// daemon's memory. Here the listeners sit in an epoll set of their own
+// stack and Go's poller state: with many Services, most of the daemon's
+// memory. Here the listeners sit in an epoll set of their own
 // (edge-triggered), and the acceptor waits for that set's descriptor through
 // Go's poller, so no thread blocks in epoll_wait either. A wake-up costs one
 // epoll_wait more than a listener's own goroutine did, then the same

@@ -9,8 +9,8 @@ package sock
 // port holds no batch. Each batch is batchSize × 64 KiB (the largest
 // datagram: nothing is ever truncated) of anonymous memory mapped outside
 // Go's heap: the kernel fills only the pages a datagram needs, so a batch
-// of 1 400 B datagrams is 64 KiB of RSS, not the 1 MiB a heap allocation
-// (zeroed by the runtime) would be. At most batchesKept wait for reuse.
+// of small datagrams takes little RSS, where a heap allocation (zeroed by
+// the runtime) would take it all. At most batchesKept wait for reuse.
 
 import (
 	"errors"

@@ -449,9 +449,8 @@ func (pp *pipePool) put(p *pipe) {
 // non-blocking sockets and pipes they never block, and Syscall's
 // entersyscall lets the runtime's monitor thread take the P away from a
 // call that runs for over ~20 µs, which a write carrying the TCP transmit
-// path (and the receiver's softirq) often does. With every copy doing that,
-// the monitor polled every 20 µs and handed Ps between threads: at 4 KiB
-// writes a quarter of the proxy's samples were those wake-ups.
+// path (and the receiver's softirq) often does: with every copy doing that,
+// the monitor polled without rest and handed Ps between threads.
 
 // rawRead is read(2) on a non-blocking descriptor.
 func rawRead(fd int, b []byte) (int, error) {

@@ -13,15 +13,11 @@ import (
 )
 
 // Socket buffer sizes. A client sends in bursts faster than one read loop
-// drains at times; the kernel's default receive buffer (~208 KiB, about 270
-// small datagrams) dropped datagrams at 50k/s in the benchmark
-// (UdpRcvbufErrors), so the frontend socket asks for more. A per-flow
-// socket queues one client's replies while its goroutine waits for a CPU:
-// at 1 MiB (about 450 datagrams of 1400 B) a pause of 20 ms at 23k
-// datagrams/s overflowed it, and one flow of 1400 B datagrams reached 0.49×
-// a direct path's rate at < 0.1 % loss; at 4 MiB, 0.74-0.84×. A buffer is
-// a limit, not memory taken up front, and the kernel's udp_mem bounds all
-// of them together.
+// drains at times, and the kernel's default receive buffer drops them, so
+// the frontend socket asks for more. A per-flow socket queues one client's
+// replies while its goroutine waits for a CPU, and a scheduler's pause must
+// not overflow it. A buffer is a limit, not memory taken up front, and the
+// kernel's udp_mem bounds all of them together.
 const (
 	udpListenerBuffer = 4 << 20
 	udpFlowBuffer     = 4 << 20
@@ -134,9 +130,7 @@ func setInt(c *net.UDPConn, level, opt, value int) error {
 
 // The UDP path's reads and sends are RawSyscalls, for the reason the TCP
 // copy's are (copy.go): as Syscalls they kept the runtime's monitor
-// thread polling every 20 µs and moving Ps between threads, 11 % of the
-// daemon's samples under UDP load; without them it forwards a third more
-// datagrams per CPU-second. The sockets are non-blocking: the calls never
+// thread polling and moving Ps between threads. The sockets are non-blocking: the calls never
 // block, and waiting is left to Go's poller (deadlines apply).
 
 // Sender sends datagrams on one UDP socket with sendmsg(2): to a

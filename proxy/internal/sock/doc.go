@@ -33,11 +33,10 @@
 //     socket's by the release DialUDPFrom returns, which its owner calls
 //     after closing it); the entries are the kernel's, each released by the
 //     dial that made it if it fails, and a UDP flow's when it ends.
-//   - Conntrack (ctnetlink.go, whose netlink sockets and encoder the
-//     ClientNAT shares): UDPOriginalDst, a new UDP flow's destination
-//     before NAT, by which a kernel without the conntrack match still
-//     tells a redirected flow from one sent to a proxy port directly;
-//     IsLocalAddr (conn.go) says whether a peer is this node.
+//   - The ClientNAT's conntrack requests go through package kernel's
+//     Conntrack (which also answers UDPOriginalDst, a new UDP flow's
+//     destination before NAT, for the data path's guard); IsLocalAddr
+//     (conn.go) says whether a peer is this node.
 //   - For a handover to another process (inherit.go): duplicates of a
 //     Listener's, a UDP socket's and a Conn's descriptor (File, UDPFile)
 //     and their way back (FileListener, FileUDP, FileConn), and

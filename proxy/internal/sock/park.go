@@ -1,8 +1,6 @@
 package sock
 
-// Parking: an idle proxied connection used to hold two goroutines, parked
-// in Go's poller with their stacks (8-12 KiB a connection, against
-// HAProxy's 2.6). A Copy given an idle time returns ErrIdle once its source
+// Parking: an idle proxied connection holds no goroutine. A Copy given an idle time returns ErrIdle once its source
 // had nothing to read for that long; the caller parks the source here, on
 // an epoll set of the Parker's own, and its goroutine returns. When the
 // socket becomes readable (data, a FIN, a reset) or is aborted, the Parker
@@ -38,8 +36,8 @@ var ErrNotParked = errors.New("sock: the parker is not running")
 
 // Parker holds idle sockets without a goroutine each. Its Run goroutine
 // waits on them all, through Go's poller: a thread blocked in epoll_wait
-// had to get a P back from the scheduler on every wake-up, which put ~50 µs
-// on a parked connection's next request on a busy node. Safe for
+// would get a P back from the scheduler on every wake-up, a delay on a
+// parked connection's next request on a busy node. Safe for
 // concurrent use.
 type Parker struct {
 	epfd, wakefd int // the epoll set; an eventfd in it that stops Run

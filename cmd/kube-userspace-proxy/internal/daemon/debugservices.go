@@ -83,8 +83,8 @@ func pageOf(w http.ResponseWriter, r *http.Request) (limit, offset int, ok bool)
 
 // services is every listener with its Service port, endpoints and their
 // health: JSON, or ?format=text. ?limit=N (default 1000) and ?offset=M page
-// it; X-Total-Count says how many there are (at 10 000 service ports the
-// whole list is ~13 MB of JSON, and building it doubled the daemon's RSS).
+// it; X-Total-Count says how many there are (the whole list of a big node
+// would cost more memory than the daemon's own state).
 func (d *debugServer) services(w http.ResponseWriter, r *http.Request) {
 	limit, offset, ok := pageOf(w, r)
 	if !ok {

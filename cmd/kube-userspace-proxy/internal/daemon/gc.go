@@ -14,29 +14,26 @@ import (
 
 // The garbage collector's target follows the live heap. Go's default
 // (GOGC=100) lets a heap grow by as much again as survived the last
-// collection. At 10 000 Services the live heap is ~65 MB, mostly long-lived
-// (the informers' caches, the model, a listener and balancer per service
-// port), and 50 keeps the daemon under 150 MiB. A small heap, though, is
-// collected twice as often at 50 for no memory worth saving: with a few
-// Services every connection's garbage then cost 10 % more CPU per
-// connection and 6-8 % fewer connections/s (make bench-floor, cps A/B runs).
-// So: 100 while the live heap is small, 50 once it is big, with a band
-// between so that a heap at the threshold does not flip the target.
+// collection: a big live heap (thousands of Services: the informers'
+// caches, the model, a listener and balancer per service port) is kept in
+// check at 50, while a small one is collected twice as often at 50 for no
+// memory worth saving, at a cost per connection. So: 100 while the live
+// heap is small, 50 once it is big, with a band between so that a heap at
+// the threshold does not flip the target (docs/benchmarks-history.md, The
+// figures behind the code).
 const (
 	gcSmallPercent = 100
 	gcBigPercent   = 50          // as Prometheus sets 75, for the same reason
 	gcBigHeap      = 48 << 20    // live bytes from which the target is gcBigPercent
 	gcSmallHeap    = 32 << 20    // live bytes under which it is gcSmallPercent again
-	gcTunePeriod   = time.Second // a 10k start reaches its steady heap in 2-3 s; a read costs µs
+	gcTunePeriod   = time.Second // a start reaches its steady heap in seconds; a read is cheap
 	gcQuietFor     = 500 * time.Millisecond
 )
 
-// A collection of a big heap takes 35-70 ms on two CPUs and slows what runs
+// A collection of a big heap takes tens of milliseconds and slows what runs
 // meanwhile. Left to the runtime it starts when an allocation crosses the
-// goal, which is when the daemon works: at 10 000 Services one in three
-// lone adds shared its sync and its rule write with one (make bench-cluster
-// with debug logs and gctrace: the sync 8-12 ms instead of 2-4, the add
-// 35-55 ms instead of 15-20). So once the proxier has been quiet for a
+// goal, which is when the daemon works: with many Services a lone add often
+// shares its sync and its rule write with one. So once the proxier has been quiet for a
 // while and half of the heap's headroom is used, the tuner collects: the
 // next collection is then half a cycle of allocation away, later than the
 // next change in all but a churn (when changes merge anyway). It at most

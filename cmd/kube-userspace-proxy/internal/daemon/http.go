@@ -159,7 +159,7 @@ func writeJSON(w http.ResponseWriter, v any) {
 
 // connections is the live TCP connection table: JSON, or ?format=text.
 // ?limit=N (default 1000) and ?offset=M page it; X-Total-Count says how
-// many there are (at 100 000 connections the whole table is ~35 MB).
+// many there are (a busy node's whole table is tens of MB).
 func (d *debugServer) connections(w http.ResponseWriter, r *http.Request) {
 	limit, offset, ok := pageOf(w, r)
 	if !ok {
@@ -233,18 +233,17 @@ func (d *debugServer) showRules(w http.ResponseWriter, r *http.Request) {
 	releaseAfterLargeAnswer(len(rules))
 }
 
-// largeAnswerRules is the rule count from which an answer's garbage (~1 KiB
-// a rule: iptables-save's output, its parse, the JSON) is collected and
-// handed back to the kernel at once.
+// largeAnswerRules is the rule count from which an answer's garbage
+// (iptables-save's output, its parse, the JSON) is collected and handed
+// back to the kernel at once.
 const largeAnswerRules = 2000
 
 // releaseAfterLargeAnswer collects the garbage of an answer about rules
-// rules and returns it to the kernel, when they are many. At 10 000 service
-// ports one answer made ~12 MB that the heap kept (the runtime gives memory
-// back only above its heap goal, twice the live heap): the live page's
-// periodic read of the rules raised the daemon's RSS by 15 % for good. A
-// forced collection there costs ~20 ms of CPU; the live page asks every
-// 10 s, and concurrent readers share one answer a second.
+// rules and returns it to the kernel, when they are many: the runtime gives
+// memory back only above its heap goal, so the live page's periodic read of
+// the rules would raise the daemon's RSS for good. The forced collection is
+// cheap beside the page's period, and concurrent readers share one answer a
+// second.
 func releaseAfterLargeAnswer(rules int) {
 	if rules >= largeAnswerRules {
 		debug.FreeOSMemory()

@@ -11,9 +11,9 @@ import (
 // whether the process, not the network, delayed a ready connection: how long
 // a runnable goroutine waited for a thread (/sched/latencies:seconds) and how
 // long the collector stopped the world (/sched/pauses/total/gc:seconds). The
-// Prometheus client exports both too, but in buckets ten times apart (64 µs,
-// 0.9 ms, 10 ms), too coarse to say which share of a millisecond tail they
-// explain; these buckets are powers of two from 1 µs to 131 ms.
+// Prometheus client exports both too, but in buckets ten times apart, too
+// coarse to say which share of a millisecond tail they explain; these
+// buckets are powers of two from 1 µs to 131 ms.
 type runtimeTailCollector struct {
 	samples []metrics.Sample
 	descs   []*prometheus.Desc
