@@ -28,25 +28,25 @@ type Config struct {
 	// hosts could then reach directly.
 	Families []int
 
-	DialTimeouts   []time.Duration // per attempt; DefaultDialTimeouts when nil
+	DialTimeouts   []time.Duration // per attempt; dataplane.DefaultDialTimeouts when nil
 	TCPIdleTimeout time.Duration   // 0: no idle timeout
 	// ParkIdleAfter is how long a direction of a TCP connection has
 	// nothing to read before its goroutine is given up and the socket
-	// waits in the dataplane's Parker (tcp.go); DefaultParkIdleAfter when 0,
+	// waits in the dataplane's Parker; dataplane.DefaultParkIdleAfter when 0,
 	// never when negative.
 	ParkIdleAfter time.Duration
 	// Events, when set, records a Service's own trouble as an Event on it
 	// (the cluster source): reason "NodePortConflict".
 	Events func(sp *config.ServicePort, reason, message string)
-	// FileLimit is the descriptor limit the budget is derived from (budget.go);
+	// FileLimit is the descriptor limit the data path's budget is derived from;
 	// 0: the process's RLIMIT_NOFILE when New is called.
 	FileLimit int
 	// Outlier is passive outlier detection (package balance); the zero value
 	// turns it off. A Service turns it off for itself with the annotation
 	// kube-userspace-proxy.io/outlier-detection: "off".
 	Outlier     balance.OutlierConfig
-	UDPTimeout  time.Duration // DefaultUDPTimeout when 0
-	UDPMaxFlows int           // per frontend; DefaultUDPMaxFlows when 0
+	UDPTimeout  time.Duration // dataplane.DefaultUDPTimeout when 0
+	UDPMaxFlows int           // per frontend; dataplane.DefaultUDPMaxFlows when 0
 
 	// NodePortsRestricted is set when NodePorts are served on some node
 	// addresses only (--nodeport-addresses). A listener then cannot sit on
@@ -71,7 +71,7 @@ type Config struct {
 	// a rule), before any byte or dial, and drops the datagrams of a UDP
 	// flow that did so (asked of conntrack netlink once per new flow,
 	// where the kernel has it): the guard where the kernel has no
-	// conntrack match for the filter table's (tcp.go, udp.go).
+	// conntrack match for the filter table's (package dataplane).
 	GuardAtAccept bool
 	// Kernel gathers the optional kernel pieces the dataplane found at New
 	// (the source NAT per family, br_netfilter); nil: not gathered.
@@ -87,12 +87,12 @@ type Config struct {
 	Log     logrus.FieldLogger // logrus.StandardLogger() when nil
 	ConnLog logrus.FieldLogger // per-connection lines; Log when nil
 	// ConnLogMode says which connections get their line (at info level):
-	// ConnLogErrors (the zero value), ConnLogAll or ConnLogNone.
+	// dataplane.ConnLogErrors (the zero value), ConnLogAll or ConnLogNone.
 	ConnLogMode dataplane.ConnLogMode
 	// ConnLogRate bounds the connection log lines per second (a burst of
 	// twice as many passes): a flood of resets or spoofed datagrams must
 	// not become a log flood. The lines over it are counted and the count
-	// logged with the next line that passes. 0: DefaultConnLogRate;
+	// logged with the next line that passes. 0: dataplane.DefaultConnLogRate;
 	// negative: unbounded.
 	ConnLogRate float64
 }
