@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test check lint differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-cluster bench-cluster-smoke
+.PHONY: all build demo test check lint differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-ab bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -116,6 +116,18 @@ bench-tools: setup-bench build
 # The data path against direct, kernel DNAT, HAProxy, nginx and socat; writes docs/benchmarks.md (root, ~60 minutes).
 bench: bench-tools
 	BIN=$(BIN) ./test/bench/bench.sh
+
+# This build against another, BASE (a commit: the build before a change), in
+# one lab: HAProxy, nginx and both builds interleaved, pinned by default, each
+# figure with its spread and the ratio "proxy ÷ base" (root; ~35 minutes;
+# SETTINGS, TESTS and PATHS as for make bench).
+bench-ab: bench-tools
+	@[ -n "$(BASE)" ] || { echo "bench-ab: name the build to compare with, e.g. make bench-ab BASE=HEAD~1" >&2; exit 2; }
+	rm -rf $(BIN)/base && mkdir -p $(BIN)/base/src
+	git archive "$(BASE)" | tar -x -C $(BIN)/base/src
+	cd $(BIN)/base/src && CGO_ENABLED=0 $(GO) build -trimpath -o ../kube-userspace-proxy ./cmd/kube-userspace-proxy
+	BASE_BIN=$(BIN)/base/kube-userspace-proxy SETTINGS="$(or $(SETTINGS),pinned)" PATHS="$(or $(PATHS),haproxy nginx proxy)" \
+		TESTS="$(or $(TESTS),tput128 tput4 cps rps latency sys udp idle flows)" BIN=$(BIN) ./test/bench/bench.sh
 
 # HAProxy, the least a Go program does per connection (test/bench/gofloor, on
 # epoll and on io_uring) and this proxy, for the TCP figures, 3 interleaved

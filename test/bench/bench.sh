@@ -4,10 +4,13 @@
 # lab (client pod → node → backend pod over veth), interleaved A B A B, each
 # figure the median of RUNS runs. Prints a table and writes it into
 # docs/benchmarks.md (not in smoke mode). Needs root; cleans up on exit.
+# BASE_BIN=path adds the path "base": another build of this daemon (make
+# bench-ab builds one from a commit), measured interleaved with this one on the
+# same service address, a fresh process of the build each time it is measured.
 set -u
 cd "$(dirname "$0")/../.."
 SMOKE=${SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; UDP_WARMUP=0; UDP_CPU_FLOWS=1; UDP_CPU_PATHS=proxy; STEADY=2; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
+if [ "$SMOKE" = 1 ]; then RUNS=1; DUR=1; IDLE_NS="200"; UDP_RATES="5000"; UDP_DUR=0.5; UDP_WARMUP=0; UDP_CPU_FLOWS=1; UDP_CPU_PATHS="base proxy"; STEADY=2; LG_DUR=0.5; UDP_SIZES=64; UDP_FLOWS=1; PROG_N=100; PROG_RUNS=1; PROG_TYPES=NodePort; SETTLE=0.2
 else RUNS=${RUNS:-5}; DUR=${DUR:-5}; IDLE_NS=${IDLE_NS:-"1000 5000"}; UDP_RATES=${UDP_RATES:-"10000 25000 50000 75000 100000 150000"}
   UDP_SIZES=${UDP_SIZES:-"64 1400"}; UDP_FLOWS=${UDP_FLOWS:-"1 64"}; PROG_N=${PROG_N:-1000,10000}; PROG_RUNS=${PROG_RUNS:-3}; fi
 LG_DUR=${LG_DUR:-$DUR} # loadgen's runs; iperf3 takes whole seconds only
@@ -16,7 +19,7 @@ UDP_DUR=${UDP_DUR:-1}         # seconds of each counted UDP try
 UDP_BURST=${UDP_BURST:-4}     # datagrams a UDP flow sends at once
 UDP_CPU_RATE=${UDP_CPU_RATE:-20000} # datagrams/s of the UDP cost figures
 UDP_CPU_FLOWS=${UDP_CPU_FLOWS:-"1 64"}
-UDP_CPU_PATHS=${UDP_CPU_PATHS:-"nginx gofloor proxy"} # each only when in PATHS
+UDP_CPU_PATHS=${UDP_CPU_PATHS:-"nginx gofloor base proxy"} # each only when in PATHS
 RATE=${RATE:-2000}
 FLOWS_N=${FLOWS_N:-2000} # UDP flows of the memory count
 BIN=${BIN:-bin}
@@ -35,7 +38,7 @@ N node sysctl -qw net.ipv4.tcp_tw_reuse=1
 N client sysctl -qw net.ipv4.tcp_tw_reuse=1
 
 # The paths, each on its own service address.
-declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [gofloor]=10.96.9.5 [ringfloor]=10.96.9.6 [nginx]=10.96.9.7)
+declare -A VIP=([direct]=10.251.19.12 [dnat]=10.96.9.1 [haproxy]=10.96.9.2 [socat]=10.96.9.3 [proxy]=10.96.9.4 [base]=10.96.9.4 [gofloor]=10.96.9.5 [ringfloor]=10.96.9.6 [nginx]=10.96.9.7)
 # gofloor (test/bench/gofloor, the least a Go program does per connection) is
 # not in the default set: add it to PATHS to see what the Go runtime costs,
 # e.g. PATHS="haproxy gofloor proxy" TESTS="tput4 cps rps" (make bench-floor).
@@ -47,6 +50,15 @@ DEFAULT_PATHS="direct dnat haproxy nginx socat proxy"
 # HAProxy's and nginx's configurations), without kernel DNAT and socat (an iptables rule, a command line).
 [ "$SMOKE" = 1 ] && DEFAULT_PATHS="direct haproxy nginx proxy gofloor ringfloor"
 PATHS=${PATHS:-$DEFAULT_PATHS}
+BASE_BIN=${BASE_BIN:-}
+if [ -n "$BASE_BIN" ]; then
+  [ -x "$BASE_BIN" ] || { echo "BASE_BIN=$BASE_BIN is not an executable" >&2; exit 1; }
+  case " $PATHS " in
+    *" base "*) ;;
+    *" proxy "*) PATHS=$(for p in $PATHS; do [ "$p" = proxy ] && printf 'base '; printf '%s ' "$p"; done); PATHS=${PATHS% } ;;
+    *) PATHS="$PATHS base" ;;
+  esac
+fi
 # TESTS picks figures (all by default), e.g. TESTS="cps rps" PATHS="haproxy proxy" for a quick A/B.
 # The smoke run leaves out tput4 (tput128 runs the same code) and counts idle connections through the daemon
 # alone (the count is the same code for every path).
@@ -54,6 +66,7 @@ PATHS=${PATHS:-$DEFAULT_PATHS}
 TESTS=${TESTS:-"tput128 tput4 cps rps latency sys udp idle flows prog tax"}
 want() { case " $TESTS " in *" $1 "*) return 0 ;; esac; return 1; }
 runs() { case " $PATHS " in *" $1 "*) return 0 ;; esac; return 1; } # path $1 is measured
+ours() { [ "$1" = proxy ] || [ "$1" = base ]; } # path $1 is a build of this daemon
 N node iptables -w -t nat -A PREROUTING -d 10.96.9.1 -j DNAT --to-destination 10.251.19.12
 for p in 8080:18080 9000:19000 5201:15201; do
   N node iptables -w -t nat -A PREROUTING -d 10.96.9.2 -p tcp --dport "${p%%:*}" -j REDIRECT --to-ports "${p#*:}"
@@ -70,8 +83,13 @@ start_nginx() { P nginx -c "$work/nginx.conf" -e "$work/nginx.log" >>"$work/ngin
 # The daemon serves /metrics on the node's loopback: the bench reads the Go
 # runtime's figures around each run (runtimetail).
 METRICS=127.0.0.1:10249
+# Which build serves the service address: proxy (this one, $BIN's) or base
+# (BASE_BIN's, copied under the same name so that proxypid finds either).
+DAEMON=proxy
+daemon_bin() { if [ "$DAEMON" = base ]; then echo "$work/base/kube-userspace-proxy"; else echo "$BIN/kube-userspace-proxy"; fi; }
+if [ -n "$BASE_BIN" ]; then mkdir -p "$work/base" && cp "$BASE_BIN" "$work/base/kube-userspace-proxy"; fi
 start_proxy() { # extra daemon flags in $@
-  P env ${PROXY_ENV:-} "$BIN/kube-userspace-proxy" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
+  P env ${PROXY_ENV:-} "$(daemon_bin)" --manifests "$work/svc.yaml" --connection-log none --log-level warn \
     --metrics-bind-address "$METRICS" --healthz-bind-address "" ${PROXY_ARGS:-} "$@" >>"$work/proxy.log" 2>&1 &
 }
 # serve_paths: the backend pod (HTTP 8080, UDP echo 8081, TCP echo 9000, iperf3 5201) and every path of PATHS,
@@ -171,7 +189,7 @@ stop_paths() {
 }
 proxypid() { # the process serving a path, for CPU and memory
   case $1 in
-    proxy) pgrep -f "kube-userspace-proxy --manifests $work" | head -1 ;;
+    proxy | base) pgrep -f "kube-userspace-proxy --manifests $work" | head -1 ;;
     haproxy) pgrep -f "haproxy -f $work" | tail -1 ;;
     gofloor) pgrep -f "$BIN/gofloor -listen :38080" | head -1 ;;
     ringfloor) pgrep -f "$BIN/gofloor -engine ring" | head -1 ;;
@@ -197,13 +215,13 @@ iperf() { # path writesize → Gbit/s; CPU s/GB of the proxy process
 rate() { # path mode → operations/s; CPU µs per operation of the proxy process
   local p=$1 mode=$2 pid t0 out
   pid=$(proxypid "$p"); [ -n "$pid" ] && t0=$(cputicks "$pid")
-  [ "$p" = proxy ] && scrape "$work/before.prom"
+  ours "$p" && scrape "$work/before.prom"
   out=$(L client "$BIN/loadgen" -mode "$mode" -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 32)
   record "$mode" "$p" "$(echo "$out" | jsonval perSecond)"
   if [ -n "$pid" ]; then
     record "cpu_per_$mode" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v n="$(echo "$out" | jsonval count)" 'BEGIN{if(n>0) printf "%.1f", c/n*1e6}')"
   fi
-  if [ "$p" = proxy ]; then
+  if ours "$p"; then
     scrape "$work/after.prom"
     record "alloc_b_$mode" "$p" "$(runtimetail -ops "$(echo "$out" | jsonval count)" | jsonval allocBytesPerOp | awk '{printf "%.0f", $1}')"
   fi
@@ -220,7 +238,7 @@ runtimetail() { "$BIN/runtimetail" -before "$work/before.prom" -after "$work/aft
 latency() { # path → p50/p99/p99.9 at RATE req/s, and the tail's parts
   local p=$1 pid q0 q1 si0 st0 lat n tail
   pid=$(proxypid "$p"); q0=$(runq "$pid"); si0=$(softirq); st0=$(steal)
-  [ "$p" = proxy ] && scrape "$work/before.prom"
+  ours "$p" && scrape "$work/before.prom"
   lat=$(L client "$BIN/loadgen" -mode latency -addr "${VIP[$p]}:8080" -d "${LG_DUR}s" -c 16 -rate "$RATE")
   q1=$(runq "$pid")
   record p50 "$p" "$(echo "$lat" | jsonval p50us)"
@@ -232,7 +250,7 @@ latency() { # path → p50/p99/p99.9 at RATE req/s, and the tail's parts
   if [ -n "$pid" ]; then
     record runq_us "$p" "$(awk -v a="$q0" -v b="$q1" 'BEGIN{split(a,x," "); split(b,y," "); s=y[2]-x[2]; printf "%.1f", (s>0 ? (y[1]-x[1])/s/1000 : 0)}')"
   fi
-  if [ "$p" = proxy ]; then
+  if ours "$p"; then
     scrape "$work/after.prom"
     tail=$(runtimetail)
     record sched_p99 "$p" "$(echo "$tail" | jsonval schedP99us)"
@@ -275,6 +293,7 @@ measure_tcp() {
 for run in $(seq "$RUNS"); do
   for p in $PATHS; do
     echo "run $run/$RUNS: $p" >&2
+    serve_with "$p"
     want tput128 && iperf "$p" 128K
     want tput4 && iperf "$p" 4K
     want cps && rate "$p" cps
@@ -323,8 +342,8 @@ if want udp; then
   for size in $UDP_SIZES; do
     for flows in $UDP_FLOWS; do
       for run in $(seq "$RUNS"); do
-        for p in direct dnat nginx socat gofloor proxy; do
-          runs "$p" && udp_search "$p" "$size" "$flows"
+        for p in direct dnat nginx socat gofloor base proxy; do
+          runs "$p" && serve_with "$p" && udp_search "$p" "$size" "$flows"
         done
       done
     done
@@ -340,6 +359,7 @@ if want udp; then
     for flows in $UDP_CPU_FLOWS; do
       for p in $UDP_CPU_PATHS; do
         runs "$p" || continue
+        serve_with "$p"
         pid=$(proxypid "$p"); t0=$(cputicks "$pid")
         out=$(L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 64 -flows "$flows" -burst "$UDP_BURST" -rate "$UDP_CPU_RATE")
         record "udp_per_core_$flows" "$p" "$(awk -v c="$(cpusince "$pid" "$t0")" -v s="$(echo "$out" | jsonval sent)" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(c>0) printf "%.0f", (s+r)/c}')"
@@ -356,8 +376,9 @@ busyticks() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }
 if want udprt; then
   for run in $(seq "$RUNS"); do
     for flows in 1 64; do
-      for p in direct dnat nginx socat gofloor proxy; do
+      for p in direct dnat nginx socat gofloor base proxy; do
         runs "$p" || continue
+        serve_with "$p"
         b0=$(busyticks)
         out=$(L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d "${LG_DUR}s" -size 1400 -flows "$flows" -burst "$UDP_BURST" -rate "${UDPRT_RATE:-10000}")
         record "udp_rt_us_$flows" "$p" "$(awk -v t=$(($(busyticks) - b0)) -v hz="$HZ" -v r="$(echo "$out" | jsonval received)" 'BEGIN{if(r>0) printf "%.1f", t/hz/r*1e6}')"
@@ -391,13 +412,20 @@ steady_rss() {
 restart_proxy() {
   kill "$(proxypid proxy)"; wait_until 10 sh -c "! pgrep -f 'kube-userspace-proxy --manifests $work' >/dev/null"
   start_proxy "$@"
-  wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "proxy did not come back" >&2; exit 1; }
+  wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "$DAEMON did not come back" >&2; exit 1; }
+}
+# serve_with PATH: when PATH is a build of this daemon other than the one
+# serving, a fresh process of that build takes the service address.
+serve_with() {
+  ours "$1" && [ "$1" != "$DAEMON" ] || return 0
+  DAEMON=$1
+  restart_proxy
 }
 # A fresh process for path $1 before a memory count, the same for every path:
 # one that carried the throughput tests holds what it grew meanwhile.
 restart_path() {
   case $1 in
-    proxy) restart_proxy ;;
+    proxy | base) DAEMON=$1; restart_proxy ;;
     haproxy)
       kill "$(proxypid haproxy)"; wait_until 10 sh -c "! pgrep -f 'haproxy -f $work' >/dev/null"
       start_haproxy ;;
@@ -409,10 +437,10 @@ restart_path() {
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[$1]}:8080/" >/dev/null || { echo "$1 did not come back" >&2; exit 1; }
 }
 measure_memory() {
-for p in haproxy nginx proxy; do
+for p in haproxy nginx base proxy; do
   want idle || break
   runs "$p" || continue
-  [ "$SMOKE" = 1 ] && [ "$p" != proxy ] && continue
+  [ "$SMOKE" = 1 ] && ! ours "$p" && continue
   for n in $IDLE_NS; do
     # A fresh process: the one that ran the throughput tests has a grown heap that the Go runtime may hand back
     # while the connections open, which made the RSS delta meaningless (even negative).
@@ -441,15 +469,15 @@ done
 # what the next one reuses, and a buffer the heap hands over zeroed is resident whatever the datagrams touch. nginx
 # keeps its 30 s timeout and holds both rounds. Live flows are counted as the descriptors they added (one socket a
 # flow in the daemon; nginx added ~1.5 a session).
-for p in nginx proxy; do
+for p in nginx base proxy; do
   want flows || break
   runs "$p" || continue
-  if [ "$p" = proxy ]; then restart_proxy --udp-timeout 2s; else restart_path "$p"; fi
+  if ours "$p"; then DAEMON=$p; restart_proxy --udp-timeout 2s; else restart_path "$p"; fi
   pid=$(proxypid "$p")
   fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
   for round in 1 2; do
     L client "$BIN/loadgen" -mode udp -addr "${VIP[$p]}:8081" -d 1.5s -size 1400 -flows "$FLOWS_N" -rate "$((FLOWS_N * 4))" >/dev/null
-    if [ "$p" = proxy ] && [ "$round" = 1 ]; then
+    if ours "$p" && [ "$round" = 1 ]; then
       wait_until 20 sh -c "[ \$(for q in $pid; do ls /proc/\$q/fd; done | wc -l) -le $fd0 ]" || echo "UDP flows of $p did not expire" >&2
     fi
   done
@@ -480,11 +508,12 @@ table_of() {
   results="$work/results.$1"
   table="$work/table.$1.md"
 {
-  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [gofloor]="Go floor" [ringfloor]="Go ring floor" [nginx]="nginx stream")
+  declare -A LABEL=([direct]=direct [dnat]="kernel DNAT" [haproxy]=HAProxy [socat]=socat [proxy]="this proxy" [base]="this proxy, base build" [gofloor]="Go floor" [ringfloor]="Go ring floor" [nginx]="nginx stream")
   head="| metric"; rule="|---"
   for p in $PATHS; do head="$head | ${LABEL[$p]}"; rule="$rule|---:"; done
   if runs gofloor; then head="$head | Go floor ÷ HAProxy | proxy ÷ Go floor"; rule="$rule|---:|---:"; fi
   if runs ringfloor; then head="$head | ring floor ÷ HAProxy | ring floor ÷ Go floor"; rule="$rule|---:|---:"; fi
+  if runs base; then head="$head | proxy ÷ base"; rule="$rule|---:"; fi
   echo "$head | proxy ÷ direct | proxy ÷ HAProxy | proxy ÷ nginx |"
   echo "$rule|---:|---:|---:|"
   while read -r m label; do
@@ -497,6 +526,7 @@ table_of() {
     if runs ringfloor; then
       row="$row | $(ratio "$(value "$m" ringfloor)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" ringfloor)" "$(value "$m" gofloor)")"
     fi
+    if runs base; then row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" base)")"; fi
     row="$row | $(ratio "$(value "$m" proxy)" "$(value "$m" direct)") | $(ratio "$(value "$m" proxy)" "$(value "$m" haproxy)") | $(ratio "$(value "$m" proxy)" "$(value "$m" nginx)") |"
     echo "$row"
   done <<EOF
