@@ -119,7 +119,7 @@ bench: bench-tools
 
 # This build against another, BASE (a commit: the build before a change), in
 # one lab: HAProxy, nginx and both builds interleaved, pinned by default, each
-# figure with its spread and the ratio "proxy ÷ base" (root; ~35 minutes;
+# figure with its spread and the ratio "proxy ÷ base" (root; ~45 minutes;
 # SETTINGS, TESTS and PATHS as for make bench).
 bench-ab: bench-tools
 	@[ -n "$(BASE)" ] || { echo "bench-ab: name the build to compare with, e.g. make bench-ab BASE=HEAD~1" >&2; exit 2; }
