@@ -1,11 +1,11 @@
 package cluster
 
 import (
-	"bufio"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
+
+	"golang.org/x/mod/modfile"
 )
 
 // The control plane (test/controlplane, built by BinDir for the end-to-end
@@ -34,62 +34,26 @@ func TestControlPlaneAndConformanceModulesAgree(t *testing.T) {
 }
 
 // readGoMod returns each required module's effective version: the
-// requirement's, or its replacement's where a replace names one.
+// requirement's, or its replacement's (path and version) where a replace
+// names one.
 func readGoMod(t *testing.T, name string) map[string]string {
 	t.Helper()
-	f, err := os.Open(name)
+	data, err := os.ReadFile(name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	required, replaced := map[string]string{}, map[string]string{}
-	block := ""
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if i := strings.Index(line, "//"); i >= 0 {
-			line = strings.TrimSpace(line[:i])
-		}
-		switch {
-		case line == ")":
-			block = ""
-			continue
-		case line == "require (" || line == "replace (":
-			block = strings.Fields(line)[0]
-			continue
-		case strings.HasPrefix(line, "require ") || strings.HasPrefix(line, "replace "):
-			kw := strings.Fields(line)[0]
-			readGoModLine(kw, strings.TrimSpace(strings.TrimPrefix(line, kw)), required, replaced)
-			continue
-		}
-		if block != "" && line != "" {
-			readGoModLine(block, line, required, replaced)
-		}
-	}
-	if err := sc.Err(); err != nil {
+	f, err := modfile.ParseLax(name, data, nil)
+	if err != nil {
 		t.Fatal(err)
 	}
-	for path, v := range replaced {
-		if _, ok := required[path]; ok {
-			required[path] = v
+	versions := map[string]string{}
+	for _, r := range f.Require {
+		versions[r.Mod.Path] = r.Mod.Version
+	}
+	for _, r := range f.Replace {
+		if _, ok := versions[r.Old.Path]; ok {
+			versions[r.Old.Path] = r.New.Path + " " + r.New.Version
 		}
 	}
-	return required
-}
-
-func readGoModLine(kw, line string, required, replaced map[string]string) {
-	f := strings.Fields(line)
-	switch kw {
-	case "require":
-		if len(f) == 2 {
-			required[f[0]] = f[1]
-		}
-	case "replace": // old [v] => new [v]
-		for i, w := range f {
-			if w == "=>" && i+1 < len(f) {
-				rest := f[i+1:]
-				replaced[f[0]] = strings.Join(rest, " ")
-			}
-		}
-	}
+	return versions
 }
