@@ -414,18 +414,15 @@ restart_proxy() {
   start_proxy "$@"
   wait_until 10 N client curl -s --max-time 1 "http://${VIP[proxy]}:8080/" >/dev/null || { echo "$DAEMON did not come back" >&2; exit 1; }
 }
-# serve_with PATH: when PATH is a build of this daemon other than the one
-# serving, a fresh process of that build takes the service address.
-serve_with() {
-  ours "$1" && [ "$1" != "$DAEMON" ] || return 0
-  DAEMON=$1
-  restart_proxy
-}
+# restart_build BUILD [flags]: a fresh process of that build (proxy or base) on the service address.
+restart_build() { DAEMON=$1; shift; restart_proxy "$@"; }
+# serve_with PATH: when PATH is a build of this daemon other than the one serving, that build takes over.
+serve_with() { ours "$1" && [ "$1" != "$DAEMON" ] || return 0; restart_build "$1"; }
 # A fresh process for path $1 before a memory count, the same for every path:
 # one that carried the throughput tests holds what it grew meanwhile.
 restart_path() {
   case $1 in
-    proxy | base) DAEMON=$1; restart_proxy ;;
+    proxy | base) restart_build "$1" ;;
     haproxy)
       kill "$(proxypid haproxy)"; wait_until 10 sh -c "! pgrep -f 'haproxy -f $work' >/dev/null"
       start_haproxy ;;
@@ -472,7 +469,7 @@ done
 for p in nginx base proxy; do
   want flows || break
   runs "$p" || continue
-  if ours "$p"; then DAEMON=$p; restart_proxy --udp-timeout 2s; else restart_path "$p"; fi
+  if ours "$p"; then restart_build "$p" --udp-timeout 2s; else restart_path "$p"; fi
   pid=$(proxypid "$p")
   fd0=$(fds "$pid"); rss0=$(steady_rss "$pid")
   for round in 1 2; do
