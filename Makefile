@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test check lint differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-ab bench-cluster bench-cluster-smoke
+.PHONY: all build demo test fuzz check lint differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-ab bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -33,18 +33,18 @@ LEAF_PKGS := ./config/ ./proxy/balance/ ./proxy/proxyproto/ ./proxy/ports/ ./pro
 check: setup-check fmt-check build vet lint
 	$(GO) test -race -count=1 $(LEAF_PKGS)
 
-# The whole suite: formatting, vet, every test with the race detector, the
-# end-to-end tests once more as on a kernel without netfilter extras, a short
-# fuzz run of the manifests parser, the demo, the benchmarks' smoke runs and
-# the few-minute subset of Kubernetes' own e2e suite (docs/conformance.md).
-test: setup-test fmt-check vet lint build image-check
-	$(GO) test -race -count=1 -timeout 40m $(PKGS)
-	$(MAKE) test-basic-kernel
-	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime 10s ./config/
-	BIN=$(BIN) ./test/demo.sh
-	$(MAKE) bench-smoke
-	$(MAKE) bench-cluster-smoke
-	$(MAKE) conformance-short
+# The whole suite (test/suite.sh): formatting, vet, the linter, every test
+# with the race detector, the end-to-end tests once more as on a kernel
+# without netfilter extras, the demo, the benchmarks' smoke runs and the
+# few-minute subset of Kubernetes' own e2e suite (docs/conformance.md);
+# Kubernetes' programs build beside it at the lowest priority.
+test: setup-test
+	GO=$(GO) BIN=$(BIN) MAKE=$(MAKE) bash test/suite.sh
+
+# The manifests parser under the fuzzer (FUZZTIME, 1m by default; its seed
+# corpus runs in every make test as an ordinary test).
+fuzz:
+	$(GO) test -run '^$$' -fuzz FuzzParseManifests -fuzztime $(or $(FUZZTIME),1m) ./config/
 
 # The end-to-end tests again as on a kernel without netfilter extras: no
 # optional match, no conntrack netlink (a seccomp filter), legacy iptables

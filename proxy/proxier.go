@@ -49,7 +49,7 @@ type Proxier struct {
 	// The sync goroutine's.
 	frozen      bool                            // a handover is under way: no syncs
 	freeze      func() (json.RawMessage, error) // called before the first sync (Inherit): the predecessor's pick state
-	servingShut bool                            // serving is closed
+	servingShut bool                            // serving is closed: a rule write succeeded
 	stopWriter  context.CancelFunc
 
 	mu         sync.Mutex    // guards the fields below
@@ -144,15 +144,9 @@ func (p *Proxier) Run(ctx context.Context, grace time.Duration) {
 			verify = true
 		case <-p.writer.drift: // the next sync rewrites the rules
 		case w := <-p.writer.written:
-			p.rec.written(w)
+			p.wroteRules(w)
 			if w.err != nil {
 				t.RetryWrite()
-			} else if !p.servingShut {
-				p.servingShut = true
-				if n := p.dp.CloseInherited(); n > 0 {
-					p.cfg.log().WithField("sockets", n).Info("Closed the inherited sockets of Services gone meanwhile")
-				}
-				close(p.serving)
 			}
 			continue
 		case <-t.Retry():
@@ -219,6 +213,22 @@ func (p *Proxier) syncPending(verify bool) bool {
 	return true
 }
 
+// wroteRules takes a finished rule write on the sync goroutine. The first
+// that succeeded points the node's rules at this daemon's listeners: from
+// then on it serves (Serving is closed), and the inherited sockets no
+// Service took are closed.
+func (p *Proxier) wroteRules(w *ruleWrite) {
+	p.rec.written(w)
+	if w.err != nil || p.servingShut {
+		return
+	}
+	p.servingShut = true
+	if n := p.dp.CloseInherited(); n > 0 {
+		p.cfg.log().WithField("sockets", n).Info("Closed the inherited sockets of Services gone meanwhile")
+	}
+	close(p.serving)
+}
+
 // shutdown stops accepting and lets open connections drain for up to
 // grace. The rules stay, as kube-proxy leaves its own: they point at the
 // closed ports, so a new connection is refused at once (instead of leaving
@@ -229,7 +239,7 @@ func (p *Proxier) syncPending(verify bool) bool {
 func (p *Proxier) shutdown(ctx context.Context, grace time.Duration) {
 	if !p.released.Load() { // else Release did this
 		for _, w := range p.writer.stop(ctx.Err()) {
-			p.rec.written(w)
+			p.wroteRules(w) // a write done as the stop came counts as any other
 		}
 		p.rec.closeAll()
 		p.dp.CloseListeners()

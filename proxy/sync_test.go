@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -501,6 +502,47 @@ func TestStopWhileRulesAreWritten(t *testing.T) {
 	if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
 		c.Close()
 		t.Fatal("the listener still accepts after Run returned")
+	}
+}
+
+// finishingRules holds a write of frontends until its context ends and
+// then reports it done: an iptables-restore that completes as the daemon
+// is told to stop.
+type finishingRules struct{ calls atomic.Int32 }
+
+func (r *finishingRules) Sync(ctx context.Context, frontends []config.Frontend, _ bool) error {
+	if len(frontends) == 0 {
+		return nil
+	}
+	r.calls.Add(1)
+	<-ctx.Done()
+	return nil
+}
+
+// A write that completes as the stop comes counts as any other: the
+// rules point at this daemon, so Serving is closed and the stop says that
+// the node refuses until the next start (a race seen on a loaded machine,
+// where the first write ended just after SIGTERM).
+func TestWriteDoneAsTheStopComesServed(t *testing.T) {
+	rules := &finishingRules{}
+	h := startProxier(t, Config{Rules: rules})
+	a := tcpBackend(t, "a")
+	h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "one"}: svc("one", config.TCP, a)}, Node: "node-a"})
+	waitFor(t, "the write", func() bool { return rules.calls.Load() == 1 })
+	select {
+	case <-h.p.Serving():
+		t.Fatal("serving before the write was done")
+	default:
+	}
+	h.stop()
+	select {
+	case <-h.p.Serving():
+	default:
+		t.Fatal("Serving still open after a write that succeeded as the stop came")
+	}
+	if len(h.logs.Find("Stopped serving: the rules stay, so this node refuses every new connection to its Services "+
+		"until a daemon starts again (kube-userspace-proxy --cleanup removes them)")) != 1 {
+		t.Fatalf("the stop does not say the node refuses until the next start; logs:\n%s", strings.Join(h.logs.Entries(), "\n"))
 	}
 }
 

@@ -58,7 +58,18 @@ func main() {
 	oneCase := flag.Int("case", -1, "run only this case of the seed (with -differential)")
 	batch := flag.Int("batch", 16, "shapes applied and observed together (with -differential)")
 	noShrink := flag.Bool("no-shrink", false, "report differences without reducing their shapes (with -differential)")
+	buildOnly := flag.Bool("build-only", false, "fill the build cache (the control plane, Kubernetes, containerd, CoreDNS) and exit; needs no root")
 	flag.Parse()
+	repo, err := repoRoot()
+	if err != nil {
+		fatal(err)
+	}
+	if *buildOnly {
+		if err := buildCached(repo, &binaries{}); err != nil {
+			fatal(err)
+		}
+		return
+	}
 	if os.Geteuid() != 0 {
 		// As the root-only tests: a skip in make test, a failure in CI.
 		if *short && os.Getenv("KUP_REQUIRE_ROOT_TESTS") == "" {
@@ -66,10 +77,6 @@ func main() {
 			return
 		}
 		fatal(fmt.Errorf("needs root: it makes network namespaces, cgroups and mounts"))
-	}
-	repo, err := repoRoot()
-	if err != nil {
-		fatal(err)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -178,21 +185,37 @@ func runOne(
 	return runE2E(ctx, l, cp, focus, skips, procs, os.Stdout)
 }
 
-// build returns the cached programs, building what the cache lacks
-// (first run: roughly 15 minutes on two cores).
+// build returns the programs a run uses: the cached ones (buildCached)
+// and this repository's daemon, built afresh.
 func build(repo string) (*binaries, error) {
 	b := &binaries{}
-	var err error
-	if b.controlPlane, err = cluster.BinDir(repo, os.Stderr); err != nil {
+	if err := buildCached(repo, b); err != nil {
 		return nil, err
 	}
-	mod := func(name string) string { return filepath.Join(repo, "test", "conformance", "build", name) }
-	goBuild := func(dir string, env []string, args ...string) error {
-		cmd := exec.Command("go", args...)
-		cmd.Dir, cmd.Stdout, cmd.Stderr = dir, os.Stderr, os.Stderr
-		cmd.Env = append(os.Environ(), env...)
-		return cmd.Run()
+	b.ours = filepath.Join(repo, "bin", "kube-userspace-proxy")
+	if err := goBuild(repo, []string{"CGO_ENABLED=0"}, "build", "-trimpath", "-o", b.ours, "./cmd/kube-userspace-proxy"); err != nil {
+		return nil, err
 	}
+	return b, nil
+}
+
+// goBuild runs the go command in dir with env added, its output on stderr.
+func goBuild(dir string, env []string, args ...string) error {
+	cmd := exec.Command("go", args...)
+	cmd.Dir, cmd.Stdout, cmd.Stderr = dir, os.Stderr, os.Stderr
+	cmd.Env = append(os.Environ(), env...)
+	return cmd.Run()
+}
+
+// buildCached fills b's folders of programs built from pinned modules,
+// building what the cache lacks (first run: roughly 25 minutes on two
+// cores, the control plane first, as the e2e tests want it too).
+func buildCached(repo string, b *binaries) error {
+	var err error
+	if b.controlPlane, err = cluster.BinDir(repo, os.Stderr); err != nil {
+		return err
+	}
+	mod := func(name string) string { return filepath.Join(repo, "test", "conformance", "build", name) }
 	k8sProgs := []string{"kubelet", "kube-scheduler", "kube-proxy", "kubectl", "agnhost", "regression-issue-74839", "mkimage", "ginkgo", "e2e.test"}
 	if b.k8s, err = cluster.Cached("conformance-k8s", mod("k8s"), k8sProgs, os.Stderr,
 		"kubelet, kube-proxy, agnhost and the e2e suite (first time only: ~8 minutes)", func(out string) error {
@@ -204,7 +227,7 @@ func build(repo string) (*binaries, error) {
 			}
 			return goBuild(mod("k8s"), nil, "test", "-c", "-o", filepath.Join(out, "e2e.test"), "k8s.io/kubernetes/test/e2e")
 		}); err != nil {
-		return nil, err
+		return err
 	}
 	static := []string{"CGO_ENABLED=0"}
 	if b.containerd, err = cluster.Cached("conformance-containerd", mod("containerd"), []string{"containerd", "ctr", "containerd-shim-runc-v2"}, os.Stderr,
@@ -216,19 +239,13 @@ func build(repo string) (*binaries, error) {
 			return goBuild(mod("containerd"), static, "build", "-tags", "no_btrfs urfave_cli_no_docs no_grpc", "-o", out+"/",
 				"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2")
 		}); err != nil {
-		return nil, err
+		return err
 	}
-	if b.dns, err = cluster.Cached("conformance-coredns", mod("coredns"), []string{"coredns"}, os.Stderr,
+	b.dns, err = cluster.Cached("conformance-coredns", mod("coredns"), []string{"coredns"}, os.Stderr,
 		"CoreDNS (first time only: ~3 minutes)", func(out string) error {
 			return goBuild(mod("coredns"), static, "build", "-o", filepath.Join(out, "coredns"), "github.com/coredns/coredns")
-		}); err != nil {
-		return nil, err
-	}
-	b.ours = filepath.Join(repo, "bin", "kube-userspace-proxy")
-	if err := goBuild(repo, static, "build", "-trimpath", "-o", b.ours, "./cmd/kube-userspace-proxy"); err != nil {
-		return nil, err
-	}
-	return b, nil
+		})
+	return err
 }
 
 // buildImages writes every image's tarball (a minute; not cached, as they
