@@ -25,13 +25,17 @@ CGO_ENABLED=0 "$GO" build -o "$BIN/conformance" ./test/conformance
 # Its own session, so that stopping it stops the go commands under it.
 setsid nice -n 19 "$BIN/conformance" -build-only >"$prebuild_log" 2>&1 &
 prebuild=$!
-stop_prebuild() {
-	if kill -0 "$prebuild" 2>/dev/null; then
-		kill -TERM -- "-$prebuild" 2>/dev/null || true
-		wait "$prebuild" 2>/dev/null || true
-	fi
+basic=
+# stop_background stops what this script started beside its steps.
+stop_background() {
+	for pid in "$prebuild" $basic; do
+		if kill -0 "$pid" 2>/dev/null; then
+			kill -TERM -- "-$pid" 2>/dev/null || true
+			wait "$pid" 2>/dev/null || true
+		fi
+	done
 }
-trap stop_prebuild EXIT
+trap stop_background EXIT
 echo "suite: building Kubernetes' programs in the background at nice 19 (pid $prebuild, log $prebuild_log)"
 
 step() {
@@ -40,8 +44,27 @@ step() {
 }
 
 step "$MAKE" --no-print-directory fmt-check vet lint build image-check
-step "$GO" test -race -count=1 -timeout 40m ./...
-step "$MAKE" --no-print-directory test-basic-kernel
+e2e=./test/e2e
+mapfile -t units < <("$GO" list ./... | grep -v '/test/e2e$')
+step "$GO" test -race -count=1 -timeout 20m "${units[@]}"
+
+# The end-to-end tests, under the race detector and again as on a kernel
+# without netfilter extras (make test-basic-kernel), side by side: each
+# spends most of its time waiting on its lab (their namespaces, ports and
+# files are their own), and a loaded machine is one the tests must pass on.
+basic_log=$BIN/e2e-basic.log
+echo "suite: KUP_E2E_KERNEL=basic $GO test -count=1 -timeout 30m $e2e, beside the next step (log $basic_log)"
+KUP_E2E_KERNEL=basic setsid "$GO" test -count=1 -timeout 30m "$e2e" >"$basic_log" 2>&1 &
+basic=$!
+step "$GO" test -race -count=1 -timeout 40m "$e2e"
+echo "suite: waiting for the basic-kernel leg ($(date +%T))"
+basic_rc=0
+wait "$basic" || basic_rc=$?
+cat "$basic_log"
+if [ "$basic_rc" -ne 0 ]; then
+	echo "suite: the basic-kernel leg failed" >&2
+	exit 1
+fi
 step env BIN="$BIN" ./test/demo.sh
 step "$MAKE" --no-print-directory bench-smoke
 step "$MAKE" --no-print-directory bench-cluster-smoke
