@@ -22,8 +22,11 @@ MAKE=${MAKE:-make}
 mkdir -p "$BIN"
 prebuild_log=$BIN/prebuild.log
 CGO_ENABLED=0 "$GO" build -o "$BIN/conformance" ./test/conformance
-# Its own session, so that stopping it stops the go commands under it.
-setsid nice -n 19 "$BIN/conformance" -build-only >"$prebuild_log" 2>&1 &
+# Its own session, so that stopping it stops the go commands under it. A
+# new session is a new scheduling autogroup, which competes with this one
+# as an equal whatever its members' nice: the group's own nice, set from
+# inside it, is what makes it yield (sched(7), "The autogroup feature").
+setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$0" -build-only' "$BIN/conformance" >"$prebuild_log" 2>&1 &
 prebuild=$!
 basic=
 # stop_background stops what this script started beside its steps.
