@@ -47,19 +47,17 @@ step() {
 }
 
 step "$MAKE" --no-print-directory fmt-check vet lint build image-check
-e2e=./test/e2e
-mapfile -t units < <("$GO" list ./... | grep -v '/test/e2e$')
-step "$GO" test -race -count=1 -timeout 20m "${units[@]}"
-
-# The end-to-end tests, under the race detector and again as on a kernel
-# without netfilter extras (make test-basic-kernel), side by side: each
-# spends most of its time waiting on its lab (their namespaces, ports and
-# files are their own), and a loaded machine is one the tests must pass on.
+# Every Go test under the race detector (go test runs two packages at a
+# time: the unit tests beside the end-to-end lab's), and beside them the
+# end-to-end tests again as on a kernel without netfilter extras (make
+# test-basic-kernel): both legs spend most of their time waiting on their
+# labs (whose namespaces, ports and files are their own), and a loaded
+# machine is one every test must pass on.
 basic_log=$BIN/e2e-basic.log
-echo "suite: KUP_E2E_KERNEL=basic $GO test -count=1 -timeout 30m $e2e, beside the next step (log $basic_log)"
-KUP_E2E_KERNEL=basic setsid "$GO" test -count=1 -timeout 30m "$e2e" >"$basic_log" 2>&1 &
+echo "suite: KUP_E2E_KERNEL=basic $GO test -count=1 -timeout 30m ./test/e2e/, beside the next step (log $basic_log)"
+KUP_E2E_KERNEL=basic setsid "$GO" test -count=1 -timeout 30m ./test/e2e/ >"$basic_log" 2>&1 &
 basic=$!
-step "$GO" test -race -count=1 -timeout 40m "$e2e"
+step "$GO" test -race -count=1 -timeout 40m ./...
 echo "suite: waiting for the basic-kernel leg ($(date +%T))"
 basic_rc=0
 wait "$basic" || basic_rc=$?
