@@ -39,6 +39,7 @@ stop_background() {
 	done
 }
 trap stop_background EXIT
+trap 'exit 143' TERM INT # so that the EXIT trap runs
 echo "suite: building Kubernetes' programs in the background at nice 19 (pid $prebuild, log $prebuild_log)"
 
 step() {
