@@ -53,8 +53,14 @@ func TestHandoverKeepsTransparentConnections(t *testing.T) {
 	writeManifest(t, h.manifest, string(base)+localService())
 	h.args = append(append(h.args, detectionArgs...), "--connection-log", "all")
 	cur := h.daemon()
+	// Every address the held connections dial is served before they
+	// dial: each family's rules are their own write, and a SYN sent before
+	// its rule exists is never redirected (conntrack keeps the first
+	// packet's decision), so the dial would time out.
 	waitFor(t, "the ClusterIP", func() bool { return h.Curl("client", "http://10.96.0.10/") != "" })
+	waitFor(t, "the IPv6 ClusterIP", func() bool { return h.Curl("client", "http://[fd00:96::10]/") != "" })
 	waitFor(t, "the Local externalIP", func() bool { return h.Curl("ext", "http://203.0.113.13/") != "" })
+	waitFor(t, "the Cluster externalIP", func() bool { return h.Curl("ext", "http://203.0.113.10/") != "" })
 
 	var held []*heldConn
 	hold := func(name, ns, addr, sees string) {
