@@ -56,9 +56,21 @@ type clusterLabOptions struct {
 
 func newClusterLab(t *testing.T) *clusterLab { return startClusterLab(t, clusterLabOptions{}) }
 
+// clusterTurn is held by the test whose cluster lab is up.
+var clusterTurn = make(chan struct{}, 1)
+
+// startClusterLab brings a cluster lab up for t, once every test of the
+// package that needs none has run, and one test at a time: on a fresh
+// machine the control plane is still building meanwhile (make test builds
+// it beside its first steps, test/suite.sh), so those others need not wait
+// for it. Call it before anything else the test does that must not run
+// beside other tests.
 func startClusterLab(t *testing.T, o clusterLabOptions) *clusterLab {
 	t.Helper()
 	requireRoot(t)
+	t.Parallel() // resumes when the package's sequential tests are done
+	clusterTurn <- struct{}{}
+	t.Cleanup(func() { <-clusterTurn }) // the first cleanup registered runs last: after the lab's
 	bins, err := cluster.BinDir(repoRoot, testWriter{t})
 	if err != nil {
 		t.Fatal(err)
