@@ -18,6 +18,18 @@ func InNetns(name string, f func() error) error {
 		return f()
 	}
 	runtime.LockOSThread()
+	if unix.Gettid() == unix.Getpid() {
+		// The main thread's namespace is what /proc/PID/ns/net shows for
+		// the whole process: there, a lab namespace makes the test look
+		// like one of the lab's processes, and the lab's teardown (ip
+		// netns pids, kill -9) kills it. A goroutine started while this
+		// one holds the main thread runs on another.
+		errc := make(chan error, 1)
+		go func() { errc <- InNetns(name, f) }()
+		err := <-errc
+		runtime.UnlockOSThread()
+		return err
+	}
 	orig, err := unix.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		runtime.UnlockOSThread()

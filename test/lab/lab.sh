@@ -117,17 +117,20 @@ lab_far() {
   set +e
 }
 
+# lab_down ends the lab's processes and removes its namespaces. It spares
+# its caller, which a thread inside a namespace can make look like one of
+# them (ip netns pids reads the main thread's).
 lab_down() {
   local ns pid
   for ns in node node2 far pod1 pod2 pod3 client ext; do
     if ip netns list | grep -qw "$LAB-$ns"; then
-      for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill "$pid" 2>/dev/null; done
+      for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do [ "$pid" = "$PPID" ] || kill "$pid" 2>/dev/null; done
     fi
   done
   sleep 0.2
   for ns in node node2 far pod1 pod2 pod3 client ext; do
     if ip netns list | grep -qw "$LAB-$ns"; then
-      for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+      for pid in $(ip netns pids "$LAB-$ns" 2>/dev/null); do [ "$pid" = "$PPID" ] || kill -9 "$pid" 2>/dev/null; done
       ip netns del "$LAB-$ns" 2>/dev/null
     fi
   done
