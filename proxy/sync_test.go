@@ -464,8 +464,13 @@ func TestSyncsGoOnWhileRulesAreWritten(t *testing.T) {
 }
 
 // heldRules holds every write of frontends until its context ends (a
-// write of none goes through).
-type heldRules struct{ calls atomic.Int32 }
+// write of none goes through). Then the write fails with the context's
+// error or, with finish, reports done: an iptables-restore that
+// completes as the daemon is told to stop.
+type heldRules struct {
+	calls  atomic.Int32
+	finish bool
+}
 
 func (r *heldRules) Sync(ctx context.Context, frontends []config.Frontend, _ bool) error {
 	if len(frontends) == 0 {
@@ -473,6 +478,9 @@ func (r *heldRules) Sync(ctx context.Context, frontends []config.Frontend, _ boo
 	}
 	r.calls.Add(1)
 	<-ctx.Done()
+	if r.finish {
+		return nil
+	}
 	return ctx.Err()
 }
 
@@ -505,26 +513,12 @@ func TestStopWhileRulesAreWritten(t *testing.T) {
 	}
 }
 
-// finishingRules holds a write of frontends until its context ends and
-// then reports it done: an iptables-restore that completes as the daemon
-// is told to stop.
-type finishingRules struct{ calls atomic.Int32 }
-
-func (r *finishingRules) Sync(ctx context.Context, frontends []config.Frontend, _ bool) error {
-	if len(frontends) == 0 {
-		return nil
-	}
-	r.calls.Add(1)
-	<-ctx.Done()
-	return nil
-}
-
 // A write that completes as the stop comes counts as any other: the
 // rules point at this daemon, so Serving is closed and the stop says that
 // the node refuses until the next start (a race seen on a loaded machine,
 // where the first write ended just after SIGTERM).
 func TestWriteDoneAsTheStopComesServed(t *testing.T) {
-	rules := &finishingRules{}
+	rules := &heldRules{finish: true}
 	h := startProxier(t, Config{Rules: rules})
 	a := tcpBackend(t, "a")
 	h.p.Update(&config.State{Ports: map[config.ServicePortName]*config.ServicePort{{Namespace: "ns", Name: "one"}: svc("one", config.TCP, a)}, Node: "node-a"})
