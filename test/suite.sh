@@ -6,7 +6,7 @@
 # suite (docs/conformance.md).
 #
 # Kubernetes' programs (the e2e lab's control plane, then the conformance
-# lab's kubelet, e2e suite, containerd and CoreDNS) take ~25 minutes of CPU
+X
 # to build on a fresh 2-core machine and nothing on a warm one. They build
 # beside the steps, at the lowest CPU priority, so that they use the time
 # the end-to-end tests spend waiting on their labs instead of adding to the
