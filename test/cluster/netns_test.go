@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
 // The main goroutine keeps the main thread through init into TestMain, so
@@ -35,12 +37,7 @@ func TestMain(m *testing.M) {
 // stands for the whole process's (/proc/PID/ns/net): a lab's teardown
 // would take the test for one of the lab's processes and kill it.
 func TestInNetnsLeavesTheMainThreadAlone(t *testing.T) {
-	if os.Geteuid() != 0 {
-		if os.Getenv("KUP_REQUIRE_ROOT_TESTS") != "" {
-			t.Fatal("needs root (setns), and KUP_REQUIRE_ROOT_TESTS is set")
-		}
-		t.Skip("needs root (setns)")
-	}
+	testutil.RequireRoot(t, "setns")
 	if onMainThread.err != nil {
 		t.Fatal(onMainThread.err)
 	}
