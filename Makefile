@@ -6,7 +6,7 @@ PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: all build demo test fuzz check lint differential soak test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-ab bench-cluster bench-cluster-smoke
+.PHONY: all build demo test fuzz check lint differential soak conformance-specs test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-ab bench-cluster bench-cluster-smoke
 
 all: build
 
@@ -192,6 +192,13 @@ conformance: setup-conformance
 # The few-minute subset of the same (part of make test).
 conformance-short: setup-conformance
 	$(GO) run ./test/conformance -short -proxies kube-userspace-proxy
+
+# After a Kubernetes upgrade: rewrite test/conformance/upstream-specs.txt,
+# the specs upstream's whole e2e binary selects for the lab's focus, which
+# every run checks the lab's network-only binary against (builds upstream's
+# binary: ~15 minutes on two cores; no root).
+conformance-specs:
+	$(GO) run ./test/conformance -write-upstream-specs
 
 # The differential (docs/conformance.md): SHAPES random Service and
 # EndpointSlice shapes (200) from SEED (a new one, printed, when unset),

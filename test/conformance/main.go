@@ -59,10 +59,18 @@ func main() {
 	batch := flag.Int("batch", 16, "shapes applied and observed together (with -differential)")
 	noShrink := flag.Bool("no-shrink", false, "report differences without reducing their shapes (with -differential)")
 	buildOnly := flag.Bool("build-only", false, "fill the build cache (the control plane, Kubernetes, containerd, CoreDNS) and exit; needs no root")
+	writeSpecs := flag.Bool("write-upstream-specs", false, "write "+upstreamSpecsFile+" from upstream's whole e2e binary (make conformance-specs, after a Kubernetes upgrade) and exit")
+	upstreamBinary := flag.String("upstream-e2e", "", "with -write-upstream-specs: upstream's e2e binary, already built (default: build it)")
 	flag.Parse()
 	repo, err := repoRoot()
 	if err != nil {
 		fatal(err)
+	}
+	if *writeSpecs {
+		if err := writeUpstreamSpecs(repo, *upstreamBinary); err != nil {
+			fatal(err)
+		}
+		return
 	}
 	if *buildOnly {
 		if err := buildCached(repo, &binaries{}); err != nil {
@@ -98,6 +106,9 @@ func main() {
 	}
 	b, err := build(repo)
 	if err != nil {
+		fatal(err)
+	}
+	if err := checkSpecSet(conf, filepath.Join(b.k8s, "e2e.test")); err != nil {
 		fatal(err)
 	}
 	tars, err := buildImages(repo, b)
@@ -225,7 +236,8 @@ func buildCached(repo string, b *binaries) error {
 				"github.com/onsi/ginkgo/v2/ginkgo"); err != nil {
 				return err
 			}
-			return goBuild(mod("k8s"), nil, "test", "-c", "-o", filepath.Join(out, "e2e.test"), "k8s.io/kubernetes/test/e2e")
+			// upstream's suite with only the network specs compiled in (see specs.go)
+			return goBuild(mod("k8s"), nil, "test", "-c", "-o", filepath.Join(out, "e2e.test"), "./e2enet")
 		}); err != nil {
 		return err
 	}

@@ -1,8 +1,9 @@
 //go:build tools
 
 // Package tools pins, for go mod tidy, what the conformance lab builds from
-// k8s.io/kubernetes: the node programs, agnhost and the e2e test binary (whose
-// test-only imports are listed so that `go test -c` finds them).
+// k8s.io/kubernetes: the node programs, agnhost, the lab's e2e binary
+// (e2enet) and upstream's whole one, which make conformance-specs builds
+// (its test-only imports are listed so that `go test -c` finds them).
 package tools
 
 import (
