@@ -120,7 +120,8 @@ func writeUpstreamSpecs(repo, binary string) error {
 		defer os.RemoveAll(dir)
 		binary = filepath.Join(dir, "e2e.test")
 		fmt.Fprintln(os.Stderr, "building upstream's whole e2e binary (k8s.io/kubernetes/test/e2e)")
-		if err := goBuild(filepath.Join(repo, "test", "conformance", "build", "k8s"), nil, "test", "-c", "-o", binary, "k8s.io/kubernetes/test/e2e"); err != nil {
+		mod := filepath.Join(repo, "test", "conformance", "build", "k8s")
+		if err := goBuild(mod, nil, "test", "-c", "-o", binary, "k8s.io/kubernetes/test/e2e"); err != nil {
 			return err
 		}
 	}
