@@ -35,6 +35,9 @@ stop_background() {
 		if kill -0 "$pid" 2>/dev/null; then
 			kill -TERM -- "-$pid" 2>/dev/null || true
 			wait "$pid" 2>/dev/null || true
+			if [ "$pid" = "$basic" ]; then
+				echo "suite: stopped the basic-kernel leg; its log so far: $basic_log" >&2
+			fi
 		fi
 	done
 }
