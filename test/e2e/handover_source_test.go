@@ -97,6 +97,7 @@ func TestHandoverKeepsTransparentConnections(t *testing.T) {
 		n = v
 	}
 	for i := 1; i <= n; i++ {
+		waitHandoverSocket(t, cur)
 		next := h.daemon()
 		waitLog(t, next, "Took the predecessor's connections")
 		// The successor's first dials take its first ports: the ones

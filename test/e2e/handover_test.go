@@ -73,6 +73,15 @@ func (h *handoverLab) daemon() *Proc {
 	return h.Daemon(append([]string{"--handover-socket", h.socket}, h.args...)...)
 }
 
+// waitHandoverSocket waits until p serves its handover socket: a daemon
+// started before that finds none and starts on its own, beside p. A
+// daemon serves Services a moment before it opens the socket, and a
+// successor says it took the connections while it opens it.
+func waitHandoverSocket(t *testing.T, p *Proc) {
+	t.Helper()
+	waitLog(t, p, "Serving the handover socket")
+}
+
 // waitLog waits until p's output has s.
 func waitLog(t *testing.T, p *Proc, s string) {
 	t.Helper()
@@ -239,6 +248,7 @@ func TestHandoverRefusesNothing(t *testing.T) {
 	udp := startUDPClient(t, h.Lab, 45321, "10.96.0.10:53")
 
 	time.Sleep(time.Second) // load before the handover
+	waitHandoverSocket(t, first)
 	second := h.daemon()
 	waitLog(t, second, "Took over: the predecessor serves nothing more")
 	waitLog(t, first, "Handed over to the successor")
@@ -257,6 +267,7 @@ func TestHandoverRefusesNothing(t *testing.T) {
 	}
 	time.Sleep(time.Second) // load with the old daemon gone
 	// And once more: a third daemon takes over from the second.
+	waitHandoverSocket(t, second)
 	third := h.daemon()
 	waitLog(t, third, "Took over: the predecessor serves nothing more")
 	time.Sleep(time.Second)
@@ -519,6 +530,7 @@ func TestManyHandovers(t *testing.T) {
 	n := handovers()
 	var first daemonUsage
 	for i := 1; i <= n; i++ {
+		waitHandoverSocket(t, cur)
 		next := h.daemon()
 		waitLog(t, next, "Took the predecessor's connections")
 		_ = cur.Cmd.Process.Signal(syscall.SIGTERM)
@@ -675,6 +687,7 @@ func TestHandoverKilledMidway(t *testing.T) {
 	// The successor killed half-way: the first daemon serves on.
 	ld := startLoad(cl.Lab, "10.96.0.10:80")
 	cl.cp.StopAPIServer()
+	waitHandoverSocket(t, first)
 	killed := start()
 	waitLog(t, killed, "Taking over from the running daemon")
 	_ = killed.Cmd.Process.Kill()
@@ -751,6 +764,7 @@ func TestHandoverKeepsPickState(t *testing.T) {
 	writeManifest(t, h.manifest, pickStateManifest())
 	first := h.daemon()
 	pinned := setPickState(t, h)
+	waitHandoverSocket(t, first)
 	second := h.daemon()
 	waitLog(t, second, "Took over: the predecessor serves nothing more")
 	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
@@ -829,6 +843,7 @@ func TestHandoverHalfClosed(t *testing.T) {
 	if _, err := io.ReadFull(c, got); err != nil {
 		t.Fatalf("the first bytes of the answer: %v", err)
 	}
+	waitHandoverSocket(t, first)
 	second := h.daemon()
 	waitLog(t, second, "Took the predecessor's connections")
 	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
@@ -862,6 +877,7 @@ func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
 	held := dialKeepAlive(t, h.Lab, "10.96.0.10:80")
 	byHand := append([]string{"--iptables=false", "--metrics-bind-address", "127.0.0.1:10259", "--healthz-bind-address", "127.0.0.1:10266"}, h.args...)
 
+	waitHandoverSocket(t, first)
 	look := h.Daemon(append([]string{"--handover-socket", h.socket}, byHand...)...)
 	exited := make(chan error, 1)
 	go func() { exited <- look.Cmd.Wait() }()
@@ -871,6 +887,8 @@ func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
 			t.Fatalf("the daemon started by hand exited 0:\n%s", look.Output())
 		}
 	case <-time.After(20 * time.Second):
+		_ = look.Cmd.Process.Kill()
+		<-exited // the lab's cleanup must not Wait on it beside this goroutine
 		t.Fatalf("the daemon started by hand did not exit:\n%s", tail(look.Output(), 3000))
 	}
 	line := grepLines(look.Output(), "level=error")
@@ -915,6 +933,7 @@ func TestOnlyATrueSuccessorTakesOver(t *testing.T) {
 	}
 
 	// A true successor still takes over.
+	waitHandoverSocket(t, first)
 	next := h.daemon()
 	waitLog(t, next, "Took over: the predecessor serves nothing more")
 	_ = first.Cmd.Process.Signal(syscall.SIGTERM)
@@ -952,6 +971,7 @@ func TestStopDuringTheConnectionsTransfer(t *testing.T) {
 			conns = append(conns, c)
 		}
 	}
+	waitHandoverSocket(t, old)
 	next := h.daemon()
 	testutil.WaitFor(t, "the successor taking over", time.Minute, time.Millisecond, func() bool {
 		return strings.Contains(next.Output(), "Took over: the predecessor serves nothing more")

@@ -287,6 +287,9 @@ func serveHandovers(
 			log.WithError(err).Warn("No handover socket: a successor will start on its own")
 			return
 		}
+		// From here a daemon started with the same socket takes over (or
+		// is refused); before, it finds none and starts on its own.
+		log.WithField("socket", path).Info("Serving the handover socket")
 		<-handover.Serve(ctx, ln, g, profile, log)
 	}()
 	return done
