@@ -486,6 +486,12 @@ func usageOf(t *testing.T, h *handoverLab, p *Proc) daemonUsage {
 	return u
 }
 
+// goroutineStacks is the serving daemon's goroutines, grouped by stack
+// (--profiling).
+func goroutineStacks(h *handoverLab) string {
+	return h.Curl("node", "http://127.0.0.1:10249/debug/pprof/goroutine?debug=1")
+}
+
 // handovers is how many TestManyHandovers makes (KUP_HANDOVERS overrides).
 func handovers() int {
 	if n, err := strconv.Atoi(os.Getenv("KUP_HANDOVERS")); err == nil && n > 0 {
@@ -502,6 +508,7 @@ func handovers() int {
 // memory than the first successor did under it.
 func TestManyHandovers(t *testing.T) {
 	h := newHandoverLab(t)
+	h.args = append(h.args, "--profiling") // the goroutines' stacks, should their count grow
 	cur := h.daemon()
 	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
 	dial := cluster.DialContextIn(h.NS("client"))
@@ -529,6 +536,7 @@ func TestManyHandovers(t *testing.T) {
 	udp := startUDPClient(t, h.Lab, 45322, "10.96.0.10:53")
 	n := handovers()
 	var first daemonUsage
+	var firstStacks string
 	for i := 1; i <= n; i++ {
 		waitHandoverSocket(t, cur)
 		next := h.daemon()
@@ -552,6 +560,7 @@ func TestManyHandovers(t *testing.T) {
 		}
 		if i == 1 {
 			first = usageOf(t, h, cur)
+			firstStacks = goroutineStacks(h)
 		}
 	}
 	tries, fails, errs := ld.end()
@@ -577,7 +586,8 @@ func TestManyHandovers(t *testing.T) {
 		t.Errorf("descriptors grew from %d to %d", first.fds, last.fds)
 	}
 	if last.goroutines > first.goroutines+5 {
-		t.Errorf("goroutines grew from %d to %d", first.goroutines, last.goroutines)
+		t.Errorf("goroutines grew from %d to %d; the first successor's:\n%s\nthe last's:\n%s",
+			first.goroutines, last.goroutines, firstStacks, goroutineStacks(h))
 	}
 	if last.rssKiB > first.rssKiB*3/2+10<<10 {
 		t.Errorf("RSS grew from %d KiB to %d KiB", first.rssKiB, last.rssKiB)
