@@ -35,14 +35,22 @@ type runResults struct {
 
 // ginkgoReport is the part of Ginkgo's JSON report read here.
 type ginkgoReport []struct {
-	SpecReports []struct {
-		ContainerHierarchyTexts []string
-		LeafNodeText            string
-		LeafNodeType            string
-		State                   string
-		RunTime                 int64
-		Failure                 struct{ Message string }
-	}
+	SpecReports []specReport
+}
+
+// specReport is one spec's entry in a ginkgoReport.
+type specReport struct {
+	ContainerHierarchyTexts []string
+	LeafNodeText            string
+	LeafNodeType            string
+	State                   string
+	RunTime                 int64
+	Failure                 struct{ Message string }
+}
+
+// name is the spec's full name, as a focus matches it.
+func (s specReport) name() string {
+	return strings.TrimSpace(strings.Join(append(append([]string{}, s.ContainerHierarchyTexts...), s.LeafNodeText), " "))
 }
 
 // runE2E runs the upstream e2e binary in kupc-net under the Ginkgo CLI
@@ -124,7 +132,7 @@ func parseReport(data []byte, focus *regexp.Regexp, skips []skip) ([]result, err
 	var out []result
 	for _, suite := range rep {
 		for _, s := range suite.SpecReports {
-			name := strings.TrimSpace(strings.Join(append(append([]string{}, s.ContainerHierarchyTexts...), s.LeafNodeText), " "))
+			name := s.name()
 			r := result{Name: name, State: s.State, Seconds: float64(s.RunTime) / 1e9}
 			switch {
 			case s.LeafNodeType != "It":

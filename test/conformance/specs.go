@@ -47,7 +47,7 @@ func listSpecs(binary, focus string) ([]string, error) {
 			if s.LeafNodeType != "It" || s.State != "passed" { // a dry run passes what it would run
 				continue
 			}
-			names = append(names, strings.TrimSpace(strings.Join(append(append([]string{}, s.ContainerHierarchyTexts...), s.LeafNodeText), " ")))
+			names = append(names, s.name())
 		}
 	}
 	sort.Strings(names)
