@@ -5,6 +5,14 @@ BIN   ?= bin
 PKGS  := ./...
 # The Go that test/setup.sh installs when the machine has none new enough.
 export PATH := /usr/local/go/bin:$(PATH)
+# One build configuration for every build but the race detector's: static and
+# -trimpath, the same test/cluster.GoCommand gives the programs the tests and
+# the labs build. Go's build cache reuses a compiled package only for the same
+# flags (and module versions: test/cluster/modules_test.go), so a fresh
+# machine compiles client-go and the rest once for the daemon, vet, the tests
+# and Kubernetes' programs, not once per configuration.
+export CGO_ENABLED := 0
+export GOFLAGS := $(strip $(filter-out -trimpath,$(GOFLAGS)) -trimpath)
 
 .PHONY: all build demo test fuzz check lint differential soak conformance-specs test-basic-kernel test-real-kernel vet fmt-check clean conformance conformance-short bench-programming bench-handover bench-crash cluster image image-check bench bench-smoke bench-floor bench-floor-udp bench-tax bench-sched bench-guard bench-tools bench-ab bench-cluster bench-cluster-smoke
 
@@ -31,7 +39,7 @@ lint: setup-check
 LEAF_PKGS := ./config/ ./proxy/balance/ ./proxy/proxyproto/ ./proxy/ports/ ./proxy/clientaddr/ ./proxy/syncrunner/ \
 	./proxy/kernel/ ./proxy/healthcheck/ ./proxy/handover/ ./proxy/dataplane/ ./cmd/kube-userspace-proxy/internal/options/ ./test/layers/
 check: setup-check fmt-check build vet lint
-	$(GO) test -race -count=1 $(LEAF_PKGS)
+	CGO_ENABLED=1 $(GO) test -race -count=1 $(LEAF_PKGS)
 
 # The whole suite (test/suite.sh): formatting, vet, the linter, every test
 # with the race detector, the end-to-end tests once more as on a kernel

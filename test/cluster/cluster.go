@@ -35,8 +35,7 @@ func BinDir(repoRoot string, log io.Writer) (string, error) {
 	return Cached("controlplane", mod, []string{"etcd", "kube-apiserver", "kube-controller-manager"}, log,
 		"the control plane (first time only: ~10 minutes)",
 		func(out string) error {
-			cmd := exec.Command("go", "build", "-o", out+"/", "./cmd/...")
-			cmd.Dir = mod
+			cmd := GoCommand(mod, "build", "-o", out+"/", "./cmd/...")
 			cmd.Stdout, cmd.Stderr = log, log
 			return cmd.Run()
 		})

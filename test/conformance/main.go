@@ -204,17 +204,17 @@ func build(repo string) (*binaries, error) {
 		return nil, err
 	}
 	b.ours = filepath.Join(repo, "bin", "kube-userspace-proxy")
-	if err := goBuild(repo, []string{"CGO_ENABLED=0"}, "build", "-trimpath", "-o", b.ours, "./cmd/kube-userspace-proxy"); err != nil {
+	if err := goBuild(repo, "build", "-o", b.ours, "./cmd/kube-userspace-proxy"); err != nil {
 		return nil, err
 	}
 	return b, nil
 }
 
-// goBuild runs the go command in dir with env added, its output on stderr.
-func goBuild(dir string, env []string, args ...string) error {
-	cmd := exec.Command("go", args...)
-	cmd.Dir, cmd.Stdout, cmd.Stderr = dir, os.Stderr, os.Stderr
-	cmd.Env = append(os.Environ(), env...)
+// goBuild runs the go command in dir in the suite's one build
+// configuration (cluster.GoCommand), its output on stderr.
+func goBuild(dir string, args ...string) error {
+	cmd := cluster.GoCommand(dir, args...)
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	return cmd.Run()
 }
 
@@ -230,32 +230,31 @@ func buildCached(repo string, b *binaries) error {
 	k8sProgs := []string{"kubelet", "kube-scheduler", "kube-proxy", "kubectl", "agnhost", "regression-issue-74839", "mkimage", "ginkgo", "e2e.test"}
 	if b.k8s, err = cluster.Cached("conformance-k8s", mod("k8s"), k8sProgs, os.Stderr,
 		"kubelet, kube-proxy, agnhost and the e2e suite (first time only: ~8 minutes)", func(out string) error {
-			if err := goBuild(mod("k8s"), nil, "build", "-o", out+"/", "k8s.io/kubernetes/cmd/kubelet",
+			if err := goBuild(mod("k8s"), "build", "-o", out+"/", "k8s.io/kubernetes/cmd/kubelet",
 				"k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kube-proxy", "k8s.io/kubernetes/cmd/kubectl",
 				"k8s.io/kubernetes/test/images/agnhost", "k8s.io/kubernetes/test/images/regression-issue-74839", "./cmd/mkimage",
 				"github.com/onsi/ginkgo/v2/ginkgo"); err != nil {
 				return err
 			}
 			// upstream's suite with only the network specs compiled in (see specs.go)
-			return goBuild(mod("k8s"), nil, "test", "-c", "-o", filepath.Join(out, "e2e.test"), "./e2enet")
+			return goBuild(mod("k8s"), "test", "-c", "-o", filepath.Join(out, "e2e.test"), "./e2enet")
 		}); err != nil {
 		return err
 	}
-	static := []string{"CGO_ENABLED=0"}
 	if b.containerd, err = cluster.Cached("conformance-containerd", mod("containerd"), []string{"containerd", "ctr", "containerd-shim-runc-v2"}, os.Stderr,
 		"containerd (first time only: ~3 minutes)", func(out string) error {
-			if err := goBuild(mod("containerd"), static, "build", "-tags", "no_btrfs urfave_cli_no_docs", "-o", out+"/",
+			if err := goBuild(mod("containerd"), "build", "-tags", "no_btrfs urfave_cli_no_docs", "-o", out+"/",
 				"github.com/containerd/containerd/v2/cmd/containerd", "github.com/containerd/containerd/v2/cmd/ctr"); err != nil {
 				return err
 			}
-			return goBuild(mod("containerd"), static, "build", "-tags", "no_btrfs urfave_cli_no_docs no_grpc", "-o", out+"/",
+			return goBuild(mod("containerd"), "build", "-tags", "no_btrfs urfave_cli_no_docs no_grpc", "-o", out+"/",
 				"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2")
 		}); err != nil {
 		return err
 	}
 	b.dns, err = cluster.Cached("conformance-coredns", mod("coredns"), []string{"coredns"}, os.Stderr,
 		"CoreDNS (first time only: ~3 minutes)", func(out string) error {
-			return goBuild(mod("coredns"), static, "build", "-o", filepath.Join(out, "coredns"), "github.com/coredns/coredns")
+			return goBuild(mod("coredns"), "build", "-o", filepath.Join(out, "coredns"), "github.com/coredns/coredns")
 		})
 	return err
 }

@@ -121,7 +121,7 @@ func writeUpstreamSpecs(repo, binary string) error {
 		binary = filepath.Join(dir, "e2e.test")
 		fmt.Fprintln(os.Stderr, "building upstream's whole e2e binary (k8s.io/kubernetes/test/e2e)")
 		mod := filepath.Join(repo, "test", "conformance", "build", "k8s")
-		if err := goBuild(mod, nil, "test", "-c", "-o", binary, "k8s.io/kubernetes/test/e2e"); err != nil {
+		if err := goBuild(mod, "test", "-c", "-o", binary, "k8s.io/kubernetes/test/e2e"); err != nil {
 			return err
 		}
 	}

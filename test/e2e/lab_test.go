@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/cluster"
 	"github.com/kube-userspace-proxy/kube-userspace-proxy/test/testutil"
 )
 
@@ -38,8 +38,15 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	_, file, _, _ := runtime.Caller(0)
-	repoRoot = filepath.Join(filepath.Dir(file), "..", "..")
+	// go test runs a test binary in its package's folder (and
+	// test/realkernel.sh does the same), whatever -trimpath did to the
+	// binary's own idea of its source.
+	wd, err := os.Getwd()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	repoRoot = filepath.Join(wd, "..", "..")
 	os.Exit(run(m))
 }
 
@@ -89,9 +96,7 @@ func placeBinaries(dir string) error {
 			}
 			continue
 		}
-		cmd := exec.Command("go", "build", "-tags", b.tags, "-o", filepath.Join(dir, b.out), b.pkg)
-		cmd.Dir = repoRoot
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		cmd := cluster.GoCommand(repoRoot, "build", "-tags", b.tags, "-o", filepath.Join(dir, b.out), b.pkg)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("building %s: %w\n%s", b.pkg, err, out)
 		}
@@ -119,9 +124,7 @@ func installBasicKernel(dir string) error {
 		return legacyFirst(dir)
 	}
 	wrapper := filepath.Join(dir, "basickernel")
-	cmd := exec.Command("go", "build", "-o", wrapper, "./test/cmd/basickernel")
-	cmd.Dir = repoRoot
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	cmd := cluster.GoCommand(repoRoot, "build", "-o", wrapper, "./test/cmd/basickernel")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("building the wrapper: %v\n%s", err, out)
 	}

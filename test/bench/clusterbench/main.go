@@ -175,8 +175,8 @@ func kubeProxyBin(repo string) (string, error) {
 	mod := filepath.Join(repo, "test", "conformance", "build", "k8s")
 	dir, err := cluster.Cached("kube-proxy", mod, []string{"kube-proxy"}, os.Stderr, "kube-proxy (first time only: ~4 minutes)",
 		func(out string) error {
-			cmd := exec.Command("go", "build", "-o", out+"/", "k8s.io/kubernetes/cmd/kube-proxy")
-			cmd.Dir, cmd.Stdout, cmd.Stderr = mod, os.Stderr, os.Stderr
+			cmd := cluster.GoCommand(mod, "build", "-o", out+"/", "k8s.io/kubernetes/cmd/kube-proxy")
+			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 			return cmd.Run()
 		})
 	return filepath.Join(dir, "kube-proxy"), err
