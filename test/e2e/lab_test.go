@@ -193,6 +193,11 @@ type Lab struct {
 func NewLab(t *testing.T) *Lab {
 	t.Helper()
 	requireRoot(t)
+	// The test's first TempDir registers the removal of its temporary
+	// folder; made before l.down is registered, that removal runs after
+	// the lab is down (cleanups run last registered first), when no
+	// daemon of the lab still makes its sockets and logs in there.
+	_ = t.TempDir()
 	l := &Lab{t: t, prefix: fmt.Sprintf("kt%d-%d", os.Getpid()%100000, labSeq.Add(1))}
 	t.Cleanup(l.down)
 	if out, err := l.script("lab_up"); err != nil {
