@@ -56,19 +56,29 @@ func workerOf(t *testing.T, keeper *Proc, not int) int {
 // countIn counts the lines of p's output with s.
 func countIn(p *Proc, s string) int { return strings.Count(p.Output(), s) }
 
-// crashFails checks the load's failures against the crashes at crashedAt:
-// a connection begun before a crash may be cut by it (its sockets died
-// with the worker: a reset or an EOF within a second); every other
+// crash is one worker's end as a test saw it: from the moment the test
+// made it crash to the moment its death was seen. The two are apart when
+// the death takes time: a worker the OOM killer is coming for serves on,
+// allocating, for a second or more.
+type crash struct{ began, died time.Time }
+
+// crashAt is a crash whose death is at once (kill -9).
+func crashAt(at time.Time) crash { return crash{began: at, died: at} }
+
+// crashFails checks the load's failures against crashes: a connection
+// begun before a worker died may be cut by its death (its sockets died
+// with the worker: a reset or an EOF within a second of it); every other
 // connection must have been answered — none refused, none cut.
-func crashFails(t *testing.T, ld *load, crashedAt []time.Time) {
+func crashFails(t *testing.T, ld *load, crashes []crash) {
 	t.Helper()
 	ld.mu.Lock()
 	defer ld.mu.Unlock()
 	cut := 0
 	for i, e := range ld.errs {
 		owned := false
-		for _, at := range crashedAt {
-			if ld.errStart[i].Before(at) && ld.errAt[i].After(at) && ld.errAt[i].Before(at.Add(time.Second)) && !strings.Contains(e, "refused") {
+		for _, c := range crashes {
+			if ld.errStart[i].Before(c.died) && ld.errAt[i].After(c.began) && ld.errAt[i].Before(c.died.Add(time.Second)) &&
+				!strings.Contains(e, "refused") {
 				owned = true
 			}
 		}
@@ -92,7 +102,7 @@ func TestKeeperRestartsACrashedWorker(t *testing.T) {
 	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
 	waitFor(t, "the worker's sockets kept", func() bool { return strings.Contains(k.Output(), "Kept: a keeper holds") })
 	ld := startLoad(h.Lab, "10.96.0.10:80")
-	var crashedAt []time.Time
+	var crashes []crash
 	worker := workerOf(t, k, 0)
 	for i, c := range []struct {
 		name, cause string
@@ -103,11 +113,12 @@ func TestKeeperRestartsACrashedWorker(t *testing.T) {
 		{"the OOM killer", "signal: killed", func(pid int) { oomKill(t, pid) }},
 	} {
 		time.Sleep(500 * time.Millisecond) // load before the crash
-		crashedAt = append(crashedAt, time.Now())
+		began := time.Now()
 		c.crash(worker)
 		testutil.WaitFor(t, "the keeper to start another worker after "+c.name, 20*time.Second, 10*time.Millisecond, func() bool {
 			return countIn(k, "The worker died; starting another") == i+1
 		})
+		crashes = append(crashes, crash{began: began, died: time.Now()})
 		if line := grepLines(k.Output(), "The worker died"); !strings.Contains(strings.Split(line, "\n")[i], c.cause) {
 			t.Errorf("after %s the keeper says %q, want the cause %q", c.name, strings.Split(line, "\n")[i], c.cause)
 		}
@@ -115,11 +126,11 @@ func TestKeeperRestartsACrashedWorker(t *testing.T) {
 		waitFor(t, "the new worker serving after "+c.name, func() bool {
 			return countIn(k, "Took over: the predecessor serves nothing more") == i+1
 		})
-		t.Logf("%s: serving again %v after the crash", c.name, time.Since(crashedAt[i]).Round(time.Millisecond))
+		t.Logf("%s: serving again %v after the crash", c.name, time.Since(began).Round(time.Millisecond))
 	}
 	time.Sleep(500 * time.Millisecond) // load after the last restart
 	ld.end()
-	crashFails(t, ld, crashedAt)
+	crashFails(t, ld, crashes)
 }
 
 // oomKill moves pid into a memory cgroup of 200 MiB of its own and has it
@@ -202,13 +213,13 @@ func TestKeeperManyCrashes(t *testing.T) {
 	k := h.keeper()
 	waitFor(t, "the ClusterIP", func() bool { return strings.HasPrefix(h.Curl("client", "http://10.96.0.10/"), "pod") })
 	ld := startLoad(h.Lab, "10.96.0.10:80")
-	var crashedAt []time.Time
+	var made []crash
 	var firstFDs, firstRSS, firstGoroutines int
 	worker := workerOf(t, k, 0)
 	n := crashes()
 	for i := 1; i <= n; i++ {
 		waitFor(t, "the worker serving", func() bool { return countIn(k, "Took over: the predecessor serves nothing more") == i-1 })
-		crashedAt = append(crashedAt, time.Now())
+		made = append(made, crashAt(time.Now()))
 		_ = syscall.Kill(worker, syscall.SIGKILL)
 		worker = workerOf(t, k, worker)
 		if i == 1 {
@@ -219,7 +230,7 @@ func TestKeeperManyCrashes(t *testing.T) {
 	}
 	waitFor(t, "the last worker serving", func() bool { return countIn(k, "Took over: the predecessor serves nothing more") == n })
 	ld.end()
-	crashFails(t, ld, crashedAt)
+	crashFails(t, ld, made)
 	fds, rss := procUsage(t, k.Cmd.Process.Pid)
 	goroutines := keeperGoroutines(k)
 	t.Logf("%d crashes; the keeper after the first: %d descriptors, %d goroutines, %d KiB; after the last: %d, %d, %d KiB",
@@ -310,7 +321,7 @@ func TestKeeperHandover(t *testing.T) {
 	waitFor(t, "the new keeper's restart", func() bool { return countIn(newK, "Took over: the predecessor serves nothing more") == 2 })
 	time.Sleep(300 * time.Millisecond)
 	ld.end()
-	crashFails(t, ld, []time.Time{crashedAt})
+	crashFails(t, ld, []crash{crashAt(crashedAt)})
 }
 
 // A worker that hangs (stopped: its sync goroutine answers nothing) is
