@@ -222,6 +222,7 @@ func TestRulesRepairedAfterFlush(t *testing.T) {
 	l, d, _ := startWeb(t, webManifest(), "--sync-period", "2s")
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	before := countRules(t, l, `KUBE-`)
+	rulesBefore := l.MustExec("node", "iptables-save") + l.MustExec("node", "ip6tables-save")
 	l.MustExec("node", "iptables", "-w", "-t", "nat", "-F", "KUBE-PORTALS-CONTAINER")
 	l.MustExec("node", append(append([]string{"iptables", "-w", "-t", "nat", "-D", "OUTPUT"},
 		jumpComment("handle ClusterIPs; NOTE: this must be before the NodePort rules")...), "-j", "KUBE-PORTALS-HOST")...)
@@ -231,7 +232,15 @@ func TestRulesRepairedAfterFlush(t *testing.T) {
 	}
 	reachesBoth(t, l, "client", "http://10.96.0.10:80/")
 	reachesBoth(t, l, "node", "http://10.96.0.10:80/")
-	waitFor(t, "every rule back", func() bool { return countRules(t, l, `KUBE-`) == before })
+	// Waited for by hand, so that a timeout shows what is missing.
+	deadline := time.Now().Add(20 * time.Second)
+	for n := countRules(t, l, `KUBE-`); n != before; n = countRules(t, l, `KUBE-`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("20 s after the flush %d of our rules stand, %d before it\nbefore:\n%s\nnow:\n%s%s\nthe daemon's log:\n%s", n, before,
+				rulesBefore, l.MustExec("node", "iptables-save"), l.MustExec("node", "ip6tables-save"), tail(d.Output(), 8000))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if !strings.Contains(d.Output(), "Rules changed behind our back") {
 		t.Fatal("the repair was not logged")
 	}
