@@ -17,13 +17,13 @@ import (
 func GoCommand(dir string, args ...string) *exec.Cmd {
 	cmd := exec.Command("go", args...)
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), BuildEnv()...)
+	cmd.Env = append(os.Environ(), buildEnv()...)
 	return cmd
 }
 
-// BuildEnv returns the environment GoCommand adds: CGO_ENABLED=0 and
+// buildEnv returns the environment GoCommand adds: CGO_ENABLED=0 and
 // -trimpath added to the caller's GOFLAGS.
-func BuildEnv() []string {
+func buildEnv() []string {
 	flags := os.Getenv("GOFLAGS")
 	if !strings.Contains(" "+flags+" ", " -trimpath ") {
 		flags = strings.TrimSpace(flags + " -trimpath")
